@@ -1,0 +1,406 @@
+"""The run configuration: dataclasses with a docstring under every field, loaded from YAML plus
+dotted command-line overrides (`train.steps=50 parallel.tp=2`).
+
+Loading is strict so that a typo never silently trains the wrong model: an unknown key names
+the closest valid ones, every value is type-checked, and ranges and cross-field constraints are
+checked in `__post_init__` before any work starts. Constraints that need the world size (tp * pp
+dividing it) are checked by `Config.layout_for_world`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megalite.errors import MegaliteError
+
+
+class ConfigError(MegaliteError):
+    """A config value or key is wrong; the message says which and how to fix it."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "gpt"
+    """`gpt` (GPT-2: learned positions, LayerNorm, tanh-GELU, biases, tied embeddings) or
+    `llama` (RMSNorm, rotary embeddings, SwiGLU, grouped-query attention, untied head)."""
+    n_layers: int = 4
+    """Number of transformer layers."""
+    hidden: int = 256
+    """Model width h."""
+    n_heads: int = 4
+    """Attention (query) heads; hidden must be divisible by it."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention (llama); None means n_heads."""
+    ffn_hidden: int | None = None
+    """MLP inner width; None means 4*hidden (gpt) or the Llama rule 8/3*hidden rounded up to 64."""
+    vocab_size: int = 8000
+    """Tokenizer vocabulary; the embedding is padded to a multiple of tp * vocab_round_to."""
+    vocab_round_to: int = 128
+    """Embedding rows are padded to a multiple of tp times this (padding is never predicted)."""
+    seq_len: int = 256
+    """Tokens per training sample (the context length)."""
+    dropout: float = 0.0
+    """Dropout on attention probabilities and residual branches (0 makes layouts comparable)."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base (llama)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal init; output projections use init_std/sqrt(2*n_layers)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.arch in ("gpt", "llama"), f"model.arch must be gpt or llama, got {self.arch!r}"
+        )
+        for name in ("n_layers", "hidden", "n_heads", "vocab_size", "seq_len", "vocab_round_to"):
+            _require(getattr(self, name) >= 1, f"model.{name} must be >= 1")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_hidden is None:
+            self.ffn_hidden = (
+                4 * self.hidden if self.arch == "gpt" else 64 * math.ceil(8 * self.hidden / 3 / 64)
+            )
+        _require(
+            self.hidden % self.n_heads == 0,
+            f"model.hidden ({self.hidden}) must be divisible by model.n_heads ({self.n_heads})",
+        )
+        _require(
+            self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0,
+            f"model.n_kv_heads ({self.n_kv_heads}) must divide model.n_heads ({self.n_heads})",
+        )
+        _require(
+            self.arch == "llama" or self.n_kv_heads == self.n_heads,
+            "model.n_kv_heads differs from n_heads, but grouped-query attention is llama-only",
+        )
+        _require(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size: ranks that split every layer's heads and MLP columns."""
+    pp: int = 1
+    """Pipeline-parallel size: stages the layers are cut into."""
+    vpp: int = 1
+    """Virtual pipeline chunks per pipeline rank (interleaved schedule)."""
+    sp: bool = False
+    """Sequence parallelism: norms, dropout and residuals run on sequence shards (needs tp > 1)."""
+    zero: int = 0
+    """0: every data-parallel rank keeps the full optimizer; 1: shard master weights and Adam
+    state over data-parallel ranks (ZeRO-1)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b or interleaved."""
+    microbatch_group_size: int | None = None
+    """Interleaved schedule: micro-batches run in groups of this size (default pp)."""
+    embedding_layer_weight: float = 0.0
+    """Count the embedding as this fraction of a transformer layer when balancing stages."""
+    head_layer_weight: float = 0.0
+    """Count the final norm + head + loss as this fraction of a layer when balancing stages."""
+    bucket_mb: float = 40.0
+    """Gradient bucket size (MB of fp32) for the overlapped data-parallel reduction."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "vpp"):
+            _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1")
+        _require(self.zero in (0, 1), f"parallel.zero must be 0 or 1, got {self.zero}")
+        _require(
+            self.schedule in ("gpipe", "1f1b", "interleaved"),
+            f"parallel.schedule must be gpipe, 1f1b or interleaved, got {self.schedule!r}",
+        )
+        _require(
+            self.vpp == 1 or self.schedule == "interleaved",
+            f"parallel.vpp={self.vpp} needs parallel.schedule=interleaved",
+        )
+        _require(self.bucket_mb > 0, "parallel.bucket_mb must be > 0")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps to train for."""
+    micro_batch_size: int = 8
+    """Samples per micro-batch on one data-parallel rank."""
+    global_batch_size: int = 8
+    """Samples per optimizer step over all data-parallel ranks (micro * accumulation * dp)."""
+    seed: int = 1234
+    """Seeds weights, data order and dropout; the same for every layout."""
+    precision: str = "auto"
+    """fp32, bf16, fp16 (dynamic loss scaling) or auto (bf16 on CUDA, fp32 on CPU)."""
+    recompute: str = "none"
+    """Activation recompute: none, selective (attention core) or full (whole layers)."""
+    recompute_layers: int | None = None
+    """With recompute=full: how many layers per chunk to recompute (None: all)."""
+    eval_interval: int = 100
+    """Evaluate every this many steps (and at the end); larger than steps means no evaluation."""
+    eval_steps: int = 10
+    """Batches of the held-out split per evaluation."""
+    log_interval: int = 1
+    """Write a metrics row every this many steps."""
+    out_dir: str = "runs/default"
+    """Run directory: resolved config, metrics.jsonl, checkpoints."""
+    device: str = "auto"
+    """auto (CUDA when present), cpu or cuda."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batch_size", "global_batch_size", "eval_steps"):
+            _require(getattr(self, name) >= 1, f"train.{name} must be >= 1")
+        _require(self.log_interval >= 1 and self.eval_interval >= 1, "intervals must be >= 1")
+        _require(
+            self.precision in ("auto", "fp32", "bf16", "fp16"),
+            f"train.precision must be fp32, bf16, fp16 or auto, got {self.precision!r}",
+        )
+        _require(
+            self.recompute in ("none", "selective", "full"),
+            f"train.recompute must be none, selective or full, got {self.recompute!r}",
+        )
+        _require(self.device in ("auto", "cpu", "cuda"), "train.device must be auto, cpu or cuda")
+        _require(
+            self.recompute_layers is None or self.recompute_layers >= 0,
+            "train.recompute_layers must be >= 0",
+        )
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate, reached after warmup."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Linear warmup steps from 0 to lr."""
+    decay_steps: int | None = None
+    """Steps of the cosine decay after warmup ends (None: until train.steps)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to norms, biases)."""
+    beta1: float = 0.9
+    """Adam first-moment decay."""
+    beta2: float = 0.95
+    """Adam second-moment decay."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0 and 0 <= self.min_lr <= self.lr, "need 0 <= optim.min_lr <= optim.lr")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)")
+        _require(self.weight_decay >= 0 and self.grad_clip >= 0, "weight_decay, grad_clip >= 0")
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"
+    """`builtin` (the packaged King James Bible) or the path prefix of data made by
+    `megalite data prepare` (PREFIX.bin / PREFIX.idx.npy / PREFIX.json)."""
+    tokenizer: str | None = None
+    """Sentencepiece .model for a prepared source (used by generate); builtin brings its own."""
+    val_fraction: float = 0.01
+    """Fraction of the tokens held out for evaluation."""
+
+    def __post_init__(self) -> None:
+        _require(0 < self.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0
+    """Save every this many steps (0: only at the end of training)."""
+    resume: str = "auto"
+    """auto (continue from <out_dir>/checkpoints/latest if present), none, or a checkpoint dir."""
+    keep: int = 3
+    """Newest checkpoints to keep (older ones are deleted)."""
+
+    def __post_init__(self) -> None:
+        _require(self.interval >= 0, "checkpoint.interval must be >= 0")
+        _require(self.keep >= 1, "checkpoint.keep must be >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    wandb: bool = False
+    """Also log to Weights & Biases (offline mode when there is no API key)."""
+    wandb_project: str = "megalite"
+    """Weights & Biases project name."""
+    progress: bool = True
+    """Show a progress bar on the console."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        m, p = self.model, self.parallel
+        tp = p.tp
+        for name, value in (
+            ("model.n_heads", m.n_heads),
+            ("model.ffn_hidden", m.ffn_hidden),
+            ("model.hidden", m.hidden),
+        ):
+            _require(
+                value % tp == 0,
+                f"parallel.tp={tp} must divide {name}={value}: choose a tp that does",
+            )
+        _require(
+            m.n_kv_heads % tp == 0 or tp % m.n_kv_heads == 0,
+            f"parallel.tp={tp} and model.n_kv_heads={m.n_kv_heads}: one must divide the other",
+        )
+        _require(not p.sp or tp > 1, "parallel.sp=true needs parallel.tp > 1")
+        _require(
+            not p.sp or m.seq_len % tp == 0,
+            f"parallel.sp needs model.seq_len ({m.seq_len}) divisible by parallel.tp ({tp})",
+        )
+        chunks = p.pp * p.vpp
+        _require(
+            m.n_layers >= chunks,
+            f"model.n_layers={m.n_layers} is fewer than pp*vpp={chunks} pipeline chunks",
+        )
+
+    def layout_for_world(self, world_size: int) -> tuple[int, int]:
+        """Return (dp, micro-batches per step) for this world size, or fail clearly."""
+        p, t = self.parallel, self.train
+        model_parallel = p.tp * p.pp
+        _require(
+            world_size % model_parallel == 0,
+            f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}: launch a "
+            f"multiple of {model_parallel} processes or change parallel.tp / parallel.pp",
+        )
+        dp = world_size // model_parallel
+        per_step = t.micro_batch_size * dp
+        _require(
+            t.global_batch_size % per_step == 0,
+            f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+            f"micro_batch_size*dp = {t.micro_batch_size}*{dp}",
+        )
+        return dp, t.global_batch_size // per_step
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _sections() -> dict[str, type]:
+    return typing.get_type_hints(Config)
+
+
+def _section_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check a YAML/CLI value against the field's annotation (int, float, str, bool, X | None)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (annotation,) = [a for a in args if a is not type(None)]
+    if annotation is bool and isinstance(value, bool):
+        return value
+    if annotation is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if annotation is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{key} must be {getattr(annotation, '__name__', annotation)}, got {value!r}")
+
+
+def _unknown_key(key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; valid keys: {', '.join(valid)}"
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _all_keys() -> list[str]:
+    return [
+        f"{section}.{name}" for section, cls in _sections().items() for name in _section_types(cls)
+    ]
+
+
+def build_config(raw: dict[str, Any]) -> Config:
+    """Build and validate a Config from a nested dict {section: {field: value}}."""
+    sections = _sections()
+    kwargs = {}
+    for section, values in raw.items():
+        if section not in sections:
+            raise _unknown_key(section, list(sections))
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section {section!r} must be a mapping")
+        hints = _section_types(sections[section])
+        checked = {}
+        for name, value in values.items():
+            key = f"{section}.{name}"
+            if name not in hints:
+                raise _unknown_key(key, _all_keys())
+            checked[name] = _coerce(key, value, hints[name])
+        kwargs[section] = sections[section](**checked)
+    return Config(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`train.steps=50` -> (['train', 'steps'], 50); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, value = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"override key {key!r} must be section.key, e.g. train.steps")
+    return parts, yaml.safe_load(value) if value.strip() else None
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Load a YAML config (or defaults when path is None) and apply dotted overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found (see configs/ for examples)")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must be a mapping of sections")
+    for text in overrides:
+        (section, name), value = parse_override(text)
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"config section {section!r} must be a mapping")
+        raw[section][name] = value
+    return build_config(raw)
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def save_config(config: Config, path: Path) -> None:
+    """Write the fully resolved config (defaults filled in) so a run can be reproduced."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    tmp.replace(path)
