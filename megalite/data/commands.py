@@ -1,0 +1,85 @@
+"""`megalite data tokenizer` and `megalite data prepare`: the two steps that turn your own text
+into training data (the builtin corpus does both by itself).
+
+Each handler takes the parsed arguments and returns an exit code; a DataError propagates to the
+top-level CLI, which prints it and exits non-zero.
+"""
+
+import argparse
+import time
+from pathlib import Path
+
+from megalite.data.prepare import corpus_paths, prepare_corpus
+from megalite.data.tokenizer import Tokenizer, train_tokenizer
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `data` command group; each leaf sets `func(args) -> int`."""
+    data = subparsers.add_parser("data", help="train a tokenizer and prepare token data")
+    commands = data.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
+
+    tok = commands.add_parser(
+        "tokenizer",
+        help="train a sentencepiece BPE tokenizer",
+        description="Train a byte-fallback BPE tokenizer; writes PREFIX.model.",
+    )
+    tok.add_argument(
+        "--input",
+        nargs="+",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="text files (each one document) or .jsonl files with a 'text' field",
+    )
+    tok.add_argument(
+        "--vocab-size",
+        type=int,
+        required=True,
+        metavar="N",
+        help="exact number of pieces (>= 256 bytes + characters + specials)",
+    )
+    tok.add_argument("--out", type=Path, required=True, metavar="PREFIX")
+    tok.set_defaults(func=run_tokenizer)
+
+    prep = commands.add_parser(
+        "prepare",
+        help="tokenize text into PREFIX.bin/.idx.npy/.json",
+        description="Tokenize text into a memmap of token ids plus a document index.",
+    )
+    prep.add_argument(
+        "--input",
+        nargs="+",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="text files (each one document) or .jsonl files with a 'text' field",
+    )
+    prep.add_argument(
+        "--tokenizer",
+        type=Path,
+        required=True,
+        metavar="MODEL",
+        help="a .model file from `megalite data tokenizer`",
+    )
+    prep.add_argument("--out", type=Path, required=True, metavar="PREFIX")
+    prep.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    prep.set_defaults(func=run_prepare)
+
+
+def run_tokenizer(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    model = train_tokenizer(args.input, args.out, args.vocab_size)
+    print(f"wrote {model} ({args.vocab_size} pieces) in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    meta = prepare_corpus(
+        args.input, Tokenizer(args.tokenizer), args.out, progress=not args.no_progress
+    )
+    print(
+        f"wrote {corpus_paths(args.out)[0]}: {meta['n_tokens']:,} {meta['dtype']} tokens in "
+        f"{meta['n_docs']:,} documents in {time.perf_counter() - start:.1f}s"
+    )
+    return 0

@@ -1,0 +1,165 @@
+"""Fixed-length training windows over a prepared corpus (see `megalite.data.prepare`).
+
+The token stream is cut into non-overlapping windows of seq_len + 1 tokens starting every
+seq_len tokens: inputs are the first seq_len, targets the last seq_len, so every token is
+predicted exactly once per epoch. Windows run across document boundaries (the EOS token tells
+the model where one ends), as in GPT-2 and Megatron, so no token is wasted on padding.
+
+The last `val_fraction` of the stream (at least one window) is held out as "val"; train windows
+end before it starts, so no token is in both splits.
+
+Opening a corpus checks everything that can be checked without reading the tokens, and each
+problem is one DataError naming the file and the fix.
+"""
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megalite.data.errors import DataError
+from megalite.data.prepare import FORMAT, FORMAT_VERSION, corpus_paths, token_dtype
+
+SPLITS = ("train", "val")
+
+
+class TokenDataset:
+    """The windows of one split of a prepared corpus, read from a read-only memmap."""
+
+    def __init__(
+        self,
+        prefix: Path,
+        seq_len: int,
+        split: str = "train",
+        val_fraction: float = 0.01,
+        vocab_size: int | None = None,
+    ) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if seq_len < 1 or not 0 <= val_fraction < 1:
+            raise ValueError(
+                f"need seq_len >= 1 and 0 <= val_fraction < 1, got {seq_len}, {val_fraction}"
+            )
+        self.prefix = Path(prefix)
+        self.seq_len = seq_len
+        self.split = split
+        self.meta = _read_meta(self.prefix)
+        self.tokenizer_path = self.prefix.parent / self.meta["tokenizer"]
+        if vocab_size is not None and self.meta["vocab_size"] > vocab_size:
+            raise DataError(
+                f"{self.prefix} was tokenized with a {self.meta['vocab_size']}-piece vocabulary "
+                f"but the model's vocab_size is {vocab_size}; set model.vocab_size >= "
+                f"{self.meta['vocab_size']} or prepare the data with a matching tokenizer"
+            )
+        tokens = _open_tokens(self.prefix, self.meta)
+        _check_index(self.prefix, self.meta)
+
+        window = seq_len + 1
+        n_val = max(math.ceil(len(tokens) * val_fraction), window)
+        n_train = len(tokens) - n_val
+        self.tokens = tokens[n_train:] if split == "val" else tokens[: max(n_train, 0)]
+        # Windows start every seq_len tokens and need seq_len + 1 of them.
+        self._num_windows = max(len(self.tokens) - 1, 0) // seq_len
+        if self._num_windows == 0:
+            raise DataError(
+                f"the {split} split of {self.prefix} has {len(self.tokens)} tokens, fewer than "
+                f"one window of seq_len + 1 = {window} ({len(tokens)} tokens in all, "
+                f"val_fraction={val_fraction}); prepare more text or use a shorter seq_len"
+            )
+
+    def __len__(self) -> int:
+        return self._num_windows
+
+    def get_batch(self, indices: Sequence[int]) -> torch.Tensor:
+        """Windows `indices` as a LongTensor [len(indices), seq_len + 1]."""
+        starts = np.asarray(indices, dtype=np.int64)
+        if starts.size and not (0 <= starts.min() and starts.max() < self._num_windows):
+            raise IndexError(f"window index out of range [0, {self._num_windows}): {indices}")
+        offsets = starts[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        return torch.from_numpy(self.tokens[offsets].astype(np.int64))  # [n, seq_len + 1]
+
+
+def _fix(prefix: Path) -> str:
+    return f"re-create it with `megalite data prepare --input FILE... --tokenizer MODEL --out {prefix}`"
+
+
+def _read_meta(prefix: Path) -> dict:
+    bin_path, idx_path, meta_path = corpus_paths(prefix)
+    missing = [str(p) for p in (bin_path, idx_path, meta_path) if not p.is_file()]
+    if len(missing) == 3:
+        raise DataError(
+            f"no prepared data at {prefix} (looked for {prefix}.bin, .idx.npy and .json; give "
+            f"the prefix without an extension); create it with `megalite data prepare --input "
+            f"FILE... --tokenizer MODEL --out {prefix}`"
+        )
+    if missing:
+        raise DataError(f"prepared data incomplete, missing {', '.join(missing)}; {_fix(prefix)}")
+    try:
+        meta = json.loads(meta_path.read_text())
+        ok = meta.get("format") == FORMAT and meta.get("format_version") == FORMAT_VERSION
+        fields = {k: meta[k] for k in ("dtype", "n_tokens", "n_docs", "vocab_size", "tokenizer")}
+    except (ValueError, KeyError, AttributeError) as e:
+        raise DataError(f"metadata {meta_path} is unreadable ({e}); {_fix(prefix)}") from None
+    if not ok:
+        raise DataError(
+            f"metadata {meta_path} is not megalite token data version {FORMAT_VERSION} "
+            f"(format={meta.get('format')!r}, version={meta.get('format_version')!r}); "
+            f"{_fix(prefix)}"
+        )
+    if fields["dtype"] not in ("uint16", "uint32"):
+        raise DataError(
+            f"metadata {meta_path} has dtype {fields['dtype']!r}, expected uint16 or "
+            f"uint32; {_fix(prefix)}"
+        )
+    if np.dtype(fields["dtype"]).itemsize < token_dtype(fields["vocab_size"]).itemsize:
+        raise DataError(
+            f"metadata {meta_path} says dtype {fields['dtype']} but vocab_size "
+            f"{fields['vocab_size']} needs {token_dtype(fields['vocab_size']).name}; "
+            f"{_fix(prefix)}"
+        )
+    return meta
+
+
+def _open_tokens(prefix: Path, meta: dict) -> np.ndarray:
+    bin_path = corpus_paths(prefix)[0]
+    dtype = np.dtype(meta["dtype"])
+    size = bin_path.stat().st_size
+    if size == 0:
+        raise DataError(f"token file {bin_path} is empty; {_fix(prefix)}")
+    if size % dtype.itemsize:
+        raise DataError(
+            f"token file {bin_path} has {size} bytes, not a multiple of {dtype.itemsize} "
+            f"({dtype.name}): wrong dtype or a truncated write; {_fix(prefix)}"
+        )
+    if size // dtype.itemsize != meta["n_tokens"]:
+        raise DataError(
+            f"token file {bin_path} holds {size // dtype.itemsize} {dtype.name} tokens but its "
+            f"metadata says {meta['n_tokens']}: truncated or from another run; {_fix(prefix)}"
+        )
+    return np.memmap(bin_path, dtype=dtype, mode="r")
+
+
+def _check_index(prefix: Path, meta: dict) -> None:
+    idx_path = corpus_paths(prefix)[1]
+    try:
+        idx = np.load(idx_path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError):
+        raise DataError(
+            f"document index {idx_path} is not a readable .npy array; {_fix(prefix)}"
+        ) from None
+    problem = None
+    if idx.dtype != np.int64 or idx.ndim != 1:
+        problem = f"has dtype {idx.dtype} and shape {idx.shape}, expected 1-D int64"
+    elif len(idx) < 2 or len(idx) != meta["n_docs"] + 1:
+        problem = f"has {len(idx)} entries, expected n_docs + 1 = {meta['n_docs'] + 1}"
+    elif idx[0] != 0 or idx[-1] != meta["n_tokens"]:
+        problem = f"runs from {idx[0]} to {idx[-1]}, expected 0 to n_tokens = {meta['n_tokens']}"
+    elif np.any(np.diff(idx) <= 0):
+        problem = "has document offsets that are not increasing"
+    if problem:
+        raise DataError(
+            f"document index {idx_path} {problem}: truncated or inconsistent; {_fix(prefix)}"
+        )

@@ -1,0 +1,69 @@
+"""The global batch order: deterministic, seed-dependent only, and exactly resumable."""
+
+import pytest
+import torch
+
+from megalite.data import DataError, GlobalBatchSampler
+
+
+def take(sampler: GlobalBatchSampler, n: int) -> list[list[int]]:
+    return [sampler.next_batch() for _ in range(n)]
+
+
+def test_epochs_are_permutations_and_batches_tile_the_stream():
+    n, g = 10, 4
+    batches = take(GlobalBatchSampler(n, g, seed=0), 5)  # 20 items: exactly two epochs
+    stream = [i for b in batches for i in b]
+    assert all(len(b) == g for b in batches)
+    assert sorted(stream[:n]) == list(range(n)) and sorted(stream[n:]) == list(range(n))
+    assert stream[:n] != stream[n:]  # each epoch is reshuffled
+    # Batch 2 straddles the epoch boundary: the end of epoch 0, then the start of epoch 1.
+    assert batches[2] == stream[8:12]
+
+
+def test_batches_larger_than_the_dataset_span_several_epochs():
+    sampler = GlobalBatchSampler(3, 7, seed=5)
+    batch = sampler.next_batch()
+    assert len(batch) == 7 and sorted(batch[:6]) == [0, 0, 1, 1, 2, 2]
+    assert sampler.epoch == 2
+
+
+def test_order_depends_only_on_seed_batch_size_and_num_windows():
+    reference = take(GlobalBatchSampler(100, 8, seed=1), 30)
+    torch.manual_seed(999)  # the global RNG plays no part
+    torch.randn(10)
+    assert take(GlobalBatchSampler(100, 8, seed=1), 30) == reference
+    assert take(GlobalBatchSampler(100, 8, seed=2), 30) != reference
+    # The same stream cut into batches of another size.
+    stream = [i for b in reference for i in b]
+    assert [i for b in take(GlobalBatchSampler(100, 16, seed=1), 15) for i in b] == stream
+
+
+def test_epoch_property_and_plain_state():
+    sampler = GlobalBatchSampler(10, 4, seed=0)
+    assert sampler.epoch == 0
+    take(sampler, 3)
+    assert sampler.epoch == 1
+    state = sampler.state_dict()
+    assert state == {"consumed_batches": 3, "num_windows": 10, "global_batch_size": 4, "seed": 0}
+    assert all(type(v) is int for v in state.values())
+
+
+@pytest.mark.parametrize("consumed", [3, 5, 8, 12], ids=["mid-epoch", "straddle", "at-end", "e2"])
+def test_resume_gives_exactly_the_following_batches(consumed):
+    n, g = 20, 8  # 2.5 batches per epoch: boundaries fall inside batches and between them
+    full = take(GlobalBatchSampler(n, g, seed=7), consumed + 10)
+    first = GlobalBatchSampler(n, g, seed=7)
+    take(first, consumed)
+    resumed = GlobalBatchSampler(n, g, seed=7)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.epoch == first.epoch
+    assert take(resumed, 10) == full[consumed:]
+
+
+def test_resume_rejects_a_different_order():
+    state = GlobalBatchSampler(20, 8, seed=7).state_dict()
+    with pytest.raises(DataError, match="global_batch_size=8 but this run has global_batch_size=4"):
+        GlobalBatchSampler(20, 4, seed=7).load_state_dict(state)
+    with pytest.raises(DataError, match="seed=7 but this run has seed=8"):
+        GlobalBatchSampler(20, 8, seed=8).load_state_dict(state)
