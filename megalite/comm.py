@@ -1,0 +1,147 @@
+"""The one place that calls torch.distributed collectives.
+
+Every function takes the process group it works on; a group of None means a group of one rank,
+where collectives are identities and nothing touches torch.distributed. That keeps the
+single-process path free of any distributed setup. `record_collectives` lets tests count the
+bytes each collective moves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.9 names these *_single; older releases only have the *_tensor spelling.
+_all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+@dataclass
+class CollectiveRecord:
+    op: str
+    bytes: int
+    """Bytes of the full (unsharded) tensor the collective works on."""
+    group_size: int
+
+
+_recorders: list[list[CollectiveRecord]] = []
+
+
+@contextlib.contextmanager
+def record_collectives() -> Iterator[list[CollectiveRecord]]:
+    """Collect a CollectiveRecord for every collective issued inside the block."""
+    log: list[CollectiveRecord] = []
+    _recorders.append(log)
+    try:
+        yield log
+    finally:
+        _recorders.remove(log)
+
+
+def _record(op: str, tensor: torch.Tensor, group: Any) -> None:
+    for log in _recorders:
+        log.append(CollectiveRecord(op, tensor.numel() * tensor.element_size(), size(group)))
+
+
+def size(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def rank(group: Any) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce(tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """Sum `tensor` in place over the group."""
+    if size(group) == 1:
+        return None
+    _record("all_reduce", tensor, group)
+    return dist.all_reduce(tensor, group=group, async_op=async_op)
+
+
+def all_reduce_max(tensor: torch.Tensor, group: Any) -> None:
+    if size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Any, async_op=False) -> Any:
+    """Concatenate every rank's 1-D `shard` into `output` (size group * shard)."""
+    if size(group) == 1:
+        output.copy_(shard)
+        return None
+    _record("all_gather", output, group)
+    return _all_gather_flat(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(
+    shard: torch.Tensor, full: torch.Tensor, group: Any, async_op: bool = False
+) -> Any:
+    """Sum 1-D `full` over the group and keep this rank's contiguous piece in `shard`."""
+    if size(group) == 1:
+        shard.copy_(full)
+        return None
+    _record("reduce_scatter", full, group)
+    return _reduce_scatter_flat(shard, full, group=group, async_op=async_op)
+
+
+def all_gather(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along `dim`."""
+    world = size(group)
+    if world == 1:
+        return tensor
+    moved = tensor.movedim(dim, 0).contiguous()
+    output = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
+    all_gather_flat(output.view(-1), moved.view(-1), group)
+    return output.movedim(0, dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """Sum `tensor` over the group and return this rank's equal piece along `dim`."""
+    world = size(group)
+    if world == 1:
+        return tensor
+    moved = tensor.movedim(dim, 0).contiguous()
+    if moved.shape[0] % world:
+        raise ValueError(f"dim {dim} of size {moved.shape[0]} does not split over {world} ranks")
+    output = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
+    reduce_scatter_flat(output.view(-1), moved.view(-1), group)
+    return output.movedim(0, dim)
+
+
+def split(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """This rank's equal piece of `tensor` along `dim` (no communication)."""
+    world = size(group)
+    if world == 1:
+        return tensor
+    if tensor.shape[dim] % world:
+        raise ValueError(f"dim {dim} of size {tensor.shape[dim]} does not split over {world} ranks")
+    return tensor.chunk(world, dim=dim)[rank(group)].contiguous()
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any) -> None:
+    """Copy `tensor` from global rank `src` to every rank of the group, in place."""
+    if size(group) > 1:
+        dist.broadcast(tensor, src=src, group=group)
+
+
+def send(tensor: torch.Tensor, peer: int) -> Any:
+    """Start sending `tensor` to global rank `peer`; wait on the returned handle before reuse."""
+    _record("send", tensor, None)
+    (work,) = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer)])
+    return work
+
+
+def recv(tensor: torch.Tensor, peer: int) -> Any:
+    """Start receiving into `tensor` from global rank `peer`; returns the handle to wait on."""
+    (work,) = dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, peer)])
+    return work
+
+
+def barrier(group: Any = None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)

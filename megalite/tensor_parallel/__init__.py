@@ -1,0 +1,51 @@
+"""Tensor and sequence parallelism: collectives with autograd, parallel layers, the
+vocab-parallel loss and layout-independent randomness."""
+
+from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    HeadReplicatedLinear,
+    ParamMeta,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelOutput,
+    constant_init,
+    make_param,
+    normal_init,
+    padded_vocab_size,
+    tp_input,
+    tp_output,
+)
+from megalite.tensor_parallel.mappings import (
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_sequence_region,
+)
+from megalite.tensor_parallel.random import TPRandom, init_parameters
+
+__all__ = [
+    "ColumnParallelLinear",
+    "HeadReplicatedLinear",
+    "ParamMeta",
+    "RowParallelLinear",
+    "TPRandom",
+    "VocabParallelEmbedding",
+    "VocabParallelOutput",
+    "constant_init",
+    "copy_to_tp_region",
+    "gather_from_sequence_region",
+    "gather_from_tp_region",
+    "init_parameters",
+    "make_param",
+    "normal_init",
+    "padded_vocab_size",
+    "reduce_from_tp_region",
+    "reduce_scatter_to_sequence_region",
+    "scatter_to_sequence_region",
+    "tp_input",
+    "tp_output",
+    "vocab_parallel_cross_entropy",
+]

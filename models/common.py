@@ -1,0 +1,303 @@
+"""Pieces shared by GPT and Llama: norms, rotary embeddings, attention, MLPs, the transformer
+layer and `CausalLM`, the pipeline chunk both models are built from.
+
+Shapes: activations are (batch, seq, hidden); under sequence parallelism (SP) the tensors that
+flow between layers are sequence shards (batch, seq/tp, hidden), and attention and the MLP see
+the full sequence with their heads / columns split over tp ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megalite.kernels import bias_gelu, flash_attention, swiglu
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megalite.config import ModelConfig
+from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel import (
+    ColumnParallelLinear,
+    HeadReplicatedLinear,
+    ParamMeta,
+    RowParallelLinear,
+    TPRandom,
+    constant_init,
+    make_param,
+    normal_init,
+    tp_input,
+)
+
+
+@dataclass
+class BuildContext:
+    """What every module of one model chunk needs to know about the run."""
+
+    cfg: ModelConfig
+    ps: ParallelState
+    tp_random: TPRandom
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    recompute_layers: int | None = None
+
+    @property
+    def out_proj_init(self):
+        """GPT-2's scaled init for projections that write into the residual stream."""
+        return normal_init(self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers))
+
+
+def dropout(
+    x: torch.Tensor, p: float, training: bool, ctx: BuildContext, split: bool
+) -> torch.Tensor:
+    """Dropout whose mask differs over tp ranks exactly when the activation is split over them."""
+    if p == 0.0 or not training:
+        return x
+    if split:
+        with ctx.tp_random.fork():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias; under SP each rank normalises its own sequence shard, so
+    the (replicated) parameters get partial gradients that are summed over tp after backward."""
+
+    def __init__(self, hidden: int, ctx: BuildContext, bias: bool = True) -> None:
+        super().__init__()
+        self.eps = ctx.cfg.norm_eps
+        partial = ctx.sequence_parallel
+        meta = dict(tp_grad_reduce=partial, weight_decay=False)
+        self.weight = make_param(
+            (hidden,), ParamMeta((hidden,), constant_init(1.0), **meta), ctx.ps
+        )
+        self.bias = (
+            make_param((hidden,), ParamMeta((hidden,), constant_init(0.0), **meta), ctx.ps)
+            if bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 (Llama)."""
+
+    def __init__(self, hidden: int, ctx: BuildContext) -> None:
+        super().__init__()
+        self.eps = ctx.cfg.norm_eps
+        meta = ParamMeta(
+            (hidden,), constant_init(1.0), tp_grad_reduce=ctx.sequence_parallel, weight_decay=False
+        )
+        self.weight = make_param((hidden,), meta, ctx.ps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (seq, head_dim) in the Hugging Face `rotate_half` layout."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (b, s, heads, hd) by position; the two halves of hd form the rotation pairs."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos, sin = cos[: x.shape[1], None, :].to(x.dtype), sin[: x.shape[1], None, :].to(x.dtype)
+    return x * cos + rotated * sin
+
+
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(d)) v with dropout on the probabilities; materialises the
+    (s x s) scores, which is why it is only used when attention dropout is on."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd)
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)  # (b, heads, s, s)
+    seq = q.shape[2]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).float().softmax(-1).to(q.dtype)
+    probs = F.dropout(probs, p, True)
+    return (probs @ v).transpose(1, 2)  # (b, s, heads, hd)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with heads split over tp ranks: q/k/v column-parallel, the output
+    projection row-parallel. Grouped-query attention keeps n_kv_heads key/value heads; when
+    there are fewer kv heads than tp ranks, each rank computes the one its query heads use."""
+
+    def __init__(self, ctx: BuildContext, *, bias: bool, rotary: bool) -> None:
+        super().__init__()
+        cfg, ps, tp = ctx.cfg, ctx.ps, ctx.ps.tp_size
+        self.ctx, self.rotary, self.head_dim = ctx, rotary, cfg.head_dim
+        init = normal_init(cfg.init_std)
+        linear = dict(bias=bias, init=init, sequence_parallel=ctx.sequence_parallel)
+        kv_width = cfg.n_kv_heads * cfg.head_dim
+        self.wq = ColumnParallelLinear(cfg.hidden, cfg.hidden, ps, gather_input=False, **linear)
+        if cfg.n_kv_heads >= tp:
+            self.wk = ColumnParallelLinear(cfg.hidden, kv_width, ps, gather_input=False, **linear)
+            self.wv = ColumnParallelLinear(cfg.hidden, kv_width, ps, gather_input=False, **linear)
+        else:
+            assert not bias, "shared kv heads are llama-only (no biases)"
+            self.wk = HeadReplicatedLinear(cfg.hidden, cfg.n_kv_heads, cfg.head_dim, ps, init=init)
+            self.wv = HeadReplicatedLinear(cfg.hidden, cfg.n_kv_heads, cfg.head_dim, ps, init=init)
+        self.wo = RowParallelLinear(
+            cfg.hidden,
+            cfg.hidden,
+            ps,
+            bias=bias,
+            init=ctx.out_proj_init,
+            sequence_parallel=ctx.sequence_parallel,
+        )
+        if rotary:
+            cos, sin = rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+            self.register_buffer("cos", cos.to(ps.device), persistent=False)
+            self.register_buffer("sin", sin.to(ps.device), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = tp_input(x, self.ctx.ps, self.ctx.sequence_parallel)  # (b, s, h): full sequence
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # (b, s, local heads, hd)
+        k = self.wk(x).view(b, s, -1, self.head_dim)  # (b, s, local kv heads, hd)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.rotary:
+            q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+        y = self.core(q, k, v)  # (b, s, local heads, hd)
+        return self.wo(y.reshape(b, s, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.ctx.cfg.dropout if self.training else 0.0
+        if p == 0.0:
+            return flash_attention(q, k, v, causal=True)
+        tp_random = self.ctx.tp_random
+
+        def dropped(q, k, v):
+            with tp_random.fork():  # local heads differ per rank: so do their masks
+                return math_attention(q, k, v, p)
+
+        if self.ctx.recompute == "selective":  # Korthikanti et al.: drop the s x s tensors
+            return checkpoint(
+                dropped, q, k, v, use_reentrant=False, context_fn=tp_random.recompute_context
+            )
+        return dropped(q, k, v)
+
+
+class GeluMLP(nn.Module):
+    """GPT-2 MLP: column-parallel up, fused bias + tanh-GELU, row-parallel down."""
+
+    def __init__(self, ctx: BuildContext) -> None:
+        super().__init__()
+        cfg, sp = ctx.cfg, ctx.sequence_parallel
+        init = normal_init(cfg.init_std)
+        self.fc = ColumnParallelLinear(
+            cfg.hidden, cfg.ffn_hidden, ctx.ps, bias=True, init=init, sequence_parallel=sp
+        )
+        self.proj = RowParallelLinear(
+            cfg.ffn_hidden,
+            cfg.hidden,
+            ctx.ps,
+            bias=True,
+            init=ctx.out_proj_init,
+            sequence_parallel=sp,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(bias_gelu(self.fc(x, add_bias=False), self.fc.bias))
+
+
+class SwiGLUMLP(nn.Module):
+    """Llama MLP: gate and up column-parallel (one input gather), silu(gate) * up, down
+    row-parallel."""
+
+    def __init__(self, ctx: BuildContext) -> None:
+        super().__init__()
+        cfg, ps, sp = ctx.cfg, ctx.ps, ctx.sequence_parallel
+        self.ctx = ctx
+        init = normal_init(cfg.init_std)
+        up = dict(bias=False, init=init, sequence_parallel=sp, gather_input=False)
+        self.gate = ColumnParallelLinear(cfg.hidden, cfg.ffn_hidden, ps, **up)
+        self.up = ColumnParallelLinear(cfg.hidden, cfg.ffn_hidden, ps, **up)
+        self.down = RowParallelLinear(
+            cfg.ffn_hidden,
+            cfg.hidden,
+            ps,
+            bias=False,
+            init=ctx.out_proj_init,
+            sequence_parallel=sp,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = tp_input(x, self.ctx.ps, self.ctx.sequence_parallel)
+        return self.down(swiglu(self.gate(x), self.up(x)))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, ctx: BuildContext, attn_norm, attn, mlp_norm, mlp) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p, split = self.ctx.cfg.dropout, self.ctx.sequence_parallel
+        x = x + dropout(self.attn(self.attn_norm(x)), p, self.training, self.ctx, split)
+        return x + dropout(self.mlp(self.mlp_norm(x)), p, self.training, self.ctx, split)
+
+
+class CausalLM(nn.Module):
+    """One pipeline chunk of a decoder-only language model (the whole model when pp = 1):
+    the embedding if it is the first chunk, a run of layers keyed by their global index, and the
+    final norm + LM head + loss if it is the last chunk.
+
+    Subclasses build, in forward order, the embedding (`embed`), `self.layers =
+    self.make_layers(...)`, `final_norm` and `lm_head`; the pipeline decides which pieces a rank
+    holds, and nothing here knows about schedules.
+    """
+
+    def __init__(self, ctx: BuildContext, has_embedding: bool, has_head: bool) -> None:
+        super().__init__()
+        self.ctx, self.has_embedding, self.has_head = ctx, has_embedding, has_head
+
+    def make_layers(self, layer_ids: range) -> nn.ModuleDict:
+        """Layers keyed by their global index, so names never depend on the pipeline layout."""
+        return nn.ModuleDict({str(i): self.make_layer() for i in layer_ids})
+
+    def make_layer(self) -> TransformerLayer:
+        raise NotImplementedError
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs: token ids (b, s) on the first chunk, else hidden states from the previous
+        chunk. Returns hidden states, or on the last chunk the per-token loss (b, s) given
+        targets, or full logits (b, s, vocab) without."""
+        x = self.embed(inputs) if self.has_embedding else inputs
+        limit = self.ctx.recompute_layers
+        for n, layer in enumerate(self.layers.values()):
+            if self.ctx.recompute == "full" and self.training and (limit is None or n < limit):
+                x = checkpoint(
+                    layer, x, use_reentrant=False, context_fn=self.ctx.tp_random.recompute_context
+                )
+            else:
+                x = layer(x)
+        if not self.has_head:
+            return x
+        return self.lm_head(self.final_norm(x), targets)
+
+    def sequence_positions(self, seq_len: int) -> torch.Tensor:
+        """Positions of this rank's tokens: all of them, or its sequence shard under SP."""
+        positions = torch.arange(seq_len, device=self.ctx.ps.device)
+        if not self.ctx.sequence_parallel:
+            return positions
+        return positions.chunk(self.ctx.ps.tp_size)[self.ctx.ps.tp_rank]
