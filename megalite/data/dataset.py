@@ -83,7 +83,8 @@ class TokenDataset:
 
 
 def _fix(prefix: Path) -> str:
-    return f"re-create it with `megalite data prepare --input FILE... --tokenizer MODEL --out {prefix}`"
+    command = f"megalite data prepare --input FILE... --tokenizer MODEL --out {prefix}"
+    return f"re-create it with `{command}`"
 
 
 def _read_meta(prefix: Path) -> dict:

@@ -1,0 +1,281 @@
+"""Checkpoints: the only module that knows the on-disk layout.
+
+    <out_dir>/checkpoints/
+        latest                     text file naming the newest complete checkpoint
+        step_000100/
+            manifest.json          layout, trainer state, every tensor piece, file checksums
+            model_tp01_pp00.safetensors   parameters and Adam state of one (tp, pp) rank
+            rng_rank00003.safetensors     RNG streams of every rank
+
+Tensors are stored under their global names (global layer indices) with the tp piece they
+hold, so a checkpoint loads into any tp / pp / dp layout: pieces are cut or glued as needed.
+Optimizer state is stored per parameter (gathered over dp), never as raw flat buffers.
+
+Safety: everything is written under a temporary directory that is renamed into place only when
+complete, then `latest` is replaced atomically; files are safetensors and JSON (no pickle); a
+manifest checksum mismatch is refused with a message naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
+
+from megalite import comm
+from megalite.errors import MegaliteError
+
+FORMAT = "megalite-checkpoint-v1"
+OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
+TOKENIZER = "tokenizer.model"
+
+
+class CheckpointError(MegaliteError):
+    """A checkpoint is missing, incomplete or corrupt."""
+
+
+def _write_atomic(path: Path, data: bytes) -> str:
+    """Write bytes under a temporary name, fsync, rename; returns the sha256."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}"
+
+
+def _rng_state(run) -> dict[str, torch.Tensor]:
+    state = {"torch_cpu": torch.get_rng_state(), "tp_stream": run.tp_random.state.cpu()}
+    if run.ps.device.type == "cuda":
+        state["torch_cuda"] = torch.cuda.get_rng_state(run.ps.device)
+    return state
+
+
+def _pieces(run) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """This rank's tensors to save and their manifest entries (tied copies are saved once)."""
+    tensors, entries = {}, {}
+    optimizer_state, _ = run.optimizer.state_dict()  # collective over dp
+    for name, param in run.named_parameters().items():
+        meta = param.meta
+        if meta.tied_name is not None or (meta.tp_split_dim is None and run.ps.tp_rank > 0):
+            continue
+        split = meta.tp_split_dim is not None
+        for suffix, tensor in [("", param), *((f".{k}", None) for k in OPTIMIZER_KINDS)]:
+            key = name + suffix
+            tensors[key] = (tensor if tensor is not None else optimizer_state[key]).detach().cpu()
+            entries[key] = {
+                "global_shape": list(meta.global_shape),
+                "real_rows": meta.init_rows,
+                "split_dim": meta.tp_split_dim,
+                "piece": run.ps.tp_rank if split else 0,
+                "pieces": run.ps.tp_size if split else 1,
+            }
+    return tensors, entries
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    run,
+    trainer_state: dict[str, Any],
+    keep: int,
+    tokenizer: Path | None = None,
+) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory. The tokenizer
+    model is copied in so a checkpoint alone is enough to generate text."""
+    ps = run.ps
+    final, tmp_dir = step_dir(root, step), step_dir(root, step).with_suffix(".tmp")
+    if ps.rank == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        tmp_dir.mkdir(parents=True)
+    comm.barrier()
+    tensors, entries = _pieces(run)
+    index: dict[str, Any] = {"files": {}, "tensors": {}}
+    rng_file = f"rng_rank{ps.rank:05d}.safetensors"
+    index["files"][rng_file] = _write_atomic(tmp_dir / rng_file, safetensors_bytes(_rng_state(run)))
+    if ps.dp_rank == 0:
+        model_file = f"model_tp{ps.tp_rank:02d}_pp{ps.pp_rank:02d}.safetensors"
+        index["files"][model_file] = _write_atomic(tmp_dir / model_file, safetensors_bytes(tensors))
+        index["tensors"] = {k: {**v, "file": model_file} for k, v in entries.items()}
+    if ps.rank == 0 and tokenizer is not None:
+        index["files"][TOKENIZER] = _write_atomic(tmp_dir / TOKENIZER, Path(tokenizer).read_bytes())
+    _write_atomic(tmp_dir / f"index_rank{ps.rank:05d}.json", json.dumps(index).encode())
+    comm.barrier()
+    if ps.rank == 0:
+        _finish(root, final, tmp_dir, step, run, trainer_state, keep)
+    comm.barrier()
+    return final
+
+
+def _finish(root, final, tmp_dir, step, run, trainer_state, keep) -> None:
+    """Rank 0: merge the per-rank indexes into the manifest and publish the checkpoint."""
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "step": step,
+        "layout": {"tp": run.ps.tp_size, "pp": run.ps.pp_size, "dp": run.ps.dp_size},
+        "world_size": run.ps.world_size,
+        "optimizer_step": run.optimizer.step_count,
+        "trainer": trainer_state,
+        "files": {},
+        "tensors": {},
+    }
+    for index_file in sorted(tmp_dir.glob("index_rank*.json")):
+        index = json.loads(index_file.read_text())
+        manifest["files"].update(index["files"])
+        for name, entry in index["tensors"].items():
+            merged = manifest["tensors"].setdefault(
+                name, {**entry, "files": [None] * entry["pieces"]}
+            )
+            merged["files"][entry["piece"]] = entry["file"]
+        index_file.unlink()
+    for entry in manifest["tensors"].values():
+        del entry["file"], entry["piece"]
+    _write_atomic(tmp_dir / "manifest.json", json.dumps(manifest, indent=1).encode())
+    if final.exists():
+        shutil.rmtree(final)
+    tmp_dir.rename(final)
+    _write_atomic(root / "latest", final.name.encode())
+    for old in sorted(root.glob("step_*[0-9]"))[:-keep]:
+        shutil.rmtree(old)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """Load and verify a checkpoint's manifest and file checksums."""
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise CheckpointError(
+            f"{path} is not a complete megalite checkpoint (no manifest.json): "
+            "point checkpoint.resume at a step_* directory written by megalite"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json: {exc}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
+    for name, digest in manifest["files"].items():
+        file = path / name
+        if not file.is_file() or _sha256(file) != digest:
+            others = sorted(p.name for p in path.parent.glob("step_*[0-9]") if p != path)
+            hint = f" (earlier checkpoints: {', '.join(others)})" if others else ""
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {name} is missing or fails its checksum; "
+                f"resume from an earlier checkpoint with checkpoint.resume=<dir>{hint}"
+            )
+    return manifest
+
+
+def find_checkpoint(root: Path, resume: str) -> Path | None:
+    """The checkpoint to resume from: none, the `latest` one (auto), or an explicit directory."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint.resume={resume}: no such directory")
+        return path
+    latest = root / "latest"
+    return root / latest.read_text().strip() if latest.is_file() else None
+
+
+def read_tensor(path: Path, manifest: dict, name: str) -> torch.Tensor:
+    """The full global tensor `name`, glued from its tp pieces, without the padding rows beyond
+    the real vocabulary (whose count depends on the tp it was saved with)."""
+    entry = manifest["tensors"].get(name)
+    if entry is None:
+        raise CheckpointError(
+            f"checkpoint {path} has no tensor {name!r}: it was saved from a different model "
+            "(check model.arch and model.n_layers)"
+        )
+    parts = []
+    for file in entry["files"]:
+        with safe_open(str(path / file), framework="pt") as f:
+            parts.append(f.get_tensor(name))
+    full = torch.cat(parts, dim=entry["split_dim"]) if len(parts) > 1 else parts[0]
+    return full[: entry["real_rows"]] if entry["real_rows"] else full
+
+
+def _local_piece(
+    path: Path, manifest: dict, name: str, param: torch.nn.Parameter, ps
+) -> torch.Tensor:
+    """This rank's piece of global tensor `name`, shaped like `param`."""
+    meta = param.meta
+    entry = manifest["tensors"].get(name)
+    same_cut = (
+        entry is not None
+        and entry["pieces"] == (ps.tp_size if meta.tp_split_dim is not None else 1)
+        and entry["global_shape"] == list(meta.global_shape)
+    )
+    if same_cut:  # saved with this tp: read only our own piece
+        file = entry["files"][ps.tp_rank if meta.tp_split_dim is not None else 0]
+        with safe_open(str(path / file), framework="pt") as f:
+            return f.get_tensor(name)
+    full = read_tensor(path, manifest, name)
+    if meta.init_rows is not None:  # re-pad the vocabulary for this tp
+        padded = full.new_zeros(meta.global_shape)
+        padded[: full.shape[0]] = full
+        full = padded
+    if tuple(full.shape) != tuple(meta.global_shape):
+        raise CheckpointError(
+            f"checkpoint tensor {name} has shape {tuple(full.shape)}, the model expects "
+            f"{tuple(meta.global_shape)}: the config does not match the checkpoint's model"
+        )
+    if meta.tp_split_dim is not None:
+        full = full.chunk(ps.tp_size, dim=meta.tp_split_dim)[ps.tp_rank]
+    return full
+
+
+@torch.no_grad()
+def load_checkpoint(path: Path, run) -> dict[str, Any]:
+    """Load weights, optimizer state and (same layout only) RNG streams into `run`; returns the
+    trainer state saved with them (step, data position, loss scaler)."""
+    manifest = read_manifest(path)
+    load_parameters(path, manifest, run.named_parameters(), run.ps)
+    optimizer_state = {}
+    for name, param in run.named_parameters().items():
+        source = param.meta.tied_name or name
+        for kind in OPTIMIZER_KINDS:
+            piece = _local_piece(path, manifest, f"{source}.{kind}", param, run.ps)
+            optimizer_state[f"{name}.{kind}"] = piece.to(run.ps.device)
+    run.optimizer.load_state_dict(optimizer_state, manifest["optimizer_step"])
+    rng_file = path / f"rng_rank{run.ps.rank:05d}.safetensors"
+    same_layout = manifest["layout"] == {
+        "tp": run.ps.tp_size,
+        "pp": run.ps.pp_size,
+        "dp": run.ps.dp_size,
+    }
+    if same_layout and rng_file.is_file():
+        with safe_open(str(rng_file), framework="pt") as f:
+            torch.set_rng_state(f.get_tensor("torch_cpu"))
+            run.tp_random.state = f.get_tensor("tp_stream").to(run.tp_random.state.device)
+            if run.ps.device.type == "cuda" and "torch_cuda" in f.keys():
+                torch.cuda.set_rng_state(f.get_tensor("torch_cuda"), run.ps.device)
+    return manifest["trainer"]
+
+
+@torch.no_grad()
+def load_parameters(path: Path, manifest: dict, params: dict[str, torch.nn.Parameter], ps) -> None:
+    """Fill every local parameter with its piece of the saved global tensor."""
+    for name, param in params.items():
+        source = param.meta.tied_name or name
+        param.copy_(_local_piece(path, manifest, source, param, ps))

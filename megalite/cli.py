@@ -1,0 +1,82 @@
+"""`megalite <command>`: train, generate, data. Launch training on several processes with
+`torchrun --nproc-per-node N -m megalite train ...`.
+
+Every MegaliteError (bad config, bad data, bad checkpoint, impossible layout) is printed as one
+`error: ...` line with exit code 2, instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megalite.data import commands as data_commands
+from megalite.errors import MegaliteError
+
+
+def _train(args: argparse.Namespace) -> int:
+    from megalite.config import load_config
+    from megalite.training.loop import train
+
+    cfg = load_config(args.config, args.overrides)
+    final = train(cfg)
+    if final and "val_loss" in final and args.quiet is False:
+        print(f"final val_loss {final['val_loss']:.4f} (ppl {final['val_ppl']:.1f})")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from megalite.generate import sample_text
+
+    text = sample_text(
+        Path(args.checkpoint),
+        args.prompt,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.seed,
+    )
+    print(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megalite", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = commands.add_parser("train", help="train a model from a YAML config")
+    train.add_argument("--config", help="YAML config (see configs/); defaults when omitted")
+    train.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="e.g. train.steps=50 parallel.tp=2",
+    )
+    train.add_argument("--quiet", action="store_true", help="no final summary line")
+    train.set_defaults(func=_train)
+
+    gen = commands.add_parser("generate", help="sample text from a checkpoint")
+    gen.add_argument("--checkpoint", required=True, help="a checkpoints/step_* directory")
+    gen.add_argument("--prompt", default="", help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    gen.add_argument("--top-k", type=int, default=50)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(func=_generate)
+
+    data_commands.register(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MegaliteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Every gradient fix-up after backward, in one place (Megatron-LM's finalize_model_grads):
+
+1. finish the data-parallel reduction of every bucket (reduce-scatter or all-reduce);
+2. sum over tp the gradients of tp-replicated parameters that each tp rank saw only part of
+   (norm weights and row-parallel biases under sequence parallelism, shared kv heads);
+3. sum GPT's tied embedding gradient over the first and last pipeline stage.
+
+The sums commute, so doing dp first lets its communication overlap backward; steps 2 and 3 act
+on the elements this rank owns, which line up across the ranks of those groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from megalite import comm
+from megalite.optimizer.grad_buffer import GradBuffer
+from megalite.parallel_state import ParallelState
+
+
+def _sum_owned(
+    buffers: list[GradBuffer], select: Callable[[nn.Parameter], bool], group: Any
+) -> None:
+    if comm.size(group) == 1:
+        return
+    pieces = [
+        buffer.owned_grads[start:end]
+        for buffer in buffers
+        for param in buffer.params
+        if select(param)
+        for start, end, _ in buffer.owned_segments(param)
+    ]
+    if not pieces:
+        return
+    flat = torch.cat(pieces)
+    comm.all_reduce(flat, group)
+    offset = 0
+    for piece in pieces:
+        piece.copy_(flat[offset : offset + piece.numel()])
+        offset += piece.numel()
+
+
+def finalize_grads(buffers: list[GradBuffer], ps: ParallelState) -> None:
+    for buffer in buffers:
+        buffer.finish_sync()
+    _sum_owned(buffers, lambda p: p.meta.tp_grad_reduce, ps.tp_group)
+    if ps.pp_size > 1:
+        _sum_owned(buffers, lambda p: p.meta.pp_tied, ps.embedding_group)

@@ -1,0 +1,160 @@
+"""Runs one rank's schedule: a loop over actions, with no schedule logic of its own.
+
+Forward of micro-batch m on local chunk c feeds it token ids (first virtual stage) or the
+activation received from the previous stage, and keeps (input, output) until the backward.
+Sends are asynchronous; a receive blocks where the schedule lists it, and that waiting time is
+the measured pipeline bubble. An output that was sent on is freed as soon as its send completes
+(only its autograd graph is needed for the backward; Megatron-LM's deallocate_output_tensor).
+With pp = 1 the schedule holds only forwards and backwards: plain gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from megalite import comm
+from megalite.optimizer.grad_buffer import GradBuffer
+from megalite.parallel_state import ParallelState
+from megalite.pipeline.schedule import Action, Op, peer_of, virtual_stage
+
+
+@dataclass
+class StepTimes:
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the schedule spent waiting on receives."""
+        total = self.compute_s + self.wait_s
+        return self.wait_s / total if total else 0.0
+
+
+@dataclass
+class MicroBatch:
+    inputs: torch.Tensor
+    """Token ids (b, s)."""
+    targets: torch.Tensor
+    """Next-token ids (b, s)."""
+
+
+def _run_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """Backward through `output`'s graph even if its storage was freed after sending it on."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        (output,), (grad,), False, False, (), True, True
+    )
+
+
+@dataclass
+class PipelineExecutor:
+    chunks: list[nn.Module]
+    """This rank's model chunks, by local chunk index."""
+    ps: ParallelState
+    vpp: int
+    activation_shape: tuple[int, ...]
+    """(micro batch, local seq, hidden) of the tensors exchanged between stages."""
+    dtype: torch.dtype
+    buffers_of_chunk: list[list[GradBuffer]] = field(default_factory=list)
+    """Gradient buffers of each chunk, told to start their dp reduction before the chunk's
+    last backward."""
+
+    def __post_init__(self) -> None:
+        n_stages = self.ps.pp_size * self.vpp
+        stages = [virtual_stage(self.ps.pp_rank, c, self.ps.pp_size) for c in range(self.vpp)]
+        self.is_first = [s == 0 for s in stages]
+        self.is_last = [s == n_stages - 1 for s in stages]
+
+    def _peer(self, action: Action) -> int:
+        peer_rank, _ = peer_of(action, self.ps.pp_rank, self.ps.pp_size, self.vpp)
+        return self.ps.pp_ranks[peer_rank]
+
+    def run(
+        self,
+        schedule: list[Action],
+        micro_batches: list[MicroBatch],
+        loss_weight: float,
+        loss_scale: float = 1.0,
+    ) -> tuple[torch.Tensor, StepTimes]:
+        """Run the actions of `schedule` (forward-only ones for evaluation, under no_grad);
+        returns the sum over this rank's micro-batches of loss_weight * token-loss sum (zero off
+        the last stage) and the timings."""
+        device = self.ps.device
+        last_backward = {a.chunk: i for i, a in enumerate(schedule) if a.op is Op.BACKWARD}
+        loss_total = torch.zeros((), dtype=torch.float32, device=device)
+        times = StepTimes()
+        received: dict[tuple[Op, int, int], torch.Tensor] = {}
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        in_flight_sends: list[tuple[object, torch.Tensor | None]] = []
+
+        for index, action in enumerate(schedule):
+            key = (action.microbatch, action.chunk)
+            op = action.op
+            if op in (Op.RECV_FORWARD, Op.RECV_BACKWARD):
+                start = time.perf_counter()
+                buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=device)
+                comm.recv(buffer, self._peer(action)).wait()
+                received[(op, *key)] = buffer
+                times.wait_s += time.perf_counter() - start
+            elif op is Op.SEND_FORWARD:
+                output = saved[key][1] if torch.is_grad_enabled() else saved.pop(key)[1]
+                in_flight_sends.append((comm.send(output.detach(), self._peer(action)), output))
+            elif op is Op.SEND_BACKWARD:
+                grad = input_grads.pop(key)
+                in_flight_sends.append((comm.send(grad, self._peer(action)), None))
+            else:
+                start = time.perf_counter()
+                if op is Op.FORWARD:
+                    loss_total += self._forward(action, micro_batches, received, saved, loss_weight)
+                else:
+                    if index == last_backward[action.chunk]:
+                        for buffer in self.buffers_of_chunk[action.chunk]:
+                            buffer.start_sync()
+                    self._backward(action, received, saved, input_grads, loss_scale)
+                times.compute_s += time.perf_counter() - start
+            in_flight_sends = self._free_sent(in_flight_sends)
+        for work, _ in in_flight_sends:
+            work.wait()
+        return loss_total, times
+
+    def _forward(self, action, micro_batches, received, saved, loss_weight) -> torch.Tensor:
+        mb, c = action.microbatch, action.chunk
+        batch = micro_batches[mb]
+        if self.is_first[c]:
+            inputs = batch.inputs
+        else:
+            inputs = received.pop((Op.RECV_FORWARD, mb, c)).requires_grad_(torch.is_grad_enabled())
+        output = self.chunks[c](inputs, batch.targets if self.is_last[c] else None)
+        if self.is_last[c]:
+            output = output.float().sum() * loss_weight  # this micro-batch's share of the mean
+        if torch.is_grad_enabled():
+            saved[(mb, c)] = (None if self.is_first[c] else inputs, output)
+        else:
+            saved[(mb, c)] = (None, output.detach())  # kept only until it is sent on
+        return output.detach() if self.is_last[c] else output.new_zeros((), dtype=torch.float32)
+
+    def _backward(self, action, received, saved, input_grads, loss_scale) -> None:
+        mb, c = action.microbatch, action.chunk
+        inputs, output = saved.pop((mb, c))
+        if self.is_last[c]:
+            (output * loss_scale).backward()
+        else:
+            _run_backward(output, received.pop((Op.RECV_BACKWARD, mb, c)))
+        if inputs is not None:
+            input_grads[(mb, c)] = inputs.grad
+
+    @staticmethod
+    def _free_sent(in_flight: list) -> list:
+        """Drop finished sends; free the storage of outputs whose send has completed."""
+        pending = []
+        for work, output in in_flight:
+            if work.is_completed():
+                if output is not None:
+                    output.data = torch.empty(0, dtype=output.dtype, device=output.device)
+            else:
+                pending.append((work, output))
+        return pending

@@ -1,0 +1,160 @@
+"""The training run: topology, data, model, resume, then steps with logging, evaluation and
+checkpoints. Every rank runs this same function."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megalite.checkpoint.sharded import find_checkpoint, load_checkpoint, save_checkpoint
+from megalite.config import Config, config_to_dict, save_config
+from megalite.data import GlobalBatchSampler, TokenDataset, builtin_data
+from megalite.errors import MegaliteError
+from megalite.optimizer.lr_schedule import learning_rate
+from megalite.parallel_state import (
+    ParallelState,
+    build_parallel_state,
+    choose_device,
+    init_distributed,
+)
+from megalite.profiling.flops import flops_per_token, peak_flops
+from megalite.training.metrics import MetricsLogger
+from megalite.training.setup import Run, build_run
+from megalite.training.step import eval_loss, train_step
+
+
+class TrainingError(MegaliteError):
+    """Training cannot go on (for example the loss became NaN)."""
+
+
+@dataclass
+class Data:
+    train: TokenDataset
+    val: TokenDataset
+    tokenizer_path: Path
+
+
+def open_data(cfg: Config) -> Data:
+    """The builtin corpus (tokenized to the model's vocabulary on first use) or prepared data."""
+    d, seq = cfg.data, cfg.model.seq_len
+    if d.source == "builtin":
+        prefix, tokenizer = builtin_data(cfg.model.vocab_size)
+    else:
+        prefix, tokenizer = Path(d.source), None
+    kwargs = dict(val_fraction=d.val_fraction, vocab_size=cfg.model.vocab_size)
+    train = TokenDataset(prefix, seq, "train", **kwargs)
+    val = TokenDataset(prefix, seq, "val", **kwargs)
+    if tokenizer is None:
+        tokenizer = Path(d.tokenizer) if d.tokenizer else train.tokenizer_path
+    return Data(train, val, Path(tokenizer))
+
+
+def rank_slice(batch: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """This data-parallel rank's contiguous share of a global batch, on the rank's device."""
+    share = batch.shape[0] // ps.dp_size
+    return batch[ps.dp_rank * share : (ps.dp_rank + 1) * share].to(ps.device)
+
+
+def evaluate(run: Run, val: TokenDataset) -> float:
+    """Mean token loss over the first eval_steps global batches of the held-out split."""
+    t = run.cfg.train
+    losses = []
+    for k in range(t.eval_steps):
+        indices = [(k * t.global_batch_size + i) % len(val) for i in range(t.global_batch_size)]
+        losses.append(eval_loss(run, rank_slice(val.get_batch(indices), run.ps)))
+    return sum(losses) / len(losses)
+
+
+def setup_topology(cfg: Config) -> tuple[ParallelState, int]:
+    """Join the world and build the groups; returns the state and micro-batches per step.
+    The layout is checked against the launcher's world size before any process group exists."""
+    _, num_microbatches = cfg.layout_for_world(int(os.environ.get("WORLD_SIZE", 1)))
+    device = choose_device(cfg.train.device)
+    init_distributed(device)
+    return build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, device), num_microbatches
+
+
+def train(cfg: Config) -> dict[str, float]:
+    """Train to cfg.train.steps (resuming if a checkpoint says so); returns the last metrics."""
+    ps, num_microbatches = setup_topology(cfg)
+    torch.manual_seed(cfg.train.seed)  # dropout on tp-replicated activations: same on all ranks
+    data = open_data(cfg)
+    t = cfg.train
+    sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, t.seed)
+    run = build_run(cfg, ps, num_microbatches)
+    out_dir, start_step = Path(t.out_dir), 0
+    ckpt_root = out_dir / "checkpoints"
+    resume_from = find_checkpoint(ckpt_root, cfg.checkpoint.resume)
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, run)
+        start_step = state["step"]
+        sampler.load_state_dict(state["sampler"])
+        run.scaler.load_state_dict(state["scaler"])
+    if ps.rank == 0:
+        save_config(cfg, out_dir / "config.yaml")
+    logger = MetricsLogger(cfg, out_dir, ps.rank == 0, start_step)
+    if resume_from is not None:
+        logger.write(f"resumed from {resume_from} at step {start_step}")
+    tokens_per_step = t.global_batch_size * cfg.model.seq_len
+    flops_per_step = flops_per_token(cfg.model) * tokens_per_step
+    peak = peak_flops(ps.device) * ps.world_size
+    row: dict[str, float] = {}
+
+    def checkpoint(step: int) -> None:
+        state = {
+            "step": step,
+            "sampler": sampler.state_dict(),
+            "scaler": run.scaler.state_dict(),
+            "config": config_to_dict(cfg),
+        }
+        save_checkpoint(ckpt_root, step, run, state, cfg.checkpoint.keep, data.tokenizer_path)
+
+    for step in range(start_step, t.steps):
+        lr = learning_rate(step, cfg.optim, t.steps)
+        batch = rank_slice(data.train.get_batch(sampler.next_batch()), ps)
+        start = time.perf_counter()
+        metrics = train_step(run, batch, lr)
+        elapsed = time.perf_counter() - start
+        if not math.isfinite(metrics.loss):
+            raise TrainingError(
+                f"loss became {metrics.loss} at step {step + 1}: lower optim.lr, raise "
+                "optim.warmup_steps, or use train.precision=bf16/fp32 instead of fp16"
+            )
+        done = step + 1
+        row = {
+            "step": done,
+            "loss": metrics.loss,
+            "lr": lr,
+            "grad_norm": metrics.grad_norm,
+            "tokens_per_sec": tokens_per_step / elapsed,
+            "step_time_s": elapsed,
+            "tflops": flops_per_step / elapsed / 1e12,
+            "mfu": flops_per_step / elapsed / peak,
+            "bubble_fraction": metrics.bubble_fraction,
+            "skipped_steps": run.scaler.skipped_steps,
+            "loss_scale": run.scaler.scale,
+        }
+        if t.eval_interval <= t.steps and (done % t.eval_interval == 0 or done == t.steps):
+            row["val_loss"] = evaluate(run, data.val)
+            row["val_ppl"] = math.exp(min(row["val_loss"], 50.0))
+            logger.write(f"step {done}: val_loss {row['val_loss']:.4f} ppl {row['val_ppl']:.1f}")
+        if done % t.log_interval == 0 or done == t.steps or "val_loss" in row:
+            logger.log(row)
+        logger.progress(
+            done,
+            {
+                "loss": f"{metrics.loss:.4f}",
+                "lr": f"{lr:.2e}",
+                "tok/s": f"{row['tokens_per_sec']:.0f}",
+            },
+        )
+        interval = cfg.checkpoint.interval
+        if (interval and done % interval == 0) or done == t.steps:
+            checkpoint(done)
+    logger.close()
+    return row

@@ -1,0 +1,146 @@
+"""Build everything one rank trains with from the config: its model chunks, gradient buffers,
+optimizer, loss scaler and pipeline executor. The same function serves every layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from megalite.config import Config
+from megalite.models import ARCHITECTURES, BuildContext, CausalLM
+from megalite.optimizer.grad_buffer import GradBuffer, build_grad_buffers
+from megalite.optimizer.loss_scale import LossScaler
+from megalite.optimizer.zero1 import DistributedOptimizer
+from megalite.parallel_state import ParallelState
+from megalite.pipeline.executor import PipelineExecutor
+from megalite.pipeline.partition import chunk_layers
+from megalite.pipeline.schedule import Action, Op, build_schedule
+from megalite.tensor_parallel import TPRandom, init_parameters
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """auto: bf16 on CUDA, fp32 on CPU."""
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def build_chunks(cfg: Config, ps: ParallelState, tp_random: TPRandom) -> list[CausalLM]:
+    """This rank's model chunks (virtual stages pp_rank, pp_rank + pp, ...), initialised from
+    per-parameter seeds so that every layout starts from the same global weights."""
+    p = cfg.parallel
+    ctx = BuildContext(
+        cfg.model,
+        ps,
+        tp_random,
+        sequence_parallel=p.sp,
+        recompute=cfg.train.recompute,
+        recompute_layers=cfg.train.recompute_layers,
+    )
+    n_stages = ps.pp_size * p.vpp
+    chunks = []
+    for stage, layers in chunk_layers(
+        cfg.model.n_layers,
+        ps.pp_size,
+        p.vpp,
+        ps.pp_rank,
+        p.embedding_layer_weight,
+        p.head_layer_weight,
+    ):
+        chunk = ARCHITECTURES[cfg.model.arch](
+            ctx, layers, has_embedding=stage == 0, has_head=stage == n_stages - 1
+        )
+        init_parameters(chunk, cfg.train.seed, ps)
+        chunks.append(chunk)
+    return chunks
+
+
+@dataclass
+class Run:
+    """One rank's training state."""
+
+    cfg: Config
+    ps: ParallelState
+    chunks: list[CausalLM]
+    buffers: list[GradBuffer]
+    optimizer: DistributedOptimizer
+    scaler: LossScaler
+    executor: PipelineExecutor
+    num_microbatches: int
+    precision: str
+    tp_random: TPRandom
+    names: dict[nn.Parameter, str] = field(default_factory=dict)
+    _schedules: dict[tuple[int, bool], list[Action]] = field(default_factory=dict)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.precision]
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """Global name -> local parameter over all chunks (names never repeat across chunks)."""
+        return {name: param for param, name in self.names.items()}
+
+    def train(self, mode: bool = True) -> None:
+        for chunk in self.chunks:
+            chunk.train(mode)
+
+    def schedule(self, num_microbatches: int, forward_only: bool = False) -> list[Action]:
+        """This rank's action list (cached); evaluation runs the forwards of a GPipe list."""
+        key = (num_microbatches, forward_only)
+        if key in self._schedules:
+            return self._schedules[key]
+        p = self.cfg.parallel
+        actions = build_schedule(
+            p.schedule if not forward_only else "gpipe",
+            self.ps.pp_size,
+            self.ps.pp_rank,
+            num_microbatches,
+            p.vpp,
+            p.microbatch_group_size,
+        )
+        if forward_only:
+            actions = [a for a in actions if a.op in (Op.FORWARD, Op.RECV_FORWARD, Op.SEND_FORWARD)]
+        self._schedules[key] = actions
+        return actions
+
+
+def build_run(cfg: Config, ps: ParallelState, num_microbatches: int) -> Run:
+    precision = resolve_precision(cfg.train.precision, ps.device)
+    tp_random = TPRandom(cfg.train.seed, ps)
+    chunks = build_chunks(cfg, ps, tp_random)
+    for chunk in chunks:
+        chunk.to(DTYPES[precision])
+    names = {param: name for chunk in chunks for name, param in chunk.named_parameters()}
+    shard = cfg.parallel.zero == 1
+    tied = {param for param in names if param.meta.pp_tied}
+    buffers_of_chunk = [
+        build_grad_buffers([chunk], ps, cfg.parallel.bucket_mb, shard, own_bucket=tied)
+        for chunk in chunks
+    ]
+    buffers = [b for chunk_buffers in buffers_of_chunk for b in chunk_buffers]
+    seq = cfg.model.seq_len // (ps.tp_size if cfg.parallel.sp else 1)
+    executor = PipelineExecutor(
+        chunks,
+        ps,
+        cfg.parallel.vpp,
+        activation_shape=(cfg.train.micro_batch_size, seq, cfg.model.hidden),
+        dtype=DTYPES[precision],
+        buffers_of_chunk=buffers_of_chunk,
+    )
+    return Run(
+        cfg=cfg,
+        ps=ps,
+        chunks=chunks,
+        buffers=buffers,
+        optimizer=DistributedOptimizer(buffers, names, cfg.optim, ps),
+        scaler=LossScaler.for_precision(precision),
+        executor=executor,
+        num_microbatches=num_microbatches,
+        precision=precision,
+        tp_random=tp_random,
+        names=names,
+    )

@@ -1,0 +1,70 @@
+"""One training step, as data flows (DESIGN.md): micro-batches through the schedule, gradient
+fix-ups, overflow check, global norm and clipping, the optimizer step on this rank's shard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megalite import comm
+from megalite.optimizer.clip import clip_coefficient
+from megalite.optimizer.finalize import finalize_grads
+from megalite.pipeline.executor import MicroBatch
+from megalite.training.setup import Run
+
+
+@dataclass
+class StepMetrics:
+    loss: float
+    """Mean token loss over the whole global batch (the same quantity for every layout)."""
+    grad_norm: float
+    skipped: bool
+    """fp16 overflow: the update was skipped and the loss scale lowered."""
+    bubble_fraction: float
+    """Share of this rank's schedule spent waiting on pipeline receives."""
+
+
+def micro_batches(tokens: torch.Tensor, micro_batch_size: int) -> list[MicroBatch]:
+    """Cut this rank's (n, seq + 1) windows into micro-batches of inputs and shifted targets."""
+    return [
+        MicroBatch(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(micro_batch_size, dim=0)
+    ]
+
+
+def global_loss(local: torch.Tensor, run: Run) -> float:
+    """Sum the per-rank shares of the mean: over dp ranks and from the last pipeline stage."""
+    comm.all_reduce(local, run.ps.dp_group)
+    comm.all_reduce(local, run.ps.pp_group)
+    return local.item()
+
+
+def train_step(run: Run, tokens: torch.Tensor, lr: float) -> StepMetrics:
+    """tokens: this data-parallel rank's slice of the global batch, (n, seq + 1) on device."""
+    cfg = run.cfg
+    run.train(True)
+    for buffer in run.buffers:
+        buffer.reset()
+    batches = micro_batches(tokens, cfg.train.micro_batch_size)
+    loss_weight = 1.0 / (cfg.train.global_batch_size * cfg.model.seq_len)
+    local_loss, times = run.executor.run(
+        run.schedule(len(batches)), batches, loss_weight, run.scaler.scale
+    )
+    finalize_grads(run.buffers, run.ps)
+
+    skipped = run.scaler.dynamic and run.scaler.update(run.optimizer.found_non_finite())
+    grad_norm = run.optimizer.grad_norm() / run.scaler.scale
+    if not skipped:
+        coefficient = clip_coefficient(grad_norm, cfg.optim.grad_clip)
+        run.optimizer.step(lr, grad_scale=coefficient / run.scaler.scale)
+    return StepMetrics(global_loss(local_loss, run), grad_norm, skipped, times.bubble_fraction)
+
+
+@torch.no_grad()
+def eval_loss(run: Run, tokens: torch.Tensor) -> float:
+    """Mean token loss of `tokens` (this dp rank's slice of an evaluation batch)."""
+    run.train(False)
+    batches = micro_batches(tokens, run.cfg.train.micro_batch_size)
+    total_tokens = tokens.shape[0] * run.ps.dp_size * run.cfg.model.seq_len
+    local_loss, _ = run.executor.run(run.schedule(len(batches), True), batches, 1.0 / total_tokens)
+    return global_loss(local_loss, run)
