@@ -1,0 +1,13 @@
+"""Fused kernels: Triton on GPU, PyTorch references everywhere else.
+
+Each module holds one kernel: the Triton code, the ``torch.autograd.Function`` that launches
+it, the PyTorch reference, and a public function that picks between the two at every call
+(see :mod:`megalite.kernels.dispatch` for the ``MEGALITE_KERNELS`` switch).
+"""
+
+from .dispatch import kernel_backend
+from .flash_attention import flash_attention
+from .gelu import bias_gelu
+from .swiglu import swiglu
+
+__all__ = ["bias_gelu", "flash_attention", "kernel_backend", "swiglu"]

@@ -1,0 +1,44 @@
+"""Import Triton only where one of its kernels could run.
+
+Triton kernels run on CUDA tensors, or on CPU under the Triton interpreter
+(``TRITON_INTERPRET=1``). Anywhere else (CPU training, macOS, where Triton has no wheels)
+megalite uses the PyTorch references, so the kernel modules get a stand-in whose decorators
+return the function unchanged: importing megalite then never imports Triton. That also keeps
+``TRITON_INTERPRET`` settable after megalite is imported, because Triton reads it only when it
+(and each kernel) is first imported.
+"""
+
+import os
+from types import SimpleNamespace
+
+import torch
+
+
+def interpreter_enabled() -> bool:
+    """Whether ``TRITON_INTERPRET=1`` is set now (Triton kernels then run on CPU, slowly)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Whether the kernels in this process were built for the interpreter (decided once, here).
+INTERPRETED_AT_IMPORT = interpreter_enabled()
+
+HAVE_TRITON = False
+if INTERPRETED_AT_IMPORT or torch.cuda.is_available():
+    try:
+        import triton
+        import triton.language as tl
+
+        HAVE_TRITON = True
+    except ImportError:
+        pass
+
+if not HAVE_TRITON:
+
+    def _jit(fn=None, **_kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    def _autotune(*_args, **_kwargs):
+        return lambda fn: fn
+
+    triton = SimpleNamespace(jit=_jit, autotune=_autotune, Config=lambda *args, **kwargs: None)
+    tl = SimpleNamespace(constexpr=lambda value=None: value)

@@ -1,0 +1,78 @@
+"""Pick the Triton kernel or its PyTorch reference, per call.
+
+``MEGALITE_KERNELS`` (read at every call, so tests can switch it):
+
+* ``auto`` (default): Triton when every tensor is on CUDA and Triton is installed, else the
+  PyTorch reference. This is the "same code path on a laptop" rule of DESIGN.md.
+* ``torch``: always the reference.
+* ``triton``: always the Triton kernel. On CPU that only works under the Triton interpreter
+  (``TRITON_INTERPRET=1`` set before megalite is imported); otherwise we raise one clear error
+  instead of letting Triton fail somewhere deep in its compiler.
+"""
+
+import os
+
+import torch
+
+from ._triton import HAVE_TRITON, INTERPRETED_AT_IMPORT, interpreter_enabled
+
+ENV_VAR = "MEGALITE_KERNELS"
+CHOICES = ("auto", "triton", "torch")
+
+
+def requested_backend() -> str:
+    """The value of ``MEGALITE_KERNELS`` (``auto`` when unset), validated."""
+    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV_VAR}={value!r}: expected one of {', '.join(CHOICES)}")
+    return value
+
+
+def kernel_backend(*tensors: torch.Tensor) -> str:
+    """``"triton"`` or ``"torch"``: what the kernels would run right now.
+
+    With tensors, the answer is for those tensors (``auto`` picks Triton only if all are on
+    CUDA); without, it is for the default device (CUDA if available). Raises ``RuntimeError``
+    when Triton is forced but cannot run here.
+    """
+    requested = requested_backend()
+    on_cuda = all(t.is_cuda for t in tensors) if tensors else torch.cuda.is_available()
+    if requested == "torch":
+        return "torch"
+    if requested == "auto":
+        return "triton" if HAVE_TRITON and on_cuda else "torch"
+    _check_triton_can_run(on_cuda)
+    return "triton"
+
+
+def _check_triton_can_run(on_cuda: bool) -> None:
+    if not on_cuda and not interpreter_enabled():
+        raise RuntimeError(
+            f"{ENV_VAR}=triton with CPU tensors: Triton kernels run on CPU only under the "
+            "Triton interpreter (set TRITON_INTERPRET=1 before importing megalite; slow, meant "
+            f"for tests). Otherwise use {ENV_VAR}=torch or auto."
+        )
+    if not on_cuda and not INTERPRETED_AT_IMPORT:
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 was set after megalite.kernels was imported, so its kernels "
+            "were not built for the interpreter; set it before the first import of megalite"
+        )
+    if not HAVE_TRITON:
+        raise RuntimeError(
+            f"{ENV_VAR}=triton but Triton is not installed; use {ENV_VAR}=torch or auto"
+        )
+
+
+def use_triton(*tensors: torch.Tensor, unsupported: str | None = None) -> bool:
+    """Whether a kernel call on ``tensors`` should take the Triton path.
+
+    ``unsupported`` is the reason the Triton kernel cannot handle these inputs (None when it
+    can): under ``auto`` we then quietly use the reference, under ``triton`` we raise.
+    """
+    if kernel_backend(*tensors) != "triton":
+        return False
+    if unsupported is None:
+        return True
+    if requested_backend() == "triton":
+        raise ValueError(f"{ENV_VAR}=triton but the Triton kernel does not support {unsupported}")
+    return False
