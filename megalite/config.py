@@ -324,6 +324,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         return value
     if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if annotation is float and isinstance(value, str):  # YAML 1.1 reads 3e-3 as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if annotation is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
     raise ConfigError(f"{key} must be {getattr(annotation, '__name__', annotation)}, got {value!r}")

@@ -1,0 +1,13 @@
+"""Shared fixtures: the builtin corpus is tokenized once per session, in this process, before any
+multi-process test forks ranks that would otherwise race to build it."""
+
+import pytest
+
+TEST_VOCAB = 500
+
+
+@pytest.fixture(scope="session")
+def builtin_corpus():
+    from megalite.data import builtin_data
+
+    return builtin_data(TEST_VOCAB)
