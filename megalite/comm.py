@@ -129,17 +129,18 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any) -> None:
         dist.broadcast(tensor, src=src, group=group)
 
 
-def send(tensor: torch.Tensor, peer: int) -> Any:
-    """Start sending `tensor` to global rank `peer`; wait on the returned handle before reuse."""
-    _record("send", tensor, None)
-    (work,) = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer)])
-    return work
-
-
-def recv(tensor: torch.Tensor, peer: int) -> Any:
-    """Start receiving into `tensor` from global rank `peer`; returns the handle to wait on."""
-    (work,) = dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, peer)])
-    return work
+def post_p2p(
+    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]
+) -> list[Any]:
+    """Start point-to-point sends and receives (tensor, global peer rank) as one batch and return
+    their handles, sends first. NCCL runs all p2p between two ranks on one stream, so a send
+    must be posted together with the receive that follows it, or both sides can wait on each
+    other (Megatron-LM's send_forward_recv_backward)."""
+    for tensor, _ in sends:
+        _record("send", tensor, None)
+    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+    return dist.batch_isend_irecv(ops)
 
 
 def barrier(group: Any = None) -> None:

@@ -87,6 +87,7 @@ class PipelineExecutor:
         loss_total = torch.zeros((), dtype=torch.float32, device=device)
         times = StepTimes()
         received: dict[tuple[Op, int, int], torch.Tensor] = {}
+        posted: dict[tuple[Op, int, int], tuple] = {}  # receives posted early with a send
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         input_grads: dict[tuple[int, int], torch.Tensor] = {}
         in_flight_sends: list[tuple[object, torch.Tensor | None]] = []
@@ -96,16 +97,23 @@ class PipelineExecutor:
             op = action.op
             if op in (Op.RECV_FORWARD, Op.RECV_BACKWARD):
                 start = time.perf_counter()
-                buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=device)
-                comm.recv(buffer, self._peer(action)).wait()
+                work, buffer, _ = posted.pop((op, *key), None) or self._post(receive=action)
+                work.wait()
                 received[(op, *key)] = buffer
                 times.wait_s += time.perf_counter() - start
-            elif op is Op.SEND_FORWARD:
-                output = saved[key][1] if torch.is_grad_enabled() else saved.pop(key)[1]
-                in_flight_sends.append((comm.send(output.detach(), self._peer(action)), output))
-            elif op is Op.SEND_BACKWARD:
-                grad = input_grads.pop(key)
-                in_flight_sends.append((comm.send(grad, self._peer(action)), None))
+            elif op.is_send:
+                if op is Op.SEND_FORWARD:
+                    output = saved[key][1] if torch.is_grad_enabled() else saved.pop(key)[1]
+                    message = output.detach().contiguous()  # SP shards can be strided views
+                else:
+                    output, message = None, input_grads.pop(key).contiguous()
+                following = schedule[index + 1] if index + 1 < len(schedule) else None
+                if following is None or following.op.is_send or following.op.is_compute:
+                    following = None
+                posts = self._post(receive=following, send=(message, self._peer(action)))
+                if following is not None:
+                    posted[(following.op, following.microbatch, following.chunk)] = posts
+                in_flight_sends.append((posts[2], output))
             else:
                 start = time.perf_counter()
                 if op is Op.FORWARD:
@@ -120,6 +128,19 @@ class PipelineExecutor:
         for work, _ in in_flight_sends:
             work.wait()
         return loss_total, times
+
+    def _post(self, receive: Action | None = None, send: tuple[torch.Tensor, int] | None = None):
+        """Post a receive (into a fresh buffer) and/or a send as one batch; returns
+        (receive handle, buffer, send handle), with None for what was not posted."""
+        buffer = None
+        recvs = []
+        if receive is not None:
+            buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.ps.device)
+            recvs = [(buffer, self._peer(receive))]
+        works = comm.post_p2p([send] if send is not None else [], recvs)
+        send_work = works[0] if send is not None else None
+        recv_work = works[-1] if receive is not None else None
+        return recv_work, buffer, send_work
 
     def _forward(self, action, micro_batches, received, saved, loss_weight) -> torch.Tensor:
         mb, c = action.microbatch, action.chunk

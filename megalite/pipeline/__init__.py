@@ -1,0 +1,1 @@
+"""Pipeline parallelism: stage assignment, schedules as data, p2p and the executor."""

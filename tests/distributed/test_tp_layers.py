@@ -1,0 +1,225 @@
+"""Each tensor-parallel layer equals its dense counterpart (outputs, input and weight gradients,
+relative error < 1e-5 in fp32 against float64), with and without sequence parallelism; the
+collectives of one transformer layer move the bytes theory predicts; dropout masks agree over
+tp ranks exactly where activations are replicated."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from equivalence import relative_error
+from multiproc import run_ranks
+
+from megalite import comm
+from megalite.config import load_config
+from megalite.models import GPT, BuildContext, Llama
+from megalite.models.common import dropout
+from megalite.parallel_state import build_parallel_state
+from megalite.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPRandom,
+    VocabParallelEmbedding,
+    init_parameters,
+    normal_init,
+    vocab_parallel_cross_entropy,
+)
+
+B, S, H, OUT = 2, 8, 16, 24
+TOL = 1e-5
+
+
+def _state(tp):
+    return build_parallel_state(tp, 1, torch.device("cpu"))
+
+
+def _dense(*tensors):
+    return [t.detach().double().requires_grad_() for t in tensors]
+
+
+def _seq_shard(t, ps, sp):
+    return t.chunk(ps.tp_size, dim=1)[ps.tp_rank] if sp else t
+
+
+def _column(tp, sp):
+    ps = _state(tp)
+    torch.manual_seed(0)  # the same full tensors on every rank
+    w, bias, x, g = (
+        torch.randn(OUT, H),
+        torch.randn(OUT),
+        torch.randn(B, S, H),
+        torch.randn(B, S, OUT),
+    )
+    layer = ColumnParallelLinear(H, OUT, ps, bias=True, init=normal_init(1.0), sequence_parallel=sp)
+    layer.weight.data.copy_(w.chunk(tp, 0)[ps.tp_rank])
+    layer.bias.data.copy_(bias.chunk(tp, 0)[ps.tp_rank])
+    x_in = _seq_shard(x, ps, sp).clone().requires_grad_()
+    y = layer(x_in)  # (b, s, out/tp)
+    (y * g.chunk(tp, -1)[ps.tp_rank]).sum().backward()
+
+    wd, bd, xd = _dense(w, bias, x)
+    yd = F.linear(xd, wd, bd)
+    (yd * g.double()).sum().backward()
+    r = ps.tp_rank
+    return {
+        "out": relative_error(y.double(), yd.chunk(tp, -1)[r]),
+        "dx": relative_error(x_in.grad.double(), _seq_shard(xd.grad, ps, sp)),
+        "dw": relative_error(layer.weight.grad.double(), wd.grad.chunk(tp, 0)[r]),
+        "db": relative_error(layer.bias.grad.double(), bd.grad.chunk(tp, 0)[r]),
+    }
+
+
+def _row(tp, sp):
+    ps = _state(tp)
+    torch.manual_seed(0)
+    w, bias, x, g = (
+        torch.randn(OUT, H),
+        torch.randn(OUT),
+        torch.randn(B, S, H),
+        torch.randn(B, S, OUT),
+    )
+    layer = RowParallelLinear(H, OUT, ps, bias=True, init=normal_init(1.0), sequence_parallel=sp)
+    layer.weight.data.copy_(w.chunk(tp, 1)[ps.tp_rank])
+    layer.bias.data.copy_(bias)
+    x_in = x.chunk(tp, -1)[ps.tp_rank].clone().requires_grad_()  # input already split
+    y = layer(x_in)  # (b, s, out), or (b, s/tp, out) under SP
+    (y * _seq_shard(g, ps, sp)).sum().backward()
+    bias_grad = layer.bias.grad.clone()
+    if layer.bias.meta.tp_grad_reduce:  # what finalize_grads does for partial gradients
+        dist.all_reduce(bias_grad, group=ps.tp_group)
+
+    wd, bd, xd = _dense(w, bias, x)
+    yd = F.linear(xd, wd, bd)
+    (yd * g.double()).sum().backward()
+    r = ps.tp_rank
+    return {
+        "out": relative_error(y.double(), _seq_shard(yd, ps, sp)),
+        "dx": relative_error(x_in.grad.double(), xd.grad.chunk(tp, -1)[r]),
+        "dw": relative_error(layer.weight.grad.double(), wd.grad.chunk(tp, 1)[r]),
+        "db": relative_error(bias_grad.double(), bd.grad),
+    }
+
+
+def _embedding(tp, sp):
+    ps = _state(tp)
+    vocab = 50  # padded to a multiple of tp * 4 rows
+    layer = VocabParallelEmbedding(
+        vocab, H, ps, round_to=4, init=normal_init(1.0), sequence_parallel=sp
+    )
+    torch.manual_seed(0)
+    padded = layer.rows_per_rank * tp
+    w, ids, g = torch.randn(padded, H), torch.randint(0, vocab, (B, S)), torch.randn(B, S, H)
+    layer.weight.data.copy_(w.chunk(tp, 0)[ps.tp_rank])
+    y = layer(ids)
+    (y * _seq_shard(g, ps, sp)).sum().backward()
+    (wd,) = _dense(w)
+    yd = F.embedding(ids, wd)
+    (yd * g.double()).sum().backward()
+    return {
+        "out": relative_error(y.double(), _seq_shard(yd, ps, sp)),
+        "dw": relative_error(layer.weight.grad.double(), wd.grad.chunk(tp, 0)[ps.tp_rank]),
+    }
+
+
+def _cross_entropy(tp, sp):
+    ps = _state(tp)
+    vocab, padded = 45, 48  # the 3 padding columns must never be predicted
+    torch.manual_seed(0)
+    logits, targets, g = (
+        torch.randn(B, S, padded) * 3,
+        torch.randint(0, vocab, (B, S)),
+        torch.rand(B, S),
+    )
+    local = logits.chunk(tp, -1)[ps.tp_rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(
+        local, targets, ps.tp_group, ps.tp_rank * padded // tp, vocab
+    )
+    (loss * g).sum().backward()
+    (ld,) = _dense(logits)
+    padded_ld = torch.cat([ld[..., :vocab], torch.full_like(ld[..., vocab:], float("-inf"))], -1)
+    lossd = F.cross_entropy(padded_ld.flatten(0, 1), targets.flatten(), reduction="none").view(B, S)
+    (lossd * g.double()).sum().backward()
+    return {
+        "out": relative_error(loss.double(), lossd),
+        "dlogits": relative_error(local.grad.double(), ld.grad.chunk(tp, -1)[ps.tp_rank]),
+    }
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [_column, _row, _embedding, _cross_entropy],
+    ids=["column", "row", "embedding", "cross_entropy"],
+)
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+def test_layer_matches_dense(layer, tp, sp):
+    for rank, errors in enumerate(run_ranks(tp, layer, tp, sp)):
+        assert all(e < TOL for e in errors.values()), f"rank {rank}: {errors}"
+
+
+def _layer_traffic(arch, tp, sp):
+    """Collectives of one transformer layer's forward and backward."""
+    ps = _state(tp)
+    overrides = [f"model.arch={arch}", "model.hidden=32", "model.n_heads=4", "model.seq_len=16"]
+    cfg = load_config(None, overrides)
+    ctx = BuildContext(cfg.model, ps, TPRandom(0, ps), sequence_parallel=sp)
+    chunk = (GPT if arch == "gpt" else Llama)(ctx, range(1), has_embedding=False, has_head=False)
+    init_parameters(chunk, 0, ps)
+    torch.manual_seed(0)
+    x = _seq_shard(torch.randn(B, 16, 32), ps, sp).requires_grad_()
+    with comm.record_collectives() as forward:
+        y = chunk(x)
+    with comm.record_collectives() as backward:
+        y.sum().backward()
+    return [(r.op, r.bytes, r.group_size) for r in forward], [(r.op, r.bytes) for r in backward]
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+def test_layer_collectives_match_theory(arch, sp):
+    """Without SP: 2 all-reduces forward and 2 backward of the (b, s, h) activation. With SP the
+    same bytes move as all-gathers and reduce-scatters (one all-reduce = one reduce-scatter +
+    one all-gather in a ring)."""
+    tp = 2
+    full = B * 16 * 32 * 4  # bytes of the (b, s, h) fp32 activation
+    forward, backward = run_ranks(tp, _layer_traffic, arch, tp, sp)[0]
+    if not sp:
+        assert forward == [("all_reduce", full, tp)] * 2
+        assert backward == [("all_reduce", full)] * 2
+    else:
+        assert forward == [("all_gather", full, tp), ("reduce_scatter", full, tp)] * 2
+        assert sorted(backward) == sorted([("all_gather", full), ("reduce_scatter", full)] * 2)
+
+    def wire(ops):  # bytes each rank sends in a ring implementation
+        per_op = {
+            "all_reduce": 2 * (tp - 1) / tp,
+            "all_gather": (tp - 1) / tp,
+            "reduce_scatter": (tp - 1) / tp,
+        }
+        return sum(per_op[op[0]] * op[1] for op in ops)
+
+    assert wire(forward) == wire(backward) == 2 * 2 * (tp - 1) / tp * full
+
+
+def _dropout_masks(tp):
+    ps = _state(tp)
+    cfg = load_config(None, ["model.hidden=32", "model.n_heads=4", "model.dropout=0.5"])
+    ctx = BuildContext(cfg.model, ps, TPRandom(7, ps))
+    torch.manual_seed(7)
+    x = torch.ones(4, 64)
+    replicated = dropout(x, 0.5, True, ctx, split=False)
+    split = dropout(x, 0.5, True, ctx, split=True)
+    masks = []
+    for mask in (replicated, split):
+        gathered = [torch.empty_like(mask) for _ in range(tp)]
+        dist.all_gather(gathered, mask, group=ps.tp_group)
+        masks.append(gathered)
+    return masks
+
+
+def test_dropout_masks_follow_the_sharding():
+    replicated, split = run_ranks(2, _dropout_masks, 2)[0]
+    assert torch.equal(replicated[0], replicated[1]), "replicated activations need equal masks"
+    assert not torch.equal(split[0], split[1]), "split activations need different masks"
+    again = run_ranks(2, _dropout_masks, 2)[0]
+    assert all(torch.equal(a, b) for a, b in zip(replicated + split, again[0] + again[1]))

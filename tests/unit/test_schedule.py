@@ -1,0 +1,247 @@
+"""Pipeline schedules: hand-checked lists, the papers' bubble and memory formulas measured by the
+simulator, and an exhaustive sweep over small layouts for p2p order, deadlock and coverage."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from megalite.errors import MegaliteError
+from megalite.pipeline.schedule import (
+    Action,
+    Op,
+    ScheduleError,
+    build_schedule,
+    interleaved_warmup,
+    peer_of,
+    virtual_stage,
+)
+from megalite.pipeline.simulate import SimResult, simulate, validate
+
+
+def schedules(kind: str, pp: int, m: int, vpp: int = 1, group: int | None = None):
+    return [build_schedule(kind, pp, rank, m, vpp, group) for rank in range(pp)]
+
+
+def run(
+    kind: str, pp: int, m: int, vpp: int = 1, group: int | None = None, f=1.0, b=2.0, p2p=0.0
+) -> SimResult:
+    """Build, validate and simulate every rank's list (cached: several tests read one run)."""
+    return _run(kind, pp, m, vpp, group, f, b, p2p)
+
+
+@functools.cache
+def _run(kind: str, pp: int, m: int, vpp: int, group: int | None, f, b, p2p) -> SimResult:
+    lists = schedules(kind, pp, m, vpp, group)
+    validate(lists, pp, vpp, m)
+    return simulate(lists, pp, vpp, f, b, p2p)
+
+
+def codes(actions: list[Action]) -> list[str]:
+    """Short form: op code and micro-batch, plus `.chunk` when the chunk is not 0."""
+    return [f"{a.op.value}{a.microbatch}" + (f".{a.chunk}" if a.chunk else "") for a in actions]
+
+
+def group_sizes(pp: int, vpp: int, m: int) -> list[int | None]:
+    """Interleaved group sizes N to try. With pp = 2, where activations and gradients share one
+    rank pair, every accepted N (pp <= N <= m, m % N == 0 or >= pp); otherwise the default (pp),
+    one group of all m, and the smallest N that leaves an accepted partial last group."""
+    if vpp == 1:
+        return [None]
+    accepted = [n for n in range(pp, m + 1) if m % n == 0 or m % n >= pp]
+    if pp == 2:
+        return accepted
+    partial = [n for n in accepted if m % n][:1]
+    return sorted({n for n in (pp, m) if n in accepted} | set(partial))
+
+
+def test_1f1b_pp2_m3_by_hand():
+    # Rank 0 warms up with one forward; rank 1 (last stage) starts 1F1B at once.
+    assert codes(build_schedule("1f1b", 2, 0, 3)) == (
+        "F0 SF0 F1 SF1 RB0 B0 F2 SF2 RB1 B1 RB2 B2".split()
+    )
+    assert codes(build_schedule("1f1b", 2, 1, 3)) == (
+        "RF0 F0 B0 SB0 RF1 F1 B1 SB1 RF2 F2 B2 SB2".split()
+    )
+
+
+def test_interleaved_pp2_forward_order_by_hand():
+    # Groups of N=2: chunk 0 of mbs 0,1, then chunk 1 of mbs 0,1, then the next group.
+    # Rank 0 warms up with min((2-0-1)*2 + (2-1)*2, 8) = 4 forwards.
+    forwards = [a for a in build_schedule("interleaved", 2, 0, 4, vpp=2) if a.op.is_compute]
+    assert codes(forwards) == (
+        "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3".split()
+    )
+
+
+def test_pp2_receives_follow_the_send_order():
+    """With pp=2 both directions share one rank pair. With groups larger than pp, rank 0 sends
+    the gradient for (mb 0, chunk 0) before the activation of (mb 3, chunk 1), so rank 1 must
+    receive it first, although it needs it later."""
+    rank1 = build_schedule("interleaved", 2, 1, 4, vpp=2, group_size=4)
+    gradient = rank1.index(Action(Op.RECV_BACKWARD, 0, 0))
+    activation = rank1.index(Action(Op.RECV_FORWARD, 3, 1))
+    assert gradient == activation - 1
+    simulate(schedules("interleaved", 2, 4, 2, 4), 2, 2)
+
+
+def test_stages_and_peers():
+    assert virtual_stage(pp_rank=1, chunk=2, pp_size=4) == 9
+    # The last rank's chunk 0 feeds rank 0's chunk 1, and gets its gradient back from it.
+    assert peer_of(Action(Op.SEND_FORWARD, 0, 0), 3, 4, 2) == (0, 1)
+    assert peer_of(Action(Op.RECV_BACKWARD, 0, 0), 3, 4, 2) == (0, 1)
+    assert peer_of(Action(Op.RECV_FORWARD, 0, 1), 0, 4, 2) == (3, 0)
+    assert peer_of(Action(Op.SEND_BACKWARD, 5, 1), 2, 4, 2) == (1, 1)
+    with pytest.raises(ScheduleError, match="no peer"):
+        peer_of(Action(Op.RECV_FORWARD, 0, 0), 0, 4, 2)  # the first virtual stage
+    with pytest.raises(ScheduleError, match="no peer"):
+        peer_of(Action(Op.SEND_FORWARD, 0, 1), 3, 4, 2)  # the last virtual stage
+    with pytest.raises(ScheduleError, match="compute"):
+        peer_of(Action(Op.FORWARD, 0, 0), 1, 4, 2)
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", range(1, 11))
+def test_interleaved_with_one_chunk_is_1f1b(pp: int, m: int):
+    assert schedules("interleaved", pp, m) == schedules("1f1b", pp, m)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp", [2, 3, 4])
+@pytest.mark.parametrize("costs", [(1.0, 1.0), (1.0, 2.0)])
+def test_bubble_1f1b_and_gpipe(kind: str, pp: int, costs: tuple[float, float]):
+    """Every rank idles (P - 1)(f + b): the bubble is (P - 1) / m of the compute time."""
+    f, b = costs
+    for m in range(1, 13):
+        result = run(kind, pp, m, f=f, b=b)
+        assert result.makespan == pytest.approx((m + pp - 1) * (f + b))
+        assert result.idle == pytest.approx([(pp - 1) * (f + b)] * pp)
+        assert result.bubble_ratio == pytest.approx((pp - 1) / m)
+        assert result.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+@pytest.mark.parametrize("vpp", [2, 3])
+@pytest.mark.parametrize("costs", [(1.0, 1.0), (1.0, 2.0)])
+def test_bubble_interleaved(pp: int, vpp: int, costs: tuple[float, float]):
+    """Costs are per chunk, so a rank computes vpp * m * (f + b) and idles (P - 1)(f + b):
+    the bubble is (P - 1) / (vpp * m) for every group size tried, partial last groups included."""
+    f, b = costs
+    for m in range(pp, 13):
+        for group in group_sizes(pp, vpp, m):
+            result = run("interleaved", pp, m, vpp, group, f, b)
+            assert result.idle == pytest.approx([(pp - 1) * (f + b)] * pp), (m, group)
+            assert result.bubble_ratio == pytest.approx((pp - 1) / (vpp * m))
+            assert result.bubble_fraction == pytest.approx((pp - 1) / (vpp * m + pp - 1))
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_peak_activations_1f1b_and_gpipe(pp: int):
+    for m in range(1, 10):
+        peak_1f1b = run("1f1b", pp, m).peak_in_flight
+        assert peak_1f1b == [min(pp - rank, m) for rank in range(pp)]
+        assert run("gpipe", pp, m).peak_in_flight == [m] * pp
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+@pytest.mark.parametrize("vpp", [2, 3])
+def test_peak_activations_interleaved(pp: int, vpp: int):
+    """Rank 0 holds its warmup forwards plus one: min(2(P-1) + (V-1)N + 1, mV) chunks. With
+    N = P and m > P that is P + (P-1)/V micro-batches' worth, DESIGN's (1 + (P-1)/(P V)) * P;
+    with m = P every forward is in flight at once: P micro-batches' worth."""
+    for m in range(pp, 13):
+        for group in group_sizes(pp, vpp, m):
+            result = run("interleaved", pp, m, vpp, group)
+            warmups = [2 * (pp - rank - 1) + (vpp - 1) * group for rank in range(pp)]
+            assert warmups == [interleaved_warmup(pp, rank, vpp, group) for rank in range(pp)]
+            expected = [min(warmup + 1, m * vpp) for warmup in warmups]
+            assert result.peak_in_flight == expected, (m, group)
+    for m in (2 * pp, 3 * pp):
+        result = run("interleaved", pp, m, vpp)
+        design = (1 + (pp - 1) / (pp * vpp)) * pp
+        assert result.peak_in_flight_microbatches[0] == pytest.approx(design)
+    first_group_only = run("interleaved", pp, pp, vpp)
+    assert first_group_only.peak_in_flight_microbatches[0] == pp
+
+
+@pytest.mark.parametrize(
+    "kind,vpp",
+    [("gpipe", 1), ("gpipe", 2), ("gpipe", 3), ("1f1b", 1)]
+    + [("interleaved", v) for v in (1, 2, 3)],  # 1f1b has one chunk per rank
+)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_every_layout_runs(kind: str, pp: int, vpp: int):
+    """Complete, ordered, p2p-matched and deadlock-free, also when messages take time."""
+    for m in range(1, 13):
+        if kind == "interleaved" and vpp > 1 and m < pp:
+            continue
+        for group in group_sizes(pp, vpp, m) if kind == "interleaved" else [None]:
+            run(kind, pp, m, vpp, group, p2p=0.3)
+
+
+@pytest.mark.parametrize("pp,vpp", [(2, 1), (2, 3), (4, 2)])
+def test_forward_only_gpipe_lists_run(pp: int, vpp: int):
+    """Evaluation runs the forward actions of a GPipe list alone: they must match by themselves."""
+    forward_ops = (Op.FORWARD, Op.RECV_FORWARD, Op.SEND_FORWARD)
+    for m in range(1, 7):
+        lists = [[a for a in s if a.op in forward_ops] for s in schedules("gpipe", pp, m, vpp)]
+        assert simulate(lists, pp, vpp).peak_in_flight == [m * vpp] * pp
+
+
+@pytest.mark.parametrize(
+    "kind,pp,rank,m,vpp,group,rule",
+    [
+        ("interleaved", 2, 0, 1, 2, None, "num_microbatches >= pp"),
+        ("interleaved", 4, 0, 8, 2, 3, "pp <= microbatch_group_size <= num_microbatches"),
+        ("interleaved", 2, 0, 4, 2, 5, "pp <= microbatch_group_size <= num_microbatches"),
+        ("interleaved", 2, 0, 3, 2, None, "0 or >= pp"),
+        ("interleaved", 4, 0, 6, 3, 4, "0 or >= pp"),
+        ("interleaved", 1, 0, 4, 2, None, "virtual stages need a pipeline"),
+        ("gpipe", 1, 0, 4, 2, None, "virtual stages need a pipeline"),
+        ("1f1b", 2, 0, 4, 2, None, "1f1b runs one chunk per rank"),
+        ("pipedream", 2, 0, 4, 1, None, "unknown pipeline schedule"),
+        ("1f1b", 2, 0, 0, 1, None, "num_microbatches >= 1"),
+        ("interleaved", 2, 0, 4, 0, None, "vpp must be >= 1"),
+        ("1f1b", 2, 2, 4, 1, None, "not in 0..pp-1"),
+    ],
+)
+def test_impossible_layouts_name_the_rule(kind, pp, rank, m, vpp, group, rule):
+    with pytest.raises(ScheduleError, match=rule) as error:
+        build_schedule(kind, pp, rank, m, vpp, group)
+    assert isinstance(error.value, ValueError) and isinstance(error.value, MegaliteError)
+
+
+def test_simulator_reports_p2p_mismatch():
+    rank0, rank1 = schedules("1f1b", 2, 2)
+    send0, send1 = (
+        rank0.index(Action(Op.SEND_FORWARD, 0, 0)),
+        rank0.index(Action(Op.SEND_FORWARD, 1, 0)),
+    )
+    rank0[send0], rank0[send1] = rank0[send1], rank0[send0]
+    with pytest.raises(ScheduleError, match="from rank 0 to rank 1, message 0: .* mb 1 .* mb 0"):
+        simulate([rank0, rank1], 2, 1)
+    with pytest.raises(ScheduleError, match="2 sends but 1 receives"):
+        simulate([schedules("1f1b", 2, 2)[0], rank1[:-4]], 2, 1)
+
+
+def test_simulator_reports_deadlock():
+    # Rank 0 waits for a gradient before sending the activation that rank 1 waits for.
+    rank0 = [Action(Op.FORWARD, 0, 0), Action(Op.RECV_BACKWARD, 0, 0)]
+    rank0 += [Action(Op.SEND_FORWARD, 0, 0), Action(Op.BACKWARD, 0, 0)]
+    rank1 = schedules("1f1b", 2, 1)[1]
+    with pytest.raises(ScheduleError, match="deadlocks: rank 0 waits at RECV_BACKWARD"):
+        simulate([rank0, rank1], 2, 1)
+
+
+def test_validate_catches_incomplete_or_misordered_lists():
+    rank0, rank1 = schedules("1f1b", 2, 3)
+    with pytest.raises(ScheduleError, match="BACKWARD\\(mb=2, chunk=0\\) appears 0 times"):
+        validate([rank0[:-1], rank1], 2, 1, 3)
+    with pytest.raises(ScheduleError, match="appears 2 times"):
+        validate([rank0 + rank0[:1], rank1], 2, 1, 3)
+    backward_first = rank1[2:3] + rank1[:2] + rank1[3:]  # B0 before RF0 F0
+    with pytest.raises(ScheduleError, match="comes before"):
+        validate([rank0, backward_first], 2, 1, 3)
+    with pytest.raises(ScheduleError, match="one per pp rank"):
+        validate([rank0], 2, 1, 3)
