@@ -26,6 +26,8 @@ from megalite.pipeline.schedule import Action, Op, peer_of, virtual_stage
 class StepTimes:
     compute_s: float = 0.0
     wait_s: float = 0.0
+    peak_in_flight: int = 0
+    """Most (micro-batch, chunk) activations held at once (what the simulator predicts)."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -118,6 +120,7 @@ class PipelineExecutor:
                 start = time.perf_counter()
                 if op is Op.FORWARD:
                     loss_total += self._forward(action, micro_batches, received, saved, loss_weight)
+                    times.peak_in_flight = max(times.peak_in_flight, len(saved))
                 else:
                     if index == last_backward[action.chunk]:
                         for buffer in self.buffers_of_chunk[action.chunk]:

@@ -90,6 +90,12 @@ def train(cfg: Config) -> dict[str, float]:
     out_dir, start_step = Path(t.out_dir), 0
     ckpt_root = out_dir / "checkpoints"
     resume_from = find_checkpoint(ckpt_root, cfg.checkpoint.resume)
+    if resume_from is None and any(ckpt_root.glob("step_*")):
+        raise TrainingError(
+            f"{ckpt_root} already holds checkpoints of another run and checkpoint.resume=none "
+            "would overwrite them: use checkpoint.resume=auto to continue it, or another "
+            "train.out_dir"
+        )
     if resume_from is not None:
         state = load_checkpoint(resume_from, run)
         start_step = state["step"]

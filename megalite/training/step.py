@@ -22,7 +22,9 @@ class StepMetrics:
     skipped: bool
     """fp16 overflow: the update was skipped and the loss scale lowered."""
     bubble_fraction: float
-    """Share of this rank's schedule spent waiting on pipeline receives."""
+    """Share of the schedule spent waiting on pipeline receives, averaged over pp ranks."""
+    peak_in_flight: int
+    """Most micro-batch activations this rank held at once."""
 
 
 def micro_batches(tokens: torch.Tensor, micro_batch_size: int) -> list[MicroBatch]:
@@ -57,7 +59,11 @@ def train_step(run: Run, tokens: torch.Tensor, lr: float) -> StepMetrics:
     if not skipped:
         coefficient = clip_coefficient(grad_norm, cfg.optim.grad_clip)
         run.optimizer.step(lr, grad_scale=coefficient / run.scaler.scale)
-    return StepMetrics(global_loss(local_loss, run), grad_norm, skipped, times.bubble_fraction)
+    bubble = torch.tensor(times.bubble_fraction / run.ps.pp_size, device=run.ps.device)
+    comm.all_reduce(bubble, run.ps.pp_group)
+    return StepMetrics(
+        global_loss(local_loss, run), grad_norm, skipped, bubble.item(), times.peak_in_flight
+    )
 
 
 @torch.no_grad()

@@ -3,7 +3,16 @@ vpp in {1, 2}, GPT (tied embeddings across the first and last stage) and Llama, 
 micro-batch group, and pp = 2 combined with tp = 2 and sequence parallelism."""
 
 import pytest
-from equivalence import assert_equivalent
+import torch
+from equivalence import TINY, assert_equivalent
+from multiproc import run_ranks
+
+from megalite.config import load_config
+from megalite.parallel_state import build_parallel_state
+from megalite.pipeline.schedule import build_schedule
+from megalite.pipeline.simulate import simulate
+from megalite.training.setup import build_run
+from megalite.training.step import train_step
 
 GPT = ("model.arch=gpt",)
 LLAMA = ("model.arch=llama", "model.n_kv_heads=2")
@@ -44,3 +53,30 @@ def test_interleaved_with_a_partial_microbatch_group(builtin_corpus, tmp_path):
 def test_pp_with_tp_and_sp(builtin_corpus, tmp_path, model):
     layout = ("parallel.pp=2", "parallel.tp=2", "parallel.sp=true")
     assert_equivalent(4, model, layout, tmp_path)
+
+
+def _peaks(schedule, pp, num_microbatches):
+    overrides = [
+        *TINY,
+        f"parallel.pp={pp}",
+        f"parallel.schedule={schedule}",
+        f"train.global_batch_size={2 * num_microbatches}",
+    ]
+    cfg = load_config(None, overrides)
+    ps = build_parallel_state(1, pp, torch.device("cpu"))
+    run = build_run(cfg, ps, num_microbatches)
+    torch.manual_seed(0)
+    metrics = train_step(run, torch.randint(0, 500, (2 * num_microbatches, 33)), 1e-3)
+    return metrics.peak_in_flight, metrics.bubble_fraction
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_activations_held_match_the_simulator(schedule):
+    """The executor frees a micro-batch's activations after its backward: the number it holds
+    at once is the simulator's peak (1F1B: pp - rank; GPipe: every micro-batch)."""
+    pp, m = 2, 6
+    measured = run_ranks(pp, _peaks, schedule, pp, m)
+    simulated = simulate([build_schedule(schedule, pp, r, m) for r in range(pp)], pp, 1)
+    assert [peak for peak, _ in measured] == simulated.peak_in_flight
+    assert simulated.peak_in_flight == ([2, 1] if schedule == "1f1b" else [6, 6])
+    assert all(0 < bubble < 1 for _, bubble in measured)  # measured and reported on every rank

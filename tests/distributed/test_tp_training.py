@@ -2,7 +2,7 @@
 tp in {2, 4}, SP on and off, 10 steps."""
 
 import pytest
-from equivalence import assert_equivalent
+from equivalence import TINY, assert_equivalent, run_layout
 
 GPT = ("model.arch=gpt",)
 LLAMA = ("model.arch=llama", "model.n_kv_heads=2")  # tp = 4 > kv heads: shared kv heads
@@ -13,3 +13,17 @@ LLAMA = ("model.arch=llama", "model.n_kv_heads=2")  # tp = 4 > kv heads: shared 
 @pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
 def test_tp_matches_single_process(builtin_corpus, tmp_path, model, tp, sp):
     assert_equivalent(tp, model, (f"parallel.tp={tp}", f"parallel.sp={str(sp).lower()}"), tmp_path)
+
+
+@pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt", "llama"])
+def test_dropout_run_is_reproducible(builtin_corpus, tmp_path, model):
+    """With dropout the masks differ from tp = 1's, so the run cannot equal it; it must be
+    reproducible from the seed, and dropout must actually act."""
+    layout = model + ("parallel.tp=2", "parallel.sp=true", "model.dropout=0.1")
+    first, _ = run_layout(2, TINY + layout, tmp_path / "first")
+    second, _ = run_layout(2, TINY + layout, tmp_path / "second")
+    without, _ = run_layout(
+        2, TINY + model + ("parallel.tp=2", "parallel.sp=true"), tmp_path / "off"
+    )
+    assert first == second
+    assert all(a[0] != b[0] for a, b in zip(first, without))
