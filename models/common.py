@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from megalite.kernels import bias_gelu, flash_attention, swiglu
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
 from megalite.parallel_state import ParallelState
@@ -28,6 +27,7 @@ from megalite.tensor_parallel import (
     constant_init,
     make_param,
     normal_init,
+    recompute,
     tp_input,
 )
 
@@ -125,7 +125,7 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) 
     scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)  # (b, heads, s, s)
     seq = q.shape[2]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-    probs = scores.masked_fill(~causal, float("-inf")).float().softmax(-1).to(q.dtype)
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)  # kept in the input dtype
     probs = F.dropout(probs, p, True)
     return (probs @ v).transpose(1, 2)  # (b, s, heads, hd)
 
@@ -185,9 +185,7 @@ class Attention(nn.Module):
                 return math_attention(q, k, v, p)
 
         if self.ctx.recompute == "selective":  # Korthikanti et al.: drop the s x s tensors
-            return checkpoint(
-                dropped, q, k, v, use_reentrant=False, context_fn=tp_random.recompute_context
-            )
+            return recompute(dropped, q, k, v, tp_random=tp_random)
         return dropped(q, k, v)
 
 
@@ -286,9 +284,7 @@ class CausalLM(nn.Module):
         limit = self.ctx.recompute_layers
         for n, layer in enumerate(self.layers.values()):
             if self.ctx.recompute == "full" and self.training and (limit is None or n < limit):
-                x = checkpoint(
-                    layer, x, use_reentrant=False, context_fn=self.ctx.tp_random.recompute_context
-                )
+                x = recompute(layer, x, tp_random=self.ctx.tp_random)
             else:
                 x = layer(x)
         if not self.has_head:

@@ -24,7 +24,7 @@ from megalite.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_region,
     scatter_to_sequence_region,
 )
-from megalite.tensor_parallel.random import TPRandom, init_parameters
+from megalite.tensor_parallel.random import TPRandom, init_parameters, recompute
 
 __all__ = [
     "ColumnParallelLinear",
@@ -42,6 +42,7 @@ __all__ = [
     "make_param",
     "normal_init",
     "padded_vocab_size",
+    "recompute",
     "reduce_from_tp_region",
     "reduce_scatter_to_sequence_region",
     "scatter_to_sequence_region",

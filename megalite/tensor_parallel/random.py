@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megalite.parallel_state import ParallelState
 
@@ -86,3 +87,15 @@ class TPRandom:
                 self.state = after
 
         return contextlib.nullcontext(), replay()
+
+
+checkpoint_input_logs: list[list[torch.Tensor]] = []
+"""Lists that `recompute` appends its inputs to (profiling.memory counts them)."""
+
+
+def recompute(fn: Callable[..., torch.Tensor], *args: torch.Tensor, tp_random: TPRandom):
+    """fn(*args) without keeping its activations: backward runs fn again. Both torch's RNG and
+    the tp stream replay, so dropout masks match the original forward."""
+    for log in checkpoint_input_logs:
+        log.extend(args)
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=tp_random.recompute_context)

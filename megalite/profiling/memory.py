@@ -1,0 +1,100 @@
+"""Memory: the formulas (Korthikanti et al. 2022 for activations, mixed-precision Adam for the
+static part), a counter of what autograd actually keeps for backward, and a per-rank estimate
+for a config that uses the pipeline simulator for the number of micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megalite.config import Config
+from megalite.pipeline.schedule import build_schedule
+from megalite.pipeline.simulate import simulate
+from megalite.tensor_parallel.random import checkpoint_input_logs
+
+
+def activation_bytes_per_layer(
+    s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none",
+    flash: bool = False,
+) -> float:
+    """Bytes one transformer layer keeps for backward with 16-bit activations and dropout
+    (Korthikanti et al. 2022, table 2). A flash kernel drops the 5as/h attention term."""
+    attention = 0.0 if flash or recompute == "selective" else 5 * a * s / h
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)  # only the layer input
+    if sp:
+        return s * b * h / t * (34 + attention)
+    return s * b * h * (10 + 24 / t + attention / t)
+
+
+def static_bytes_per_param(dp: int, zero: int) -> float:
+    """16-bit param (2) + fp32 main grad (4) + fp32 master, m, v (12, sharded by ZeRO-1)."""
+    return 2 + 4 + 12 / (dp if zero else 1)
+
+
+@dataclass
+class SavedBytes:
+    total: int = 0
+
+
+@contextlib.contextmanager
+def count_saved_activations(exclude: Sequence[torch.Tensor] = ()) -> Iterator[SavedBytes]:
+    """Bytes of distinct tensors kept for backward inside the block (autograd's saved tensors
+    plus the inputs that recompute checkpoints keep outside them), not counting `exclude`
+    (the parameters)."""
+    seen = {t.untyped_storage().data_ptr() for t in exclude}
+    result = SavedBytes()
+    checkpointed: list[torch.Tensor] = []
+
+    def add(tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            result.total += storage.nbytes()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        add(tensor)
+        return tensor
+
+    checkpoint_input_logs.append(checkpointed)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield result
+    finally:
+        checkpoint_input_logs.remove(checkpointed)
+        for tensor in checkpointed:
+            add(tensor)
+
+
+def in_flight_microbatches(cfg: Config, dp: int) -> float:
+    """Micro-batches' worth of its layers the first pipeline stage holds at its peak."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return 1.0
+    m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    schedules = [
+        build_schedule(p.schedule, p.pp, r, m, p.vpp, p.microbatch_group_size) for r in range(p.pp)
+    ]
+    return simulate(schedules, p.pp, p.vpp).peak_in_flight_microbatches[0]
+
+
+def estimate(cfg: Config, world_size: int, params_per_rank: int) -> dict[str, float]:
+    """Bytes per rank of the first pipeline stage: parameters, gradients, optimizer state and
+    activations (16-bit training; `params_per_rank` counts this rank's shards)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    dp = world_size // (p.tp * p.pp)
+    per_layer = activation_bytes_per_layer(
+        m.seq_len, t.micro_batch_size, m.hidden, m.n_heads, p.tp, p.sp, t.recompute,
+        flash=m.dropout == 0.0,
+    )
+    layers_per_stage = m.n_layers / p.pp
+    return {
+        "params": 2 * params_per_rank,
+        "grads": 4 * params_per_rank,
+        "optimizer": 12 * params_per_rank / (dp if p.zero else 1),
+        "activations": per_layer * layers_per_stage * in_flight_microbatches(cfg, dp),
+    }
