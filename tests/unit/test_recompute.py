@@ -4,9 +4,9 @@ et al. (2022) predict: s*b*h*(34 + 5*a*s/h), 34*s*b*h with selective, 2*s*b*h wi
 
 import pytest
 import torch
+from megalite.models import ARCHITECTURES, BuildContext
 
 from megalite.config import load_config
-from megalite.models import ARCHITECTURES, BuildContext
 from megalite.parallel_state import ParallelState
 from megalite.profiling.memory import activation_bytes_per_layer, count_saved_activations
 from megalite.tensor_parallel import TPRandom, init_parameters
