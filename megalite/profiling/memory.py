@@ -18,7 +18,13 @@ from megalite.tensor_parallel.random import checkpoint_input_logs
 
 
 def activation_bytes_per_layer(
-    s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none",
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int = 1,
+    sp: bool = False,
+    recompute: str = "none",
     flash: bool = False,
 ) -> float:
     """Bytes one transformer layer keeps for backward with 16-bit activations and dropout
@@ -88,7 +94,13 @@ def estimate(cfg: Config, world_size: int, params_per_rank: int) -> dict[str, fl
     m, p, t = cfg.model, cfg.parallel, cfg.train
     dp = world_size // (p.tp * p.pp)
     per_layer = activation_bytes_per_layer(
-        m.seq_len, t.micro_batch_size, m.hidden, m.n_heads, p.tp, p.sp, t.recompute,
+        m.seq_len,
+        t.micro_batch_size,
+        m.hidden,
+        m.n_heads,
+        p.tp,
+        p.sp,
+        t.recompute,
         flash=m.dropout == 0.0,
     )
     layers_per_stage = m.n_layers / p.pp
@@ -98,3 +110,26 @@ def estimate(cfg: Config, world_size: int, params_per_rank: int) -> dict[str, fl
         "optimizer": 12 * params_per_rank / (dp if p.zero else 1),
         "activations": per_layer * layers_per_stage * in_flight_microbatches(cfg, dp),
     }
+
+
+def first_stage_params(cfg: Config, world_size: int) -> int:
+    """Parameters held by tp rank 0 of the first pipeline stage, counted on the meta device
+    (no memory, no process group: the model is only built to be measured)."""
+    from megalite.models import ARCHITECTURES, BuildContext
+    from megalite.parallel_state import ParallelState
+    from megalite.pipeline.partition import chunk_layers
+    from megalite.tensor_parallel import TPRandom
+
+    p = cfg.parallel
+    dp = world_size // (p.tp * p.pp)
+    ps = ParallelState(0, world_size, p.tp, p.pp, dp, 0, 0, 0, torch.device("meta"))
+    ctx = BuildContext(cfg.model, ps, TPRandom.__new__(TPRandom), sequence_parallel=p.sp)
+    total = 0
+    for stage, layers in chunk_layers(
+        cfg.model.n_layers, p.pp, p.vpp, 0, p.embedding_layer_weight, p.head_layer_weight
+    ):
+        chunk = ARCHITECTURES[cfg.model.arch](
+            ctx, layers, has_embedding=stage == 0, has_head=stage == p.pp * p.vpp - 1
+        )
+        total += sum(param.numel() for param in chunk.parameters())
+    return total

@@ -1,0 +1,34 @@
+# The two commands of the README. Both create .venv and install megalite on first use.
+#   make train   train the tiny GPT on the builtin corpus (CPU, a few minutes), then sample
+#   make test    run the test suite
+# CUDA users: make train TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+CONFIG ?= configs/gpt-tiny.yaml
+RUN_DIR ?= runs/$(basename $(notdir $(CONFIG)))-$(shell date +%Y%m%d-%H%M%S)
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.megalite-installed
+
+.PHONY: setup train test lint
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet -e ".[test,plots]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+train: setup
+	$(BIN)/megalite train --config $(CONFIG) train.out_dir=$(RUN_DIR)
+	$(BIN)/megalite generate --checkpoint $(RUN_DIR)/checkpoints/$$(cat $(RUN_DIR)/checkpoints/latest) \
+		--prompt "And God said" --max-new-tokens 60 --temperature 0.8 --top-k 40
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+lint: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
