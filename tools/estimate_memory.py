@@ -4,7 +4,8 @@ activations (Korthikanti et al. 2022, times the micro-batches the schedule keeps
 taken from the pipeline simulator).
 
     python tools/estimate_memory.py --config configs/llama-7b.yaml --world-size 32
-    python tools/estimate_memory.py --config configs/gpt2-1.3b.yaml --world-size 8 train.recompute=none
+    python tools/estimate_memory.py --config configs/gpt2-1.3b.yaml --world-size 8 \
+        train.recompute=none
 """
 
 import argparse
