@@ -123,12 +123,6 @@ def split(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     return tensor.chunk(world, dim=dim)[rank(group)].contiguous()
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Any) -> None:
-    """Copy `tensor` from global rank `src` to every rank of the group, in place."""
-    if size(group) > 1:
-        dist.broadcast(tensor, src=src, group=group)
-
-
 def post_p2p(
     sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]
 ) -> list[Any]:

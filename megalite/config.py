@@ -74,6 +74,7 @@ class ModelConfig:
             self.ffn_hidden = (
                 4 * self.hidden if self.arch == "gpt" else 64 * math.ceil(8 * self.hidden / 3 / 64)
             )
+        _require(self.ffn_hidden >= 1, "model.ffn_hidden must be >= 1")
         _require(
             self.hidden % self.n_heads == 0,
             f"model.hidden ({self.hidden}) must be divisible by model.n_heads ({self.n_heads})",
@@ -162,7 +163,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "global_batch_size", "eval_steps"):
             _require(getattr(self, name) >= 1, f"train.{name} must be >= 1")
-        _require(self.log_interval >= 1 and self.eval_interval >= 1, "intervals must be >= 1")
+        _require(self.log_interval >= 1, "train.log_interval must be >= 1")
+        _require(self.eval_interval >= 1, "train.eval_interval must be >= 1")
         _require(
             self.precision in ("auto", "fp32", "bf16", "fp16"),
             f"train.precision must be fp32, bf16, fp16 or auto, got {self.precision!r}",
@@ -203,7 +205,13 @@ class OptimConfig:
         _require(self.lr > 0 and 0 <= self.min_lr <= self.lr, "need 0 <= optim.min_lr <= optim.lr")
         _require(self.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)")
-        _require(self.weight_decay >= 0 and self.grad_clip >= 0, "weight_decay, grad_clip >= 0")
+        _require(self.weight_decay >= 0, "optim.weight_decay must be >= 0")
+        _require(self.grad_clip >= 0, "optim.grad_clip must be >= 0 (0 disables clipping)")
+        _require(self.eps > 0, "optim.eps must be > 0")
+        _require(
+            self.decay_steps is None or self.decay_steps >= 1,
+            "optim.decay_steps must be >= 1 (or omitted: decay until train.steps)",
+        )
 
 
 @dataclass
@@ -322,20 +330,28 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         return value
     if annotation is int and isinstance(value, int) and not isinstance(value, bool):
         return value
-    if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if annotation is float and isinstance(value, str):  # YAML 1.1 reads 3e-3 as a string
-        try:
-            return float(value)
+    if annotation is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:  # YAML 1.1 reads 3e-3 as a string
+            number = float(value)
         except ValueError:
-            pass
+            number = math.nan
+        if math.isfinite(number):
+            return number
     if annotation is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
     raise ConfigError(f"{key} must be {getattr(annotation, '__name__', annotation)}, got {value!r}")
 
 
 def _unknown_key(key: str, valid: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    """Suggest the closest keys, comparing field names within the same section."""
+    section, _, name = key.rpartition(".")
+    same_section = [v for v in valid if section and v.startswith(section + ".")]
+    if same_section:
+        names = {v.rpartition(".")[2]: v for v in same_section}
+        close = [names[n] for n in difflib.get_close_matches(name, list(names), n=3, cutoff=0.5)]
+        valid = same_section
+    else:
+        close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else f"; valid keys: {', '.join(valid)}"
     return ConfigError(f"unknown config key {key!r}{hint}")
 
@@ -386,7 +402,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"config file {path} not found (see configs/ for examples)")
         try:
             raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must be a mapping of sections")

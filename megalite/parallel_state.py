@@ -94,10 +94,6 @@ class ParallelState:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
         """The trivial layout: one process, no groups, no torch.distributed."""

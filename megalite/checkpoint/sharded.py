@@ -169,10 +169,14 @@ def read_manifest(path: Path) -> dict[str, Any]:
         )
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json (not an object)")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
+    if not {"files", "tensors", "trainer"} <= manifest.keys():
+        raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json (missing fields)")
     for name, digest in manifest["files"].items():
         file = path / name
         if not file.is_file() or _sha256(file) != digest:

@@ -105,12 +105,11 @@ class ColumnParallelLinear(nn.Module):
         init: InitFn,
         sequence_parallel: bool = False,
         gather_input: bool = True,
-        gather_output: bool = False,
     ) -> None:
         super().__init__()
         tp = ps.tp_size
         self.ps, self.sequence_parallel = ps, sequence_parallel
-        self.gather_input, self.gather_output = gather_input, gather_output
+        self.gather_input = gather_input
         self.weight = make_param(
             (out_features // tp, in_features),
             ParamMeta((out_features, in_features), init, tp_split_dim=0),
@@ -130,8 +129,7 @@ class ColumnParallelLinear(nn.Module):
         """add_bias=False leaves the bias to a fused consumer (bias-GELU)."""
         if self.gather_input:
             x = tp_input(x, self.ps, self.sequence_parallel)
-        y = F.linear(x, self.weight, self.bias if add_bias else None)  # (b, s, out/tp)
-        return gather_from_tp_region(y, self.ps.tp_group) if self.gather_output else y
+        return F.linear(x, self.weight, self.bias if add_bias else None)  # (b, s, out/tp)
 
 
 class RowParallelLinear(nn.Module):

@@ -91,10 +91,14 @@ def train(cfg: Config) -> dict[str, float]:
     ckpt_root = out_dir / "checkpoints"
     resume_from = find_checkpoint(ckpt_root, cfg.checkpoint.resume)
     if resume_from is None and any(ckpt_root.glob("step_*")):
+        resume = (
+            "checkpoint.resume=auto"
+            if cfg.checkpoint.resume == "none"
+            else "checkpoint.resume=<one of them> (there is no `latest`)"
+        )
         raise TrainingError(
-            f"{ckpt_root} already holds checkpoints of another run and checkpoint.resume=none "
-            "would overwrite them: use checkpoint.resume=auto to continue it, or another "
-            "train.out_dir"
+            f"{ckpt_root} already holds checkpoints that a fresh run would overwrite: continue "
+            f"the run with {resume}, or use another train.out_dir"
         )
     if resume_from is not None:
         state = load_checkpoint(resume_from, run)

@@ -76,10 +76,6 @@ class Run:
     names: dict[nn.Parameter, str] = field(default_factory=dict)
     _schedules: dict[tuple[int, bool], list[Action]] = field(default_factory=dict)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return DTYPES[self.precision]
-
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """Global name -> local parameter over all chunks (names never repeat across chunks)."""
         return {name: param for param, name in self.names.items()}
