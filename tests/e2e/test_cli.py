@@ -1,0 +1,196 @@
+"""End to end through the real command line, `python -m megalite ...` in subprocesses: training
+both architectures, sampling, resuming after a crash, and the one-line errors for bad input.
+
+Independent commands run concurrently (each with one thread) to keep the wall time down."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+VOCAB = 500
+TIMEOUT_S = 240
+
+TINY = [
+    "model.n_layers=2",
+    "model.hidden=64",
+    "model.n_heads=4",
+    f"model.vocab_size={VOCAB}",
+    "model.seq_len=32",
+    "train.precision=fp32",
+    "train.device=cpu",
+    "train.eval_steps=2",
+    "optim.lr=3e-3",
+    "optim.min_lr=3e-4",
+    "optim.warmup_steps=2",
+    "logging.progress=false",
+]
+
+
+def start(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "megalite", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"{proc.args} timed out after {TIMEOUT_S}s\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_all(*commands: list[str]) -> list[subprocess.CompletedProcess]:
+    return [finish(p) for p in [start(*c) for c in commands]]
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"{result.args}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_command(out_dir: Path, *extra: str) -> list[str]:
+    return ["train", *TINY, f"train.out_dir={out_dir}", *extra]
+
+
+def resume_command(out_dir: Path) -> list[str]:
+    return train_command(
+        out_dir,
+        "train.steps=20",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        "train.eval_interval=100",  # more than steps: never evaluates
+        "checkpoint.interval=5",
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, builtin_corpus):
+    """Three training runs started at once: 15 steps of gpt and of llama with an evaluation at
+    the end, and a 20-step gpt run saving every 5 steps for the resume test."""
+    root = tmp_path_factory.mktemp("cli")
+    common = [
+        "train.steps=15",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=8",
+        "train.eval_interval=15",
+    ]
+    dirs = {"gpt": root / "gpt", "llama": root / "llama", "resume": root / "resume"}
+    results = run_all(
+        train_command(dirs["gpt"], "model.arch=gpt", *common),
+        train_command(dirs["llama"], "model.arch=llama", "model.n_kv_heads=2", *common),
+        resume_command(dirs["resume"]),
+    )
+    return {name: (dirs[name], result) for name, result in zip(dirs, results)}
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_train_logs_metrics_and_the_loss_falls(runs, arch):
+    out_dir, result = runs[arch]
+    ok(result)
+    assert "final val_loss" in result.stdout
+    rows = metrics(out_dir)
+    assert [r["step"] for r in rows] == list(range(1, 16))
+    for row in rows:
+        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s"):
+            assert key in row and math.isfinite(row[key]), (key, row)
+        assert row["tokens_per_sec"] > 0 and row["step_time_s"] > 0
+    assert "val_loss" in rows[-1] and math.isfinite(rows[-1]["val_loss"])
+    assert all("val_loss" not in r for r in rows[:-1])  # eval_interval=15: only at the end
+    losses = [r["loss"] for r in rows]
+    assert abs(losses[0] - math.log(VOCAB)) < 0.1  # an untrained model is near uniform
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
+    assert rows[-1]["val_loss"] < losses[0]
+    saved = json.loads((out_dir / "checkpoints" / "step_000015" / "manifest.json").read_text())
+    assert saved["trainer"]["config"]["model"]["arch"] == arch
+
+
+def test_generate_is_greedy_and_deterministic(runs):
+    out_dir, result = runs["gpt"]
+    ok(result)
+    checkpoint = out_dir / "checkpoints" / (out_dir / "checkpoints" / "latest").read_text()
+    prompt = "And God said"
+    command = [
+        "generate",
+        "--checkpoint",
+        str(checkpoint),
+        "--prompt",
+        prompt,
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "12",
+    ]
+    first, second = (ok(r) for r in run_all(command, command))
+    assert first.stdout.startswith(prompt)
+    assert len(first.stdout.strip()) > len(prompt)
+    assert first.stdout == second.stdout
+
+
+def test_no_evaluation_when_eval_interval_exceeds_steps(runs):
+    out_dir, result = runs["resume"]
+    ok(result)
+    rows = metrics(out_dir)
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert all("val_loss" not in r and "val_ppl" not in r for r in rows)
+    assert "final val_loss" not in result.stdout
+
+
+def test_resume_after_interrupt_repeats_the_losses_exactly(runs):
+    out_dir, result = runs["resume"]
+    ok(result)
+    root = out_dir / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == [
+        "step_000010",
+        "step_000015",
+        "step_000020",
+    ]
+    uninterrupted = metrics(out_dir)
+    # A crash after step 10: the later checkpoints never got written.
+    for name in ("step_000015", "step_000020"):
+        for file in (root / name).iterdir():
+            file.unlink()
+        (root / name).rmdir()
+    (root / "latest").write_text("step_000010")
+
+    (again,) = run_all(resume_command(out_dir))
+    ok(again)
+    assert "resumed from" in again.stdout and "at step 10" in again.stdout
+    resumed = metrics(out_dir)[len(uninterrupted) :]
+    assert [r["step"] for r in resumed] == list(range(11, 21))
+    for before, after in zip(uninterrupted[10:], resumed):
+        assert (after["step"], after["loss"]) == (before["step"], before["loss"])
+        assert after["lr"] == before["lr"] and after["grad_norm"] == before["grad_norm"]
+    assert (root / "latest").read_text() == "step_000020"
+
+
+def test_bad_input_is_one_error_line_with_exit_code_2(tmp_path):
+    missing = tmp_path / "missing.yaml"
+    unknown, no_file = run_all(
+        ["train", *TINY, f"train.out_dir={tmp_path / 'a'}", "model.n_layer=2"],
+        ["train", "--config", str(missing), f"train.out_dir={tmp_path / 'b'}"],
+    )
+    for result in (unknown, no_file):
+        assert result.returncode == 2, result
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+        assert "Traceback" not in result.stderr and result.stdout == ""
+    assert "'model.n_layer'" in unknown.stderr and "did you mean model.n_layers" in unknown.stderr
+    assert f"config file {missing} not found" in no_file.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

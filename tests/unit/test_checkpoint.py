@@ -1,0 +1,244 @@
+"""Checkpoints as a run sees them, driven through `megalite.training.loop.train`: the on-disk
+layout, retention, `latest`, refusal of corrupt or foreign state with a message that names the
+file and the way out, and no pickle anywhere."""
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from megalite.checkpoint.sharded import CheckpointError, read_manifest
+from megalite.config import load_config
+from megalite.training.loop import TrainingError, train
+
+STEPS, INTERVAL, KEEP = 6, 2, 2
+
+
+def tiny_config(out_dir: Path, *extra: str):
+    return load_config(
+        None,
+        [
+            "model.n_layers=2",
+            "model.hidden=64",
+            "model.n_heads=4",
+            "model.vocab_size=500",
+            "model.seq_len=32",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            f"train.steps={STEPS}",
+            "train.eval_interval=1000",
+            "train.precision=fp32",
+            "train.device=cpu",
+            f"train.out_dir={out_dir}",
+            "optim.warmup_steps=2",
+            f"checkpoint.interval={INTERVAL}",
+            f"checkpoint.keep={KEEP}",
+            "logging.progress=false",
+            *extra,
+        ],
+    )
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    rows = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(row) for row in rows]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, builtin_corpus):
+    """One finished run: checkpoints at steps 2, 4, 6, of which the newest KEEP remain."""
+    out_dir = tmp_path_factory.mktemp("ckpt") / "run"
+    train(tiny_config(out_dir))
+    return out_dir
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path):
+    """A private copy of the finished run, free to damage."""
+    out_dir = tmp_path / "run"
+    shutil.copytree(trained, out_dir)
+    return out_dir
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every path under root with its size and mtime (ns)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            stat = path.stat()
+            out[str(path.relative_to(root))] = (stat.st_size, stat.st_mtime_ns)
+    return out
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def test_checkpoint_layout_latest_and_retention(trained):
+    root = trained / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000004", "step_000006"]
+    assert (root / "latest").read_text() == "step_000006"
+    newest = root / "step_000006"
+    names = sorted(p.name for p in newest.iterdir())
+    assert names == [
+        "manifest.json",
+        "model_tp00_pp00.safetensors",
+        "rng_rank00000.safetensors",
+        "tokenizer.model",
+    ]
+    manifest = read_manifest(newest)  # checksums verify
+    assert manifest["format"] == "megalite-checkpoint-v1"
+    assert manifest["step"] == 6 and manifest["optimizer_step"] == 6
+    assert manifest["layout"] == {"tp": 1, "pp": 1, "dp": 1} and manifest["world_size"] == 1
+    assert set(manifest["files"]) == set(names) - {"manifest.json"}
+    assert manifest["trainer"]["step"] == 6
+    assert manifest["trainer"]["config"]["model"]["vocab_size"] == 500
+    # Every parameter comes with its Adam state, stored under its global name.
+    tensors = manifest["tensors"]
+    assert {
+        "wte.weight",
+        "wte.weight.master",
+        "wte.weight.exp_avg",
+        "wte.weight.exp_avg_sq",
+    } <= set(tensors)
+    assert any(name.startswith("layers.1.") for name in tensors)
+    assert "lm_head.weight" not in tensors  # the tied head is saved once, as wte.weight
+    assert (trained / "config.yaml").is_file()
+    assert [r["step"] for r in metrics(trained)] == list(range(1, STEPS + 1))
+
+
+def test_checkpoint_files_hold_no_pickle(trained):
+    for step in (trained / "checkpoints").glob("step_*"):
+        for path in step.iterdir():
+            data = path.read_bytes()
+            assert not data.startswith(b"\x80"), f"{path} looks like a pickle"
+            assert not data.startswith(b"PK"), f"{path} looks like a torch.save zip"
+            if path.suffix == ".safetensors":
+                (header_len,) = struct.unpack("<Q", data[:8])
+                header = json.loads(data[8 : 8 + header_len])
+                assert header and all(
+                    "dtype" in v for k, v in header.items() if k != "__metadata__"
+                )
+                with safe_open(str(path), framework="pt") as f:
+                    assert list(f.keys())
+            elif path.name == "manifest.json":
+                json.loads(data)
+            else:
+                assert path.name == "tokenizer.model"  # a sentencepiece protobuf
+                assert data[:1] == b"\n"  # protobuf field 1, length-delimited (the pieces)
+
+
+def test_keep_one_and_final_step_is_saved(tmp_path, builtin_corpus):
+    out_dir = tmp_path / "run"
+    train(tiny_config(out_dir, "train.steps=3", "checkpoint.keep=1"))
+    root = out_dir / "checkpoints"
+    # interval 2 saves step 2; the end of training saves step 3; keep=1 leaves only it.
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000003"]
+    assert (root / "latest").read_text() == "step_000003"
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def test_auto_resume_continues_the_run(run_copy):
+    before = metrics(run_copy)
+    final = train(tiny_config(run_copy, "train.steps=8"))
+    assert final["step"] == 8
+    rows = metrics(run_copy)
+    assert [r["step"] for r in rows] == [*range(1, STEPS + 1), 7, 8]
+    assert rows[: len(before)] == before
+    assert sorted(p.name for p in (run_copy / "checkpoints").glob("step_*")) == [
+        "step_000006",
+        "step_000008",
+    ]
+
+
+def test_corrupt_newest_checkpoint_is_refused_and_earlier_one_still_loads(run_copy, trained):
+    root = run_copy / "checkpoints"
+    target = root / "step_000006" / "model_tp00_pp00.safetensors"
+    data = bytearray(target.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    target.write_bytes(bytes(data))
+
+    with pytest.raises(CheckpointError) as info:
+        train(tiny_config(run_copy, "train.steps=8"))
+    message = str(info.value)
+    assert "step_000006" in message and "model_tp00_pp00.safetensors" in message
+    assert "checksum" in message and "earlier checkpoint" in message
+    assert "checkpoint.resume=" in message and "step_000004" in message
+
+    # The earlier checkpoint loads, and training from it (same config, so the same lr
+    # schedule) repeats the original steps 5 and 6 exactly.
+    earlier = root / "step_000004"
+    final = train(tiny_config(run_copy, f"checkpoint.resume={earlier}"))
+    assert final["step"] == STEPS
+    resumed = {r["step"]: r["loss"] for r in metrics(run_copy)[STEPS:]}
+    original = {r["step"]: r["loss"] for r in metrics(trained)}
+    assert resumed == {5: original[5], 6: original[6]}
+    read_manifest(root / "step_000006")  # rewritten intact by the resumed run
+    assert (root / "latest").read_text() == "step_000006"
+
+
+def test_missing_checkpoint_file_is_refused(run_copy):
+    newest = run_copy / "checkpoints" / "step_000006"
+    (newest / "rng_rank00000.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"rng_rank00000.safetensors is missing"):
+        read_manifest(newest)
+
+
+GARBAGE = {
+    "truncated": None,  # the first half of the real manifest
+    "empty": b"",
+    "binary": bytes(range(256)) * 4,  # not UTF-8
+    "not an object": b"[1, 2, 3]",  # valid JSON, wrong shape
+}
+
+
+@pytest.mark.parametrize("damage", list(GARBAGE))
+def test_garbage_manifest_gives_a_clear_error(run_copy, damage):
+    newest = run_copy / "checkpoints" / "step_000006"
+    manifest = newest / "manifest.json"
+    text = manifest.read_bytes()
+    manifest.write_bytes(GARBAGE[damage] if GARBAGE[damage] is not None else text[: len(text) // 2])
+    with pytest.raises(CheckpointError) as info:
+        train(tiny_config(run_copy, "train.steps=8"))
+    message = str(info.value)
+    assert "step_000006" in message and "manifest.json" in message and "corrupt" in message
+
+
+def test_manifest_of_another_format_is_refused(run_copy):
+    newest = run_copy / "checkpoints" / "step_000006"
+    (newest / "manifest.json").write_text(json.dumps({"format": "something-else", "files": {}}))
+    with pytest.raises(CheckpointError, match=r"unknown checkpoint format 'something-else'"):
+        read_manifest(newest)
+
+
+def test_resume_from_missing_directory(tmp_path, builtin_corpus):
+    missing = tmp_path / "no" / "step_000010"
+    with pytest.raises(CheckpointError) as info:
+        train(tiny_config(tmp_path / "run", f"checkpoint.resume={missing}"))
+    assert f"checkpoint.resume={missing}: no such directory" in str(info.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_from_a_directory_that_is_not_a_checkpoint(tmp_path, builtin_corpus):
+    with pytest.raises(CheckpointError) as info:
+        train(tiny_config(tmp_path / "run", f"checkpoint.resume={tmp_path}"))
+    message = str(info.value)
+    assert "not a complete megalite checkpoint (no manifest.json)" in message
+    assert "step_* directory" in message
+
+
+def test_fresh_run_into_a_used_out_dir_is_refused_and_touches_nothing(run_copy):
+    before = snapshot(run_copy)
+    with pytest.raises(TrainingError) as info:
+        train(tiny_config(run_copy, "checkpoint.resume=none"))
+    message = str(info.value)
+    assert str(run_copy / "checkpoints") in message and "checkpoint.resume=auto" in message
+    assert "train.out_dir" in message
+    assert snapshot(run_copy) == before
