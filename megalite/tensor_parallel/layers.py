@@ -260,6 +260,9 @@ class VocabParallelOutput(nn.Module):
         self.ps, self.sequence_parallel, self.vocab_size = ps, sequence_parallel, vocab_size
         padded = padded_vocab_size(vocab_size, ps.tp_size, round_to)
         self.vocab_start = ps.tp_rank * (padded // ps.tp_size)
+        # Rows of real vocabulary on this rank: the loss never computes padded logits (at least
+        # one row, so a rank holding only padding still takes part; the loss masks it).
+        self.loss_rows = max(1, min(padded // ps.tp_size, vocab_size - self.vocab_start))
         if tied is not None:
             self.weight = tied.weight
         else:
@@ -276,9 +279,10 @@ class VocabParallelOutput(nn.Module):
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token loss (b, s) given targets; else full logits (b, s, vocab) for sampling."""
         x = tp_input(x, self.ps, self.sequence_parallel)
-        logits = F.linear(x, self.weight)  # (b, s, padded vocab / tp)
         if targets is None:
+            logits = F.linear(x, self.weight)  # (b, s, padded vocab / tp)
             return gather_from_tp_region(logits, self.ps.tp_group)[..., : self.vocab_size]
+        logits = F.linear(x, self.weight[: self.loss_rows])  # (b, s, real vocab on this rank)
         return vocab_parallel_cross_entropy(
             logits, targets, self.ps.tp_group, self.vocab_start, self.vocab_size
         )

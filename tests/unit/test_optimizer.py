@@ -121,9 +121,12 @@ def test_train_step_matches_torch_adamw(arch, grad_clip):
         assert (ours[name] - theirs[name]).abs().max().item() < 5 * cfg.optim.lr, name
     diffs = {n: (ours[n] - theirs[n]).abs().max().item() for n in ours if n not in noise}
     worst = max(diffs, key=diffs.get)
-    # Measured: <= 1.2e-7 (1 ulp at 1.0; the decoupled decay is applied as p - lr*wd*p, not
-    # p * (1 - lr*wd)); the key biases differ by ~8e-6.
-    assert diffs[worst] < 1e-6, (worst, diffs[worst])
+    relative = {n: ((ours[n] - theirs[n]).norm() / theirs[n].norm()).item() for n in diffs}
+    # The updates differ by about an ulp (decoupled decay applied as p - lr*wd*p rather than
+    # p * (1 - lr*wd)); Adam magnifies that in elements whose gradient is near zero. Measured
+    # after 5 steps: relative error <= 7e-7 per tensor, a single element up to 2.5e-6.
+    assert max(relative.values()) < 2e-6, relative
+    assert diffs[worst] < 1e-5, (worst, diffs[worst])
     moved = max((ours[n] - p0).abs().max().item() for n, p0 in _initial(cfg).items())
     assert moved > 1e-3  # the comparison is not vacuous: parameters did change
 
