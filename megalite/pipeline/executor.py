@@ -44,6 +44,29 @@ class MicroBatch:
     """Next-token ids (b, s)."""
 
 
+@dataclass
+class _Step:
+    """What one run of a schedule keeps between actions."""
+
+    micro_batches: list[MicroBatch]
+    loss_weight: float
+    loss_scale: float
+    device: torch.device
+    times: StepTimes = field(default_factory=StepTimes)
+    received: dict = field(default_factory=dict)
+    """(op, micro-batch, chunk) -> received activation or gradient."""
+    posted: dict = field(default_factory=dict)
+    """(op, micro-batch, chunk) -> receive posted early, together with a send."""
+    saved: dict = field(default_factory=dict)
+    """(micro-batch, chunk) -> (input, output) kept from forward until backward."""
+    input_grads: dict = field(default_factory=dict)
+    """(micro-batch, chunk) -> gradient of the chunk's input, until it is sent."""
+    in_flight_sends: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
+
+
 def _run_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
     """Backward through `output`'s graph even if its storage was freed after sending it on."""
     torch.autograd.Variable._execution_engine.run_backward(
@@ -84,53 +107,55 @@ class PipelineExecutor:
         """Run the actions of `schedule` (forward-only ones for evaluation, under no_grad);
         returns the sum over this rank's micro-batches of loss_weight * token-loss sum (zero off
         the last stage) and the timings."""
-        device = self.ps.device
+        step = _Step(micro_batches, loss_weight, loss_scale, self.ps.device)
         last_backward = {a.chunk: i for i, a in enumerate(schedule) if a.op is Op.BACKWARD}
-        loss_total = torch.zeros((), dtype=torch.float32, device=device)
-        times = StepTimes()
-        received: dict[tuple[Op, int, int], torch.Tensor] = {}
-        posted: dict[tuple[Op, int, int], tuple] = {}  # receives posted early with a send
-        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        input_grads: dict[tuple[int, int], torch.Tensor] = {}
-        in_flight_sends: list[tuple[object, torch.Tensor | None]] = []
-
         for index, action in enumerate(schedule):
-            key = (action.microbatch, action.chunk)
-            op = action.op
-            if op in (Op.RECV_FORWARD, Op.RECV_BACKWARD):
+            if action.op in (Op.RECV_FORWARD, Op.RECV_BACKWARD):
                 start = time.perf_counter()
-                work, buffer, _ = posted.pop((op, *key), None) or self._post(receive=action)
-                work.wait()
-                received[(op, *key)] = buffer
-                times.wait_s += time.perf_counter() - start
-            elif op.is_send:
-                if op is Op.SEND_FORWARD:
-                    output = saved[key][1] if torch.is_grad_enabled() else saved.pop(key)[1]
-                    message = output.detach().contiguous()  # SP shards can be strided views
-                else:
-                    output, message = None, input_grads.pop(key).contiguous()
+                self._receive(step, action)
+                step.times.wait_s += time.perf_counter() - start
+            elif action.op.is_send:
                 following = schedule[index + 1] if index + 1 < len(schedule) else None
-                if following is None or following.op.is_send or following.op.is_compute:
-                    following = None
-                posts = self._post(receive=following, send=(message, self._peer(action)))
-                if following is not None:
-                    posted[(following.op, following.microbatch, following.chunk)] = posts
-                in_flight_sends.append((posts[2], output))
+                self._send(step, action, following)
             else:
                 start = time.perf_counter()
-                if op is Op.FORWARD:
-                    loss_total += self._forward(action, micro_batches, received, saved, loss_weight)
-                    times.peak_in_flight = max(times.peak_in_flight, len(saved))
+                if action.op is Op.FORWARD:
+                    step.loss_total += self._forward(step, action)
+                    step.times.peak_in_flight = max(step.times.peak_in_flight, len(step.saved))
                 else:
                     if index == last_backward[action.chunk]:
                         for buffer in self.buffers_of_chunk[action.chunk]:
                             buffer.start_sync()
-                    self._backward(action, received, saved, input_grads, loss_scale)
-                times.compute_s += time.perf_counter() - start
-            in_flight_sends = self._free_sent(in_flight_sends)
-        for work, _ in in_flight_sends:
+                    self._backward(step, action)
+                step.times.compute_s += time.perf_counter() - start
+            step.in_flight_sends = self._free_sent(step.in_flight_sends)
+        for work, _ in step.in_flight_sends:
             work.wait()
-        return loss_total, times
+        return step.loss_total, step.times
+
+    def _receive(self, step: _Step, action: Action) -> None:
+        """Wait for a receive, posted now or earlier together with a send."""
+        key = (action.op, action.microbatch, action.chunk)
+        work, buffer, _ = step.posted.pop(key, None) or self._post(receive=action)
+        work.wait()
+        step.received[key] = buffer
+
+    def _send(self, step: _Step, action: Action, following: Action | None) -> None:
+        """Start a send; a receive listed right after it is posted in the same batch (NCCL
+        runs all p2p between two ranks on one stream, so the two must not wait on each other)."""
+        key = (action.microbatch, action.chunk)
+        if action.op is Op.SEND_FORWARD:
+            held = step.saved[key] if torch.is_grad_enabled() else step.saved.pop(key)
+            output = held[1]
+            message = output.detach().contiguous()  # SP shards can be strided views
+        else:
+            output, message = None, step.input_grads.pop(key).contiguous()
+        if following is not None and following.op.name.startswith("RECV"):
+            posts = self._post(receive=following, send=(message, self._peer(action)))
+            step.posted[(following.op, following.microbatch, following.chunk)] = posts
+        else:
+            posts = self._post(send=(message, self._peer(action)))
+        step.in_flight_sends.append((posts[2], output))
 
     def _post(self, receive: Action | None = None, send: tuple[torch.Tensor, int] | None = None):
         """Post a receive (into a fresh buffer) and/or a send as one batch; returns
@@ -145,31 +170,32 @@ class PipelineExecutor:
         recv_work = works[-1] if receive is not None else None
         return recv_work, buffer, send_work
 
-    def _forward(self, action, micro_batches, received, saved, loss_weight) -> torch.Tensor:
+    def _forward(self, step: _Step, action: Action) -> torch.Tensor:
         mb, c = action.microbatch, action.chunk
-        batch = micro_batches[mb]
+        batch = step.micro_batches[mb]
         if self.is_first[c]:
             inputs = batch.inputs
         else:
-            inputs = received.pop((Op.RECV_FORWARD, mb, c)).requires_grad_(torch.is_grad_enabled())
+            received = step.received.pop((Op.RECV_FORWARD, mb, c))
+            inputs = received.requires_grad_(torch.is_grad_enabled())
         output = self.chunks[c](inputs, batch.targets if self.is_last[c] else None)
         if self.is_last[c]:
-            output = output.float().sum() * loss_weight  # this micro-batch's share of the mean
+            output = output.float().sum() * step.loss_weight  # this micro-batch's share
         if torch.is_grad_enabled():
-            saved[(mb, c)] = (None if self.is_first[c] else inputs, output)
+            step.saved[(mb, c)] = (None if self.is_first[c] else inputs, output)
         else:
-            saved[(mb, c)] = (None, output.detach())  # kept only until it is sent on
+            step.saved[(mb, c)] = (None, output.detach())  # kept only until it is sent on
         return output.detach() if self.is_last[c] else output.new_zeros((), dtype=torch.float32)
 
-    def _backward(self, action, received, saved, input_grads, loss_scale) -> None:
+    def _backward(self, step: _Step, action: Action) -> None:
         mb, c = action.microbatch, action.chunk
-        inputs, output = saved.pop((mb, c))
+        inputs, output = step.saved.pop((mb, c))
         if self.is_last[c]:
-            (output * loss_scale).backward()
+            (output * step.loss_scale).backward()
         else:
-            _run_backward(output, received.pop((Op.RECV_BACKWARD, mb, c)))
+            _run_backward(output, step.received.pop((Op.RECV_BACKWARD, mb, c)))
         if inputs is not None:
-            input_grads[(mb, c)] = inputs.grad
+            step.input_grads[(mb, c)] = inputs.grad
 
     @staticmethod
     def _free_sent(in_flight: list) -> list:
