@@ -185,6 +185,8 @@ class GradBuffer:
 
     def write_owned_params(self, values: torch.Tensor) -> None:
         """Copy updated owned values into the parameters and all-gather them over dp."""
+        if values.data_ptr() == self.params_flat.data_ptr():
+            return  # fp32, unsharded: the optimizer stepped the parameters themselves
         offset = 0
         for bucket, (start, end) in zip(self.buckets, self.owned_ranges):
             piece = values[offset : offset + end - start]

@@ -16,6 +16,7 @@ from torch import nn
 
 from megalite import comm
 from megalite.config import OptimConfig
+from megalite.optimizer.clip import sum_of_squares
 from megalite.optimizer.grad_buffer import GradBuffer
 from megalite.parallel_state import ParallelState
 
@@ -29,18 +30,29 @@ class ShardState:
     exp_avg_sq: torch.Tensor
     decay: torch.Tensor
     """1.0 where weight decay applies (matrices), 0.0 for norms and biases."""
-    counted: torch.Tensor
-    """1.0 where this rank counts the element in the global grad norm: each element of the
-    model exactly once (tp-replicated parameters on tp rank 0, tied copies on their owner)."""
+    counted: list[tuple[int, int]]
+    """Ranges this rank counts in the global grad norm: each element of the model exactly once
+    (tp-replicated parameters on tp rank 0, tied copies on their owner)."""
+
+
+def _owned_ranges(buffer: GradBuffer, include) -> list[tuple[int, int]]:
+    """Owned-coordinate ranges of the parameters `include` selects, adjacent ones merged."""
+    ranges: list[tuple[int, int]] = []
+    for start, end in sorted(
+        (s, e) for p in buffer.params if include(p) for s, e, _ in buffer.owned_segments(p)
+    ):
+        if ranges and ranges[-1][1] == start:
+            ranges[-1] = (ranges[-1][0], end)
+        else:
+            ranges.append((start, end))
+    return ranges
 
 
 def _owned_mask(buffer: GradBuffer, include) -> torch.Tensor:
     owned = sum(e - s for s, e in buffer.owned_ranges)
     mask = torch.zeros(owned, dtype=torch.float32, device=buffer.params_flat.device)
-    for param in buffer.params:
-        if include(param):
-            for start, end, _ in buffer.owned_segments(param):
-                mask[start:end] = 1.0
+    for start, end in _owned_ranges(buffer, include):
+        mask[start:end] = 1.0
     return mask
 
 
@@ -56,14 +68,16 @@ class DistributedOptimizer:
         self.step_count = 0
         self.states = []
         for buffer in buffers:
-            master = buffer.owned_params().float()
+            # fp32 parameters that this rank owns entirely are their own master copy
+            alias = not buffer.sharded and buffer.params_flat.dtype == torch.float32
+            master = buffer.params_flat if alias else buffer.owned_params().float()
             self.states.append(
                 ShardState(
                     master=master,
                     exp_avg=torch.zeros_like(master),
                     exp_avg_sq=torch.zeros_like(master),
                     decay=_owned_mask(buffer, lambda p: p.meta.weight_decay),
-                    counted=_owned_mask(buffer, lambda p: self._counts_in_norm(p)),
+                    counted=_owned_ranges(buffer, self._counts_in_norm),
                 )
             )
 
@@ -83,7 +97,8 @@ class DistributedOptimizer:
         """Global L2 norm of the (unscaled) gradient over every rank."""
         sumsq = torch.zeros((), dtype=torch.float64, device=self.ps.device)
         for buffer, state in zip(self.buffers, self.states):
-            sumsq += (buffer.owned_grads.square() * state.counted).sum(dtype=torch.float64)
+            for start, end in state.counted:
+                sumsq += sum_of_squares(buffer.owned_grads[start:end])
         comm.all_reduce(sumsq, self.norm_group())
         return sumsq.sqrt().item()
 
@@ -105,10 +120,12 @@ class DistributedOptimizer:
         bias1 = 1.0 - cfg.beta1**self.step_count
         bias2_sqrt = (1.0 - cfg.beta2**self.step_count) ** 0.5
         for buffer, state in zip(self.buffers, self.states):
-            grad = buffer.owned_grads * grad_scale
-            state.exp_avg.lerp_(grad, 1.0 - cfg.beta1)
-            state.exp_avg_sq.mul_(cfg.beta2).addcmul_(grad, grad, value=1.0 - cfg.beta2)
-            denom = (state.exp_avg_sq.sqrt() / bias2_sqrt).add_(cfg.eps)
+            grad = buffer.owned_grads  # the scale is folded into the moment updates
+            state.exp_avg.mul_(cfg.beta1).add_(grad, alpha=(1.0 - cfg.beta1) * grad_scale)
+            state.exp_avg_sq.mul_(cfg.beta2).addcmul_(
+                grad, grad, value=(1.0 - cfg.beta2) * grad_scale**2
+            )
+            denom = state.exp_avg_sq.sqrt().div_(bias2_sqrt).add_(cfg.eps)
             if cfg.weight_decay:
                 state.master.addcmul_(state.master, state.decay, value=-lr * cfg.weight_decay)
             state.master.addcdiv_(state.exp_avg, denom, value=-lr / bias1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from megalite import comm
 
@@ -62,5 +63,9 @@ def vocab_parallel_cross_entropy(
     """Per-token loss (b, s) from this rank's logits (b, s, V_pad/tp) starting at `vocab_start`.
 
     `vocab_size` is the real vocabulary: columns at or past it are padding and never predicted.
+    With the whole, unpadded vocabulary on one rank this is PyTorch's fused cross-entropy.
     """
+    if comm.size(group) == 1 and logits.shape[-1] == vocab_size:
+        flat = logits.float().flatten(0, 1)
+        return F.cross_entropy(flat, targets.flatten(), reduction="none").view(targets.shape)
     return _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start, vocab_size)
