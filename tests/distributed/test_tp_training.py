@@ -3,6 +3,11 @@ tp in {2, 4}, SP on and off, 10 steps."""
 
 import pytest
 from equivalence import TINY, assert_equivalent, run_layout
+from multiproc import run_ranks
+
+from megalite.config import load_config
+from megalite.errors import MegaliteError
+from megalite.training.loop import train
 
 GPT = ("model.arch=gpt",)
 LLAMA = ("model.arch=llama", "model.n_kv_heads=2")  # tp = 4 > kv heads: shared kv heads
@@ -27,3 +32,17 @@ def test_dropout_run_is_reproducible(builtin_corpus, tmp_path, model):
     )
     assert first == second
     assert all(a[0] != b[0] for a, b in zip(first, without))
+
+
+def _train_and_report(overrides, out_dir):
+    try:
+        train(load_config(None, [*overrides, f"train.out_dir={out_dir}"]))
+    except MegaliteError as exc:
+        return str(exc)
+    return "trained"
+
+
+def test_world_size_that_does_not_factor_fails_before_any_collective(builtin_corpus, tmp_path):
+    """3 processes cannot hold tp=2: every rank says so (no rank hangs in a collective)."""
+    messages = run_ranks(3, _train_and_report, TINY + ("parallel.tp=2",), str(tmp_path), timeout=60)
+    assert all("world size 3 is not divisible by tp*pp = 2*1" in m for m in messages), messages
