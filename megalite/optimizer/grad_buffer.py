@@ -179,25 +179,17 @@ class GradBuffer:
 
     # ------------------------------------------------------------------ parameter sync
 
-    def owned_params(self) -> torch.Tensor:
-        """This rank's owned pieces of the parameters, concatenated (a copy)."""
-        return torch.cat([self.params_flat[s:e] for s, e in self.owned_ranges])
-
-    def write_owned_params(self, values: torch.Tensor) -> None:
-        """Copy updated owned values into the parameters and all-gather them over dp."""
-        if values.data_ptr() == self.params_flat.data_ptr():
-            return  # fp32, unsharded: the optimizer stepped the parameters themselves
-        offset = 0
+    def all_gather_params(self) -> None:
+        """After the optimizer updated this rank's owned pieces, give every dp rank all of
+        them (ZeRO-1); nothing to do when every rank owns everything."""
+        if not self.sharded:
+            return
         for bucket, (start, end) in zip(self.buckets, self.owned_ranges):
-            piece = values[offset : offset + end - start]
-            self.params_flat[start:end].copy_(piece)
-            if self.sharded:
-                comm.all_gather_flat(
-                    self.params_flat[bucket.start : bucket.end],
-                    self.params_flat[start:end].clone(),
-                    self.ps.dp_group,
-                )
-            offset += end - start
+            comm.all_gather_flat(
+                self.params_flat[bucket.start : bucket.end],
+                self.params_flat[start:end].clone(),
+                self.ps.dp_group,
+            )
 
 
 def build_grad_buffers(

@@ -23,37 +23,40 @@ from megalite.parallel_state import ParallelState
 
 @dataclass
 class ShardState:
-    """Optimizer state of one buffer's owned elements (all fp32, owned coordinates)."""
+    """Optimizer state of one owned piece of a bucket (fp32; local coordinates of the piece)."""
 
+    buffer: GradBuffer
+    start: int
+    """Where the piece starts in the buffer."""
+    params: torch.Tensor
+    """The piece of the model's parameters (a view)."""
+    grads: torch.Tensor
+    """Its reduced gradient (a view)."""
     master: torch.Tensor
+    """fp32 master weights: the parameters themselves when they are fp32."""
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    decay: torch.Tensor
-    """1.0 where weight decay applies (matrices), 0.0 for norms and biases."""
+    decay: list[tuple[int, int]]
+    """Ranges where weight decay applies (matrices; not norms and biases)."""
     counted: list[tuple[int, int]]
     """Ranges this rank counts in the global grad norm: each element of the model exactly once
     (tp-replicated parameters on tp rank 0, tied copies on their owner)."""
 
 
-def _owned_ranges(buffer: GradBuffer, include) -> list[tuple[int, int]]:
-    """Owned-coordinate ranges of the parameters `include` selects, adjacent ones merged."""
+def _ranges(buffer: GradBuffer, start: int, end: int, include) -> list[tuple[int, int]]:
+    """Where the parameters `include` selects meet buffer[start:end], relative to start, with
+    adjacent ranges merged."""
     ranges: list[tuple[int, int]] = []
-    for start, end in sorted(
-        (s, e) for p in buffer.params if include(p) for s, e, _ in buffer.owned_segments(p)
-    ):
-        if ranges and ranges[-1][1] == start:
-            ranges[-1] = (ranges[-1][0], end)
+    for param in buffer.params:
+        lo = max(start, buffer.offsets[param])
+        hi = min(end, buffer.offsets[param] + param.numel())
+        if lo >= hi or not include(param):
+            continue
+        if ranges and ranges[-1][1] == lo - start:
+            ranges[-1] = (ranges[-1][0], hi - start)
         else:
-            ranges.append((start, end))
-    return ranges
-
-
-def _owned_mask(buffer: GradBuffer, include) -> torch.Tensor:
-    owned = sum(e - s for s, e in buffer.owned_ranges)
-    mask = torch.zeros(owned, dtype=torch.float32, device=buffer.params_flat.device)
-    for start, end in _owned_ranges(buffer, include):
-        mask[start:end] = 1.0
-    return mask
+            ranges.append((lo - start, hi - start))
+    return sorted(ranges)
 
 
 class DistributedOptimizer:
@@ -66,20 +69,26 @@ class DistributedOptimizer:
     ) -> None:
         self.buffers, self.names, self.cfg, self.ps = buffers, names, cfg, ps
         self.step_count = 0
-        self.states = []
+        self.states: list[ShardState] = []
         for buffer in buffers:
-            # fp32 parameters that this rank owns entirely are their own master copy
-            alias = not buffer.sharded and buffer.params_flat.dtype == torch.float32
-            master = buffer.params_flat if alias else buffer.owned_params().float()
-            self.states.append(
-                ShardState(
-                    master=master,
-                    exp_avg=torch.zeros_like(master),
-                    exp_avg_sq=torch.zeros_like(master),
-                    decay=_owned_mask(buffer, lambda p: p.meta.weight_decay),
-                    counted=_owned_ranges(buffer, self._counts_in_norm),
+            offset = 0
+            for start, end in buffer.owned_ranges:
+                params = buffer.params_flat[start:end]
+                master = params if params.dtype == torch.float32 else params.float()
+                self.states.append(
+                    ShardState(
+                        buffer=buffer,
+                        start=start,
+                        params=params,
+                        grads=buffer.owned_grads[offset : offset + end - start],
+                        master=master,
+                        exp_avg=torch.zeros_like(master),
+                        exp_avg_sq=torch.zeros_like(master),
+                        decay=_ranges(buffer, start, end, lambda p: p.meta.weight_decay),
+                        counted=_ranges(buffer, start, end, self._counts_in_norm),
+                    )
                 )
-            )
+                offset += end - start
 
     def _counts_in_norm(self, param: nn.Parameter) -> bool:
         replicated_over_tp = param.meta.tp_split_dim is None
@@ -96,9 +105,9 @@ class DistributedOptimizer:
     def grad_norm(self) -> float:
         """Global L2 norm of the (unscaled) gradient over every rank."""
         sumsq = torch.zeros((), dtype=torch.float64, device=self.ps.device)
-        for buffer, state in zip(self.buffers, self.states):
+        for state in self.states:
             for start, end in state.counted:
-                sumsq += sum_of_squares(buffer.owned_grads[start:end])
+                sumsq += sum_of_squares(state.grads[start:end])
         comm.all_reduce(sumsq, self.norm_group())
         return sumsq.sqrt().item()
 
@@ -119,17 +128,20 @@ class DistributedOptimizer:
         self.step_count += 1
         bias1 = 1.0 - cfg.beta1**self.step_count
         bias2_sqrt = (1.0 - cfg.beta2**self.step_count) ** 0.5
-        for buffer, state in zip(self.buffers, self.states):
-            grad = buffer.owned_grads  # the scale is folded into the moment updates
+        for state in self.states:
+            grad = state.grads  # the scale is folded into the moment updates
             state.exp_avg.mul_(cfg.beta1).add_(grad, alpha=(1.0 - cfg.beta1) * grad_scale)
             state.exp_avg_sq.mul_(cfg.beta2).addcmul_(
                 grad, grad, value=(1.0 - cfg.beta2) * grad_scale**2
             )
             denom = state.exp_avg_sq.sqrt().div_(bias2_sqrt).add_(cfg.eps)
-            if cfg.weight_decay:
-                state.master.addcmul_(state.master, state.decay, value=-lr * cfg.weight_decay)
+            for start, end in state.decay if cfg.weight_decay else ():
+                state.master[start:end].mul_(1.0 - lr * cfg.weight_decay)
             state.master.addcdiv_(state.exp_avg, denom, value=-lr / bias1)
-            buffer.write_owned_params(state.master)
+            if state.master is not state.params:
+                state.params.copy_(state.master)
+        for buffer in self.buffers:
+            buffer.all_gather_params()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -137,13 +149,13 @@ class DistributedOptimizer:
         """Per-parameter state keyed `<global name>.<master|exp_avg|exp_avg_sq>`, each shaped
         like the local parameter (owned pieces gathered over dp), so it reloads into any dp."""
         out = {}
-        for buffer, state in zip(self.buffers, self.states):
+        for buffer in self.buffers:
+            states = [s for s in self.states if s.buffer is buffer]
             for kind in ("master", "exp_avg", "exp_avg_sq"):
                 full = torch.zeros_like(buffer.grads_flat)
-                offset = 0
-                for start, end in buffer.owned_ranges:
-                    full[start:end] = getattr(state, kind)[offset : offset + end - start]
-                    offset += end - start
+                for state in states:
+                    piece = getattr(state, kind)
+                    full[state.start : state.start + piece.numel()] = piece
                 if buffer.sharded:
                     comm.all_reduce(full, self.ps.dp_group)  # owners are disjoint: a gather
                 for param in buffer.params:
@@ -155,10 +167,17 @@ class DistributedOptimizer:
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], step_count: int) -> None:
         self.step_count = step_count
-        for buffer, state in zip(self.buffers, self.states):
-            for kind in ("master", "exp_avg", "exp_avg_sq"):
-                target = getattr(state, kind)
-                for param in buffer.params:
+        for state in self.states:
+            end = state.start + state.master.numel()
+            for param in state.buffer.params:
+                p_start = state.buffer.offsets[param]
+                lo, hi = max(state.start, p_start), min(end, p_start + param.numel())
+                if lo >= hi:
+                    continue
+                for kind in ("master", "exp_avg", "exp_avg_sq"):
                     flat = tensors[f"{self.names[param]}.{kind}"].reshape(-1)
-                    for start, end, inside in buffer.owned_segments(param):
-                        target[start:end] = flat[inside : inside + end - start]
+                    getattr(state, kind)[lo - state.start : hi - state.start] = flat[
+                        lo - p_start : hi - p_start
+                    ]
+            if state.master is not state.params:
+                state.params.copy_(state.master)

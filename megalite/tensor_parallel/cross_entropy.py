@@ -27,7 +27,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits = logits.clone()
             logits[..., real_columns:] = float("-inf")
 
-        logits_max = logits.max(dim=-1).values
+        logits_max = logits.amax(dim=-1)
         comm.all_reduce_max(logits_max, group)
         logits = logits - logits_max.unsqueeze(-1)
 

@@ -45,11 +45,14 @@ def _build(overrides, world_size):
     return build_run(cfg, ps, cfg.layout_for_world(world_size)[1])
 
 
-def _optimizer_bytes(zero):
-    run = _build([f"parallel.zero={zero}", "parallel.bucket_mb=0.05"], 2)
+def _optimizer_bytes(zero, precision):
+    run = _build(
+        [f"parallel.zero={zero}", "parallel.bucket_mb=0.05", f"train.precision={precision}"], 2
+    )
     state_bytes = sum(
-        (s.master.numel() + s.exp_avg.numel() + s.exp_avg_sq.numel()) * 4
+        t.numel() * t.element_size()
         for s in run.optimizer.states
+        for t in (s.exp_avg, s.exp_avg_sq) + ((s.master,) if s.master is not s.params else ())
     )
     params = sum(p.numel() for p in run.names)
     padding = sum(b.params_flat.numel() for b in run.buffers) - params
@@ -58,14 +61,15 @@ def _optimizer_bytes(zero):
 
 
 @pytest.mark.parametrize("zero", [0, 1])
-def test_optimizer_memory_per_rank(zero):
+@pytest.mark.parametrize("precision,per_element", [("bf16", 12), ("fp32", 8)])
+def test_optimizer_memory_per_rank(zero, precision, per_element):
     """zero=1: 12 bytes (fp32 master, m, v) per parameter / dp, to within bucket padding;
-    zero=0: 12 bytes per parameter."""
+    zero=0: per parameter. fp32 parameters are their own master copy: 8 bytes (m, v)."""
     dp = 2
-    for state_bytes, params, padding, buckets in run_ranks(dp, _optimizer_bytes, zero):
+    for state_bytes, params, padding, buckets in run_ranks(dp, _optimizer_bytes, zero, precision):
         share = params / dp if zero else params
         assert buckets > 2 and padding <= (dp - 1) * buckets  # each bucket pads to a multiple of dp
-        assert 12 * share <= state_bytes <= 12 * (share + padding)
+        assert per_element * share <= state_bytes <= per_element * (share + padding)
 
 
 def _events(_):
