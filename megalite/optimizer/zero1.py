@@ -89,6 +89,10 @@ class DistributedOptimizer:
                     )
                 )
                 offset += end - start
+        # Elements per chunk of the update: cache-sized on CPU, large on GPUs (fewer launches).
+        self.chunk_numel = 1 << 18 if ps.device.type == "cpu" else 1 << 24
+        largest = max((state.master.numel() for state in self.states), default=0)
+        self.scratch = torch.empty(min(largest, self.chunk_numel), device=ps.device)
 
     def _counts_in_norm(self, param: nn.Parameter) -> bool:
         replicated_over_tp = param.meta.tp_split_dim is None
@@ -122,22 +126,28 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
-        """One AdamW step on the owned elements; gradients are multiplied by grad_scale first
-        (the clip coefficient divided by the loss scale)."""
+        """One AdamW step on the owned elements (torch.optim.AdamW's update); gradients are
+        multiplied by grad_scale (the clip coefficient divided by the loss scale), which is
+        folded into the moment updates rather than a scaled copy of the gradients."""
         cfg = self.cfg
         self.step_count += 1
         bias1 = 1.0 - cfg.beta1**self.step_count
         bias2_sqrt = (1.0 - cfg.beta2**self.step_count) ** 0.5
+        chunk = self.chunk_numel
+        scratch = self.scratch
         for state in self.states:
-            grad = state.grads  # the scale is folded into the moment updates
-            state.exp_avg.mul_(cfg.beta1).add_(grad, alpha=(1.0 - cfg.beta1) * grad_scale)
-            state.exp_avg_sq.mul_(cfg.beta2).addcmul_(
-                grad, grad, value=(1.0 - cfg.beta2) * grad_scale**2
-            )
-            denom = state.exp_avg_sq.sqrt().div_(bias2_sqrt).add_(cfg.eps)
             for start, end in state.decay if cfg.weight_decay else ():
                 state.master[start:end].mul_(1.0 - lr * cfg.weight_decay)
-            state.master.addcdiv_(state.exp_avg, denom, value=-lr / bias1)
+            for lo in range(0, state.master.numel(), chunk):
+                # one cache-sized chunk at a time, with a reused buffer for the denominator
+                g, m, v, p = (
+                    t[lo : lo + chunk]
+                    for t in (state.grads, state.exp_avg, state.exp_avg_sq, state.master)
+                )
+                m.mul_(cfg.beta1).add_(g, alpha=(1.0 - cfg.beta1) * grad_scale)
+                v.mul_(cfg.beta2).addcmul_(g, g, value=(1.0 - cfg.beta2) * grad_scale**2)
+                denom = torch.sqrt(v, out=scratch[: v.numel()]).div_(bias2_sqrt).add_(cfg.eps)
+                p.addcdiv_(m, denom, value=-lr / bias1)
             if state.master is not state.params:
                 state.params.copy_(state.master)
         for buffer in self.buffers:
