@@ -13,6 +13,17 @@ from megalite.data.prepare import corpus_paths, prepare_corpus
 from megalite.data.tokenizer import Tokenizer, train_tokenizer
 
 
+def _add_input(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="text files (each one document) or .jsonl files with a 'text' field",
+    )
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `data` command group; each leaf sets `func(args) -> int`."""
     data = subparsers.add_parser("data", help="train a tokenizer and prepare token data")
@@ -23,14 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="train a sentencepiece BPE tokenizer",
         description="Train a byte-fallback BPE tokenizer; writes PREFIX.model.",
     )
-    tok.add_argument(
-        "--input",
-        nargs="+",
-        type=Path,
-        required=True,
-        metavar="FILE",
-        help="text files (each one document) or .jsonl files with a 'text' field",
-    )
+    _add_input(tok)
     tok.add_argument(
         "--vocab-size",
         type=int,
@@ -46,14 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="tokenize text into PREFIX.bin/.idx.npy/.json",
         description="Tokenize text into a memmap of token ids plus a document index.",
     )
-    prep.add_argument(
-        "--input",
-        nargs="+",
-        type=Path,
-        required=True,
-        metavar="FILE",
-        help="text files (each one document) or .jsonl files with a 'text' field",
-    )
+    _add_input(prep)
     prep.add_argument(
         "--tokenizer",
         type=Path,
