@@ -100,8 +100,6 @@ class GradBuffer:
         view.copy_(param.data.view(-1))
         param.data = view.view_as(param)
         param.main_grad = self.grads_flat[start : start + param.numel()].view_as(param)
-        if param.dtype == torch.float32:
-            param.grad = param.main_grad  # autograd accumulates in place: no extra copy
         param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def owned_range(self, bucket: Bucket) -> tuple[int, int]:
@@ -130,13 +128,21 @@ class GradBuffer:
     # ------------------------------------------------------------------ gradient sync
 
     def reset(self) -> None:
-        """Zero the gradients before a step (views stay in place)."""
-        self.grads_flat.zero_()
+        """Start a step. Rather than zeroing the buffer, each parameter's first gradient of the
+        step is copied in and later ones are added (fp32: by autograd, in place)."""
+        self.arrived: set[nn.Parameter] = set()
+        for param in self.params:
+            param.grad = None
         for bucket in self.buckets:
             bucket.pending, bucket.handle = len(bucket.params), None
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if param.dtype != torch.float32:
+        if param not in self.arrived:
+            self.arrived.add(param)
+            param.main_grad.copy_(param.grad)
+            # fp32: let autograd accumulate the next micro-batches straight into the buffer
+            param.grad = param.main_grad if param.dtype == torch.float32 else None
+        elif param.dtype != torch.float32:
             param.main_grad.add_(param.grad)
             param.grad = None
         if self.sync_enabled:
@@ -169,6 +175,9 @@ class GradBuffer:
 
     def finish_sync(self) -> None:
         """Wait for every bucket (launching any whose gradients never arrived)."""
+        for param in self.params:
+            if param not in self.arrived:  # no gradient this step: zero, not last step's
+                param.main_grad.zero_()
         for bucket in self.buckets:
             if bucket.handle is None and bucket.pending > 0:
                 bucket.pending = 0
