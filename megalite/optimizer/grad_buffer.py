@@ -33,6 +33,8 @@ class Bucket:
     params: list[nn.Parameter]
     pending: int = 0
     handle: Any = None
+    owned: slice = field(default_factory=lambda: slice(0, 0))
+    """This rank's piece of the bucket in owned coordinates (its place in `owned_grads`)."""
 
     @property
     def numel(self) -> int:
@@ -85,6 +87,10 @@ class GradBuffer:
                 self.bucket_of[param] = bucket
                 self._adopt(param)
         self.owned_ranges = [self.owned_range(b) for b in self.buckets]
+        offset = 0
+        for bucket, (start, end) in zip(self.buckets, self.owned_ranges):
+            bucket.owned = slice(offset, offset + end - start)
+            offset += end - start
         owned = sum(end - start for start, end in self.owned_ranges)
         self.owned_grads = (
             torch.zeros(owned, dtype=torch.float32, device=device)
@@ -156,18 +162,11 @@ class GradBuffer:
             return
         grads = self.grads_flat[bucket.start : bucket.end]
         if self.sharded:
-            start, end = self._owned_slice(bucket)
             bucket.handle = comm.reduce_scatter_flat(
-                self.owned_grads[start:end], grads, self.ps.dp_group, async_op=True
+                self.owned_grads[bucket.owned], grads, self.ps.dp_group, async_op=True
             )
         else:
             bucket.handle = comm.all_reduce(grads, self.ps.dp_group, async_op=True)
-
-    def _owned_slice(self, bucket: Bucket) -> tuple[int, int]:
-        index = self.buckets.index(bucket)
-        start = sum(e - s for s, e in self.owned_ranges[:index])
-        s, e = self.owned_ranges[index]
-        return start, start + e - s
 
     def start_sync(self) -> None:
         """Reduce each bucket over dp as soon as it is complete, from now on (last micro-batch)."""

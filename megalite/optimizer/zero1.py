@@ -71,8 +71,7 @@ class DistributedOptimizer:
         self.step_count = 0
         self.states: list[ShardState] = []
         for buffer in buffers:
-            offset = 0
-            for start, end in buffer.owned_ranges:
+            for bucket, (start, end) in zip(buffer.buckets, buffer.owned_ranges):
                 params = buffer.params_flat[start:end]
                 master = params if params.dtype == torch.float32 else params.float()
                 self.states.append(
@@ -80,7 +79,7 @@ class DistributedOptimizer:
                         buffer=buffer,
                         start=start,
                         params=params,
-                        grads=buffer.owned_grads[offset : offset + end - start],
+                        grads=buffer.owned_grads[bucket.owned],
                         master=master,
                         exp_avg=torch.zeros_like(master),
                         exp_avg_sq=torch.zeros_like(master),
@@ -88,7 +87,6 @@ class DistributedOptimizer:
                         counted=_ranges(buffer, start, end, self._counts_in_norm),
                     )
                 )
-                offset += end - start
         # Elements per chunk of the update: cache-sized on CPU, large on GPUs (fewer launches).
         self.chunk_numel = 1 << 18 if ps.device.type == "cpu" else 1 << 24
         largest = max((state.master.numel() for state in self.states), default=0)

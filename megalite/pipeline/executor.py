@@ -150,7 +150,7 @@ class PipelineExecutor:
             message = output.detach().contiguous()  # SP shards can be strided views
         else:
             output, message = None, step.input_grads.pop(key).contiguous()
-        if following is not None and following.op.name.startswith("RECV"):
+        if following is not None and following.op in (Op.RECV_FORWARD, Op.RECV_BACKWARD):
             posts = self._post(receive=following, send=(message, self._peer(action)))
             step.posted[(following.op, following.microbatch, following.chunk)] = posts
         else:

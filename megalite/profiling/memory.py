@@ -123,7 +123,8 @@ def first_stage_params(cfg: Config, world_size: int) -> int:
     p = cfg.parallel
     dp = world_size // (p.tp * p.pp)
     ps = ParallelState(0, world_size, p.tp, p.pp, dp, 0, 0, 0, torch.device("meta"))
-    ctx = BuildContext(cfg.model, ps, TPRandom.__new__(TPRandom), sequence_parallel=p.sp)
+    cpu = ParallelState.single()  # the dropout stream is never used: nothing runs
+    ctx = BuildContext(cfg.model, ps, TPRandom(0, cpu), sequence_parallel=p.sp)
     total = 0
     for stage, layers in chunk_layers(
         cfg.model.n_layers, p.pp, p.vpp, 0, p.embedding_layer_weight, p.head_layer_weight
