@@ -278,8 +278,8 @@ class CausalLM(nn.Module):
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """inputs: token ids (b, s) on the first chunk, else hidden states from the previous
-        chunk. Returns hidden states, or on the last chunk the per-token loss (b, s) given
-        targets, or full logits (b, s, vocab) without."""
+        chunk. Returns hidden states, or on the last chunk the sum of the token losses (an
+        fp32 scalar) given targets, or full logits (b, s, vocab) without."""
         x = self.embed(inputs) if self.has_embedding else inputs
         limit = self.ctx.recompute_layers
         for n, layer in enumerate(self.layers.values()):

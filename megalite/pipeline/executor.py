@@ -180,7 +180,7 @@ class PipelineExecutor:
             inputs = received.requires_grad_(torch.is_grad_enabled())
         output = self.chunks[c](inputs, batch.targets if self.is_last[c] else None)
         if self.is_last[c]:
-            output = output.float().sum() * step.loss_weight  # this micro-batch's share
+            output = output * step.loss_weight  # the token-loss sum: this micro-batch's share
         if torch.is_grad_enabled():
             step.saved[(mb, c)] = (None if self.is_first[c] else inputs, output)
         else:

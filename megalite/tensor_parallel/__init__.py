@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism: collectives with autograd, parallel layers, the
 vocab-parallel loss and layout-independent randomness."""
 
-from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.cross_entropy import vocab_parallel_head_loss
 from megalite.tensor_parallel.layers import (
     ColumnParallelLinear,
     HeadReplicatedLinear,
@@ -48,5 +48,5 @@ __all__ = [
     "scatter_to_sequence_region",
     "tp_input",
     "tp_output",
-    "vocab_parallel_cross_entropy",
+    "vocab_parallel_head_loss",
 ]

@@ -1,9 +1,18 @@
-"""Cross-entropy over vocabulary-parallel logits, never materialising the full logits on a rank.
+"""The LM head's loss: vocab-parallel linear + cross-entropy, fused and chunked over tokens.
 
-Each rank holds logits for its piece of the (padded) vocabulary. The softmax needs the global
-max and the global sum of exponentials, and the loss needs the target's logit, which lives on
-exactly one rank: three all-reduces of (batch, seq) tensors. Padded vocabulary columns are
-masked to -inf so the loss equals the unpadded tp = 1 loss (a known Megatron-LM pitfall).
+Each tp rank holds rows [vocab_start, vocab_start + V/tp) of the (padded) output weight and
+computes the logits of its piece of the vocabulary. The softmax over the whole vocabulary needs,
+per token, the global max and the global sum of exponentials, and the loss needs the target's
+logit, which lives on exactly one rank: two all-reduces of per-token values (Megatron-LM's
+vocab-parallel cross-entropy). Padded vocabulary columns are never computed, so the loss equals
+the unpadded tp = 1 loss (a known Megatron-LM pitfall).
+
+Fused: d(loss sum)/d logits = softmax - one_hot(target) is known as soon as the softmax is, so
+the forward turns each chunk's logits into that gradient in place and multiplies it straight
+into the input and weight gradients; backward only scales them by the incoming gradient. No
+(tokens x vocab) tensor outlives its chunk (Liger-Kernel's fused linear cross-entropy): the head
+keeps its weight gradient for backward instead of its logits, and skips PyTorch's separate
+log-softmax backward and the zero-filled logits gradient.
 """
 
 from __future__ import annotations
@@ -11,61 +20,111 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from megalite import comm
 
+CHUNK_LOGIT_BYTES = 16 * 2**20
+"""Tokens per chunk are chosen so that a chunk's fp32 logits take about this much memory: small
+enough for the allocator to reuse one block chunk after chunk..."""
+MIN_CHUNK_TOKENS = 256
+"""...but at least this many tokens, so the GEMMs stay efficient for very large vocabularies."""
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, targets, group, vocab_start, vocab_size):
-        ctx.logits_dtype = logits.dtype
-        logits = logits.float()  # (b, s, V/tp): fp32 softmax whatever the activation dtype
-        local_vocab = logits.shape[-1]
-        real_columns = max(0, min(local_vocab, vocab_size - vocab_start))
-        if real_columns < local_vocab:
-            logits = logits.clone()
-            logits[..., real_columns:] = float("-inf")
 
+def chunk_tokens(local_vocab: int) -> int:
+    return max(MIN_CHUNK_TOKENS, CHUNK_LOGIT_BYTES // (4 * max(local_vocab, 1)))
+
+
+def _head_loss(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    group: Any,
+    vocab_start: int,
+    vocab_size: int,
+    with_grads: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Sum of the token losses, and (with_grads) its gradients for x and weight.
+
+    x: (tokens, h); weight: (V/tp, h) including padded rows; targets: (tokens,).
+    """
+    real_rows = max(0, min(weight.shape[0], vocab_size - vocab_start))
+    # A rank whose piece is all padding still takes part in the collectives with one row, masked.
+    rows = weight[: max(real_rows, 1)]
+    local = targets - vocab_start
+    here = (local >= 0) & (local < real_rows)  # this rank holds the target's logit
+    local = local.masked_fill(~here, 0).unsqueeze(-1)
+    minus_one_hot = -here.unsqueeze(-1).float()
+
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    grad_x = torch.empty_like(x) if with_grads else None
+    grad_rows = torch.zeros(rows.shape, dtype=torch.float32, device=x.device) if with_grads else None
+    step = chunk_tokens(rows.shape[0])
+    for start in range(0, x.shape[0], step):
+        piece = slice(start, start + step)
+        x_c = x[piece]
+        logits = (x_c @ rows.t()).float()  # (chunk, V/tp): fp32 softmax whatever the dtype
+        if real_rows == 0:
+            logits.fill_(float("-inf"))
         logits_max = logits.amax(dim=-1)
         comm.all_reduce_max(logits_max, group)
-        logits = logits - logits_max.unsqueeze(-1)
-
-        local_targets = targets - vocab_start
-        outside = (local_targets < 0) | (local_targets >= local_vocab)
-        local_targets = local_targets.masked_fill(outside, 0)
-        target_logit = logits.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1)
-        target_logit = target_logit.masked_fill(outside, 0.0)
-        comm.all_reduce(target_logit, group)
-
+        logits.sub_(logits_max.unsqueeze(-1))
+        target_logit = logits.gather(-1, local[piece]).squeeze(-1).masked_fill(~here[piece], 0.0)
         exp = logits.exp_()
-        sum_exp = exp.sum(dim=-1)
-        comm.all_reduce(sum_exp, group)
-        loss = sum_exp.log() - target_logit  # (b, s)
+        stats = torch.stack([exp.sum(dim=-1), target_logit])  # one all-reduce for both
+        comm.all_reduce(stats, group)
+        sum_exp, target_logit = stats
+        total += (sum_exp.log() - target_logit).sum()
+        if not with_grads:
+            continue
+        grad_logits = exp.div_(sum_exp.unsqueeze(-1))  # softmax, in place
+        grad_logits.scatter_add_(-1, local[piece], minus_one_hot[piece])
+        grad_logits = grad_logits.to(x.dtype)
+        torch.mm(grad_logits, rows, out=grad_x[piece])
+        if grad_logits.dtype == grad_rows.dtype:
+            grad_rows.addmm_(grad_logits.t(), x_c)
+        else:  # a 16-bit GEMM per chunk, summed over chunks in fp32
+            grad_rows += grad_logits.t() @ x_c
+    if not with_grads:
+        return total, None, None
+    grad_weight = torch.zeros_like(weight)
+    grad_weight[: rows.shape[0]] = grad_rows  # padded rows get no gradient
+    return total, grad_x, grad_weight
 
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_targets, outside)
-        return loss
+
+class _FusedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, targets, group, vocab_start, vocab_size):
+        total, grad_x, grad_weight = _head_loss(
+            x, weight, targets, group, vocab_start, vocab_size, with_grads=True
+        )
+        ctx.save_for_backward(grad_x, grad_weight)
+        return total
 
     @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_targets, outside = ctx.saved_tensors
-        grad = softmax  # d loss / d logits = softmax - one_hot(target), in place
-        hit = (~outside).to(grad.dtype)
-        grad.scatter_add_(-1, local_targets.unsqueeze(-1), -hit.unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None, None
+    def backward(ctx, grad_total):
+        grad_x, grad_weight = ctx.saved_tensors
+        scale = grad_total.to(grad_x.dtype)
+        return grad_x * scale, grad_weight * scale.to(grad_weight.dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, group: Any, vocab_start: int, vocab_size: int
+def vocab_parallel_head_loss(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    group: Any,
+    vocab_start: int,
+    vocab_size: int,
 ) -> torch.Tensor:
-    """Per-token loss (b, s) from this rank's logits (b, s, V_pad/tp) starting at `vocab_start`.
+    """Sum over tokens of cross-entropy(x @ weight^T, targets), an fp32 scalar.
 
-    `vocab_size` is the real vocabulary: columns at or past it are padding and never predicted.
-    With the whole, unpadded vocabulary on one rank this is PyTorch's fused cross-entropy.
+    x: (b, s, h), the full sequence; weight: this rank's rows (V_pad/tp, h) of the output
+    weight, starting at global row `vocab_start`; `vocab_size`: the real vocabulary, rows at or
+    past it are padding and never predicted. Returns the sum rather than per-token losses
+    because the gradient is computed in the forward, which needs the upstream gradient to be
+    one number.
     """
-    if comm.size(group) == 1 and logits.shape[-1] == vocab_size:
-        flat = logits.float().flatten(0, 1)
-        return F.cross_entropy(flat, targets.flatten(), reduction="none").view(targets.shape)
-    return _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start, vocab_size)
+    x2d, targets1d = x.flatten(0, -2), targets.flatten()
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _FusedHeadLoss.apply(x2d, weight, targets1d, group, vocab_start, vocab_size)
+    total, _, _ = _head_loss(x2d, weight, targets1d, group, vocab_start, vocab_size, False)
+    return total

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.cross_entropy import vocab_parallel_head_loss
 from megalite.tensor_parallel.mappings import (
     copy_to_tp_region,
     gather_from_sequence_region,
@@ -260,9 +260,6 @@ class VocabParallelOutput(nn.Module):
         self.ps, self.sequence_parallel, self.vocab_size = ps, sequence_parallel, vocab_size
         padded = padded_vocab_size(vocab_size, ps.tp_size, round_to)
         self.vocab_start = ps.tp_rank * (padded // ps.tp_size)
-        # Rows of real vocabulary on this rank: the loss never computes padded logits (at least
-        # one row, so a rank holding only padding still takes part; the loss masks it).
-        self.loss_rows = max(1, min(padded // ps.tp_size, vocab_size - self.vocab_start))
         if tied is not None:
             self.weight = tied.weight
         else:
@@ -277,12 +274,12 @@ class VocabParallelOutput(nn.Module):
             self.weight = make_param((padded // ps.tp_size, hidden), meta, ps)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-token loss (b, s) given targets; else full logits (b, s, vocab) for sampling."""
+        """The summed token loss (fp32 scalar) given targets; else full logits (b, s, vocab) for
+        sampling."""
         x = tp_input(x, self.ps, self.sequence_parallel)
         if targets is None:
             logits = F.linear(x, self.weight)  # (b, s, padded vocab / tp)
             return gather_from_tp_region(logits, self.ps.tp_group)[..., : self.vocab_size]
-        logits = F.linear(x, self.weight[: self.loss_rows])  # (b, s, real vocab on this rank)
-        return vocab_parallel_cross_entropy(
-            logits, targets, self.ps.tp_group, self.vocab_start, self.vocab_size
+        return vocab_parallel_head_loss(
+            x, self.weight, targets, self.ps.tp_group, self.vocab_start, self.vocab_size
         )

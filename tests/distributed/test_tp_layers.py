@@ -3,6 +3,8 @@ relative error < 1e-5 in fp32 against float64), with and without sequence parall
 collectives of one transformer layer move the bytes theory predicts; dropout masks agree over
 tp ranks exactly where activations are replicated."""
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,9 +22,10 @@ from megalite.tensor_parallel import (
     RowParallelLinear,
     TPRandom,
     VocabParallelEmbedding,
+    VocabParallelOutput,
     init_parameters,
     normal_init,
-    vocab_parallel_cross_entropy,
+    vocab_parallel_head_loss,
 )
 
 B, S, H, OUT = 2, 8, 16, 24
@@ -121,40 +124,69 @@ def _embedding(tp, sp):
     }
 
 
-def _cross_entropy(tp, sp):
+def _head_loss(tp, sp, tokens=(B, S), vocab=45):
+    """The LM head with its fused loss against x @ W^T and cross-entropy over the real
+    vocabulary, in float64. Padding columns must never be predicted nor get a gradient."""
     ps = _state(tp)
-    vocab, padded = 45, 48  # the 3 padding columns must never be predicted
+    layer = VocabParallelOutput(vocab, H, ps, round_to=4, init=normal_init(1.0), sequence_parallel=sp)
     torch.manual_seed(0)
-    logits, targets, g = (
-        torch.randn(B, S, padded) * 3,
-        torch.randint(0, vocab, (B, S)),
-        torch.rand(B, S),
-    )
-    local = logits.chunk(tp, -1)[ps.tp_rank].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(
-        local, targets, ps.tp_group, ps.tp_rank * padded // tp, vocab
-    )
-    (loss * g).sum().backward()
-    (ld,) = _dense(logits)
-    padded_ld = torch.cat([ld[..., :vocab], torch.full_like(ld[..., vocab:], float("-inf"))], -1)
-    lossd = F.cross_entropy(padded_ld.flatten(0, 1), targets.flatten(), reduction="none").view(B, S)
-    (lossd * g.double()).sum().backward()
+    rows = layer.weight.shape[0]
+    (b, s) = tokens
+    x, w, targets = torch.randn(b, s, H), torch.randn(rows * tp, H), torch.randint(0, vocab, (b, s))
+    w[vocab:] = 0.0  # padded rows are zero, as initialised
+    layer.weight.data.copy_(w.chunk(tp, 0)[ps.tp_rank])
+    x_in = _seq_shard(x, ps, sp).clone().requires_grad_()
+    loss = layer(x_in, targets)
+    (loss * 0.37).backward()  # a scalar upstream gradient reaches both input gradients
+    with torch.no_grad():  # the evaluation path computes the same loss without gradients
+        eval_loss = layer(x_in, targets)
+
+    xd, wd = _dense(x, w)
+    logits = F.linear(xd, wd[:vocab])
+    lossd = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    (lossd * 0.37).backward()
     return {
         "out": relative_error(loss.double(), lossd),
-        "dlogits": relative_error(local.grad.double(), ld.grad.chunk(tp, -1)[ps.tp_rank]),
+        "eval": relative_error(eval_loss.double(), lossd),
+        "dx": relative_error(x_in.grad.double(), _seq_shard(xd.grad, ps, sp)),
+        "dw": relative_error(layer.weight.grad.double(), wd.grad.chunk(tp, 0)[ps.tp_rank]),
+        "dpad": float(layer.weight.grad[max(0, vocab - ps.tp_rank * rows) :].abs().sum()),
     }
 
 
 @pytest.mark.parametrize(
-    "layer",
-    [_column, _row, _embedding, _cross_entropy],
-    ids=["column", "row", "embedding", "cross_entropy"],
+    "tp, sp", [(1, False), (2, False), (2, True), (4, False), (4, True)], ids=str
 )
-@pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
-def test_layer_matches_dense(layer, tp, sp):
-    for rank, errors in enumerate(run_ranks(tp, layer, tp, sp)):
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(),  # 45 words padded to 48 rows
+        dict(vocab=5),  # padded to 4 rows per rank: at tp = 4, ranks 2 and 3 hold only padding
+        dict(tokens=(3, 100)),  # 300 tokens: two chunks of at least 256, the last partial
+    ],
+    ids=["padded", "padding-only-ranks", "chunks"],
+)
+def test_head_loss_matches_dense(tp, sp, case):
+    for rank, errors in enumerate(run_ranks(tp, functools.partial(_head_loss, **case), tp, sp)):
+        assert errors.pop("dpad") == 0.0, f"rank {rank}: padded rows got a gradient"
         assert all(e < TOL for e in errors.values()), f"rank {rank}: {errors}"
+
+
+def test_head_loss_bf16_sums_weight_gradient_in_fp32():
+    """bf16 inputs: logits and softmax in fp32, per-chunk bf16 GEMMs; close to float64."""
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 100, H), torch.randn(40, H)
+    targets = torch.randint(0, 40, (3, 100))
+    xb, wb = x.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    loss = vocab_parallel_head_loss(xb, wb, targets, None, 0, 40)
+    loss.backward()
+    xd, wd = _dense(xb.float(), wb.float())
+    lossd = F.cross_entropy(F.linear(xd, wd).flatten(0, 1), targets.flatten(), reduction="sum")
+    lossd.backward()
+    assert loss.dtype == torch.float32 and xb.grad.dtype == wb.grad.dtype == torch.bfloat16
+    assert relative_error(loss.double(), lossd) < 1e-5
+    assert relative_error(xb.grad.double(), xd.grad) < 2e-2
+    assert relative_error(wb.grad.double(), wd.grad) < 2e-2
 
 
 def _layer_traffic(arch, tp, sp):
