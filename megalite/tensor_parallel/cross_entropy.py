@@ -23,15 +23,19 @@ import torch
 
 from megalite import comm
 
-CHUNK_LOGIT_BYTES = 16 * 2**20
-"""Tokens per chunk are chosen so that a chunk's fp32 logits take about this much memory: small
-enough for the allocator to reuse one block chunk after chunk..."""
+CHUNK_LOGIT_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}
+"""Tokens per chunk are chosen so that a chunk's fp32 logits take about this much memory. On CPU,
+glibc serves blocks under 32 MiB from its heap and reuses them chunk after chunk, while larger
+ones are fresh mappings whose page faults cost as much as the arithmetic. CUDA's caching
+allocator reuses any size, so chunks there are larger (fewer launches), yet far smaller than the
+full logits."""
 MIN_CHUNK_TOKENS = 256
-"""...but at least this many tokens, so the GEMMs stay efficient for very large vocabularies."""
+"""At least this many tokens per chunk, so the GEMMs stay efficient for very large vocabularies."""
 
 
-def chunk_tokens(local_vocab: int) -> int:
-    return max(MIN_CHUNK_TOKENS, CHUNK_LOGIT_BYTES // (4 * max(local_vocab, 1)))
+def chunk_tokens(local_vocab: int, device: torch.device) -> int:
+    budget = CHUNK_LOGIT_BYTES["cuda" if device.type == "cuda" else "cpu"]
+    return max(MIN_CHUNK_TOKENS, budget // (4 * max(local_vocab, 1)))
 
 
 def _head_loss(
@@ -58,7 +62,7 @@ def _head_loss(
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     grad_x = torch.empty_like(x) if with_grads else None
     grad_rows = torch.zeros(rows.shape, dtype=torch.float32, device=x.device) if with_grads else None
-    step = chunk_tokens(rows.shape[0])
+    step = chunk_tokens(rows.shape[0], x.device)
     for start in range(0, x.shape[0], step):
         piece = slice(start, start + step)
         x_c = x[piece]
