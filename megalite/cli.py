@@ -17,9 +17,10 @@ from megalite.errors import MegaliteError
 
 def _train(args: argparse.Namespace) -> int:
     from megalite.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # checked before torch is even imported
     from megalite.training.loop import train
 
-    cfg = load_config(args.config, args.overrides)
     final = train(cfg)
     if final and "val_loss" in final and args.quiet is False:
         print(f"final val_loss {final['val_loss']:.4f} (ppl {final['val_ppl']:.1f})")

@@ -1,22 +1,32 @@
 """Data: tokenizer, text -> token memmap preparation, windows, the global batch order, and the
-builtin corpus (the King James Bible), which needs no preparation step."""
+builtin corpus (the King James Bible), which needs no preparation step.
 
-from megalite.data.builtin import builtin_corpus_text, builtin_data
-from megalite.data.dataset import TokenDataset
-from megalite.data.errors import DataError
-from megalite.data.prepare import corpus_paths, prepare_corpus, token_dtype
-from megalite.data.sampler import GlobalBatchSampler
-from megalite.data.tokenizer import Tokenizer, train_tokenizer
+Names are imported on first use, so that `megalite data ...` and the CLI's config checks answer
+without waiting for torch to load.
+"""
 
-__all__ = [
-    "DataError",
-    "GlobalBatchSampler",
-    "TokenDataset",
-    "Tokenizer",
-    "builtin_corpus_text",
-    "builtin_data",
-    "corpus_paths",
-    "prepare_corpus",
-    "token_dtype",
-    "train_tokenizer",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "DataError": "errors",
+    "GlobalBatchSampler": "sampler",
+    "TokenDataset": "dataset",
+    "Tokenizer": "tokenizer",
+    "builtin_corpus_text": "builtin",
+    "builtin_data": "builtin",
+    "corpus_paths": "prepare",
+    "prepare_corpus": "prepare",
+    "token_dtype": "prepare",
+    "train_tokenizer": "tokenizer",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

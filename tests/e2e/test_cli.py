@@ -194,3 +194,16 @@ def test_bad_input_is_one_error_line_with_exit_code_2(tmp_path):
     assert "'model.n_layer'" in unknown.stderr and "did you mean model.n_layers" in unknown.stderr
     assert f"config file {missing} not found" in no_file.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_config_errors_come_before_torch_is_loaded():
+    """A typo in a config key is reported without paying for `import torch` (seconds)."""
+    probe = (
+        "import sys; from megalite.cli import main; "
+        "code = main(['train', 'train.stepz=3']); print(code, 'torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert result.stdout.split() == ["2", "False"], result
+    assert "unknown config key 'train.stepz'" in result.stderr
