@@ -88,27 +88,45 @@ def in_flight_microbatches(cfg: Config, dp: int) -> float:
     return simulate(schedules, p.pp, p.vpp).peak_in_flight_microbatches[0]
 
 
+def recomputed_layers_per_stage(cfg: Config) -> float:
+    """Layers of a pipeline stage whose activations full recompute drops: all of them, or the
+    first `train.recompute_layers` of each of its vpp chunks."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    layers_per_stage = m.n_layers / p.pp
+    if t.recompute != "full":
+        return 0.0
+    if t.recompute_layers is None:
+        return layers_per_stage
+    return p.vpp * min(t.recompute_layers, layers_per_stage / p.vpp)
+
+
 def estimate(cfg: Config, world_size: int, params_per_rank: int) -> dict[str, float]:
     """Bytes per rank of the first pipeline stage: parameters, gradients, optimizer state and
     activations (16-bit training; `params_per_rank` counts this rank's shards)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     dp = world_size // (p.tp * p.pp)
-    per_layer = activation_bytes_per_layer(
-        m.seq_len,
-        t.micro_batch_size,
-        m.hidden,
-        m.n_heads,
-        p.tp,
-        p.sp,
-        t.recompute,
-        flash=m.dropout == 0.0,
-    )
-    layers_per_stage = m.n_layers / p.pp
+
+    def per_layer(recompute: str) -> float:
+        return activation_bytes_per_layer(
+            m.seq_len,
+            t.micro_batch_size,
+            m.hidden,
+            m.n_heads,
+            p.tp,
+            p.sp,
+            recompute,
+            flash=m.dropout == 0.0,
+        )
+
+    recomputed = recomputed_layers_per_stage(cfg)
+    kept = m.n_layers / p.pp - recomputed
+    kept_mode = "none" if t.recompute == "full" else t.recompute
+    stage_bytes = recomputed * per_layer("full") + kept * per_layer(kept_mode)
     return {
         "params": 2 * params_per_rank,
         "grads": 4 * params_per_rank,
         "optimizer": 12 * params_per_rank / (dp if p.zero else 1),
-        "activations": per_layer * layers_per_stage * in_flight_microbatches(cfg, dp),
+        "activations": stage_bytes * in_flight_microbatches(cfg, dp),
     }
 
 

@@ -8,15 +8,19 @@ from megalite.models import ARCHITECTURES, BuildContext
 
 from megalite.config import load_config
 from megalite.parallel_state import ParallelState
-from megalite.profiling.memory import activation_bytes_per_layer, count_saved_activations
+from megalite.profiling.memory import (
+    activation_bytes_per_layer,
+    count_saved_activations,
+    estimate,
+)
 from megalite.tensor_parallel import TPRandom, init_parameters
 
 S, B, H, A = 64, 2, 64, 4
 
 
-def _layers(arch: str, recompute: str, n_layers: int, dtype: torch.dtype):
+def _config(arch: str, n_layers: int, *overrides: str):
     kv = ["model.n_kv_heads=4"] if arch == "llama" else []
-    cfg = load_config(
+    return load_config(
         None,
         [
             f"model.arch={arch}",
@@ -25,11 +29,18 @@ def _layers(arch: str, recompute: str, n_layers: int, dtype: torch.dtype):
             f"model.n_heads={A}",
             f"model.seq_len={S}",
             "model.dropout=0.1",
+            f"train.micro_batch_size={B}",
+            f"train.global_batch_size={B}",
             *kv,
+            *overrides,
         ],
     )
+
+
+def _layers(arch: str, recompute: str, n_layers: int, dtype: torch.dtype, limit=None):
+    cfg = _config(arch, n_layers)
     ps = ParallelState.single()
-    ctx = BuildContext(cfg.model, ps, TPRandom(5, ps), recompute=recompute)
+    ctx = BuildContext(cfg.model, ps, TPRandom(5, ps), recompute=recompute, recompute_layers=limit)
     chunk = ARCHITECTURES[arch](ctx, range(n_layers), has_embedding=False, has_head=False)
     init_parameters(chunk, 5, ps)
     return chunk.to(dtype).train()
@@ -53,8 +64,8 @@ def test_recompute_gives_the_same_gradients(arch, recompute):
         assert torch.equal(got, want)
 
 
-def _saved_bytes(recompute: str) -> int:
-    chunk = _layers("gpt", recompute, 1, torch.bfloat16)
+def _saved_bytes(recompute: str, n_layers: int = 1, limit: int | None = None) -> int:
+    chunk = _layers("gpt", recompute, n_layers, torch.bfloat16, limit)
     x = torch.randn(B, S, H, dtype=torch.bfloat16, requires_grad=True)
     with count_saved_activations(exclude=list(chunk.parameters())) as saved:
         y = chunk(x)
@@ -80,3 +91,14 @@ def test_saved_activation_bytes_match_the_formula(recompute):
     )
     # What is left: LayerNorm mean/rstd and the shared causal mask, under 1.5% here.
     assert measured == pytest.approx(predicted, rel=0.015)
+
+
+def test_memory_estimate_counts_only_the_recomputed_layers():
+    """recompute=full with recompute_layers=1 of 4: one layer keeps only its input, three keep
+    everything. The estimator says so, and the bytes autograd keeps agree."""
+    cfg = _config("gpt", 4, "train.recompute=full", "train.recompute_layers=1")
+    predicted = estimate(cfg, world_size=1, params_per_rank=0)["activations"]
+    full, none = (activation_bytes_per_layer(S, B, H, A, recompute=r) for r in ("full", "none"))
+    assert predicted == pytest.approx(full + 3 * none)
+    measured = _saved_bytes("full", n_layers=4, limit=1)
+    assert measured == pytest.approx(predicted + 3 * _cpu_dropout_mask_bytes("none"), rel=0.015)
