@@ -90,7 +90,10 @@ def _head_loss(
             grad_rows += grad_logits.t() @ x_c
     if not with_grads:
         return total, None, None
-    grad_weight = torch.zeros_like(weight)
+    # Kept until backward in the weight's dtype, except fp16: its range cannot hold a gradient
+    # summed over a micro-batch's tokens before the loss weight scales it down.
+    kept = torch.float32 if weight.dtype == torch.float16 else weight.dtype
+    grad_weight = torch.zeros(weight.shape, dtype=kept, device=weight.device)
     grad_weight[: rows.shape[0]] = grad_rows  # padded rows get no gradient
     return total, grad_x, grad_weight
 
@@ -107,8 +110,8 @@ class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grad_x, grad_weight = ctx.saved_tensors
-        scale = grad_total.to(grad_x.dtype)
-        return grad_x * scale, grad_weight * scale.to(grad_weight.dtype), None, None, None, None
+        # Autograd casts the fp32-kept fp16 weight gradient back to the weight's dtype.
+        return grad_x * grad_total, grad_weight * grad_total, None, None, None, None
 
 
 def vocab_parallel_head_loss(
