@@ -235,12 +235,13 @@ def print_table(
     )
     print(
         f"megalite pads the vocabulary to a multiple of {round_to} rows "
-        f"({args.vocab} -> {padded(args.vocab, round_to)}; the padded logits are masked out of "
-        "the loss), so its params include the extra rows."
+        f"({args.vocab} -> {padded(args.vocab, round_to)}; the padded rows' logits are never "
+        "computed), so its params include the extra rows."
     )
     print(
         "transformers: attn_implementation='sdpa' (its fastest CPU path), dropout 0, train mode, "
-        f"torch.optim.AdamW ({args.hf_adamw}); loss = F.cross_entropy over all tokens, as megalite."
+        f"torch.optim.AdamW ({args.hf_adamw}); loss = F.cross_entropy, the mean over all tokens "
+        "(megalite: the same mean, from its LM head fused with the loss)."
     )
 
 
