@@ -61,7 +61,9 @@ def _head_loss(
 
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     grad_x = torch.empty_like(x) if with_grads else None
-    grad_rows = torch.zeros(rows.shape, dtype=torch.float32, device=x.device) if with_grads else None
+    grad_rows = (
+        torch.zeros(rows.shape, dtype=torch.float32, device=x.device) if with_grads else None
+    )
     step = chunk_tokens(rows.shape[0], x.device)
     for start in range(0, x.shape[0], step):
         piece = slice(start, start + step)

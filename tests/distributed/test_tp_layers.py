@@ -128,7 +128,9 @@ def _head_loss(tp, sp, tokens=(B, S), vocab=45):
     """The LM head with its fused loss against x @ W^T and cross-entropy over the real
     vocabulary, in float64. Padding columns must never be predicted nor get a gradient."""
     ps = _state(tp)
-    layer = VocabParallelOutput(vocab, H, ps, round_to=4, init=normal_init(1.0), sequence_parallel=sp)
+    layer = VocabParallelOutput(
+        vocab, H, ps, round_to=4, init=normal_init(1.0), sequence_parallel=sp
+    )
     torch.manual_seed(0)
     rows = layer.weight.shape[0]
     (b, s) = tokens
