@@ -1,4 +1,4 @@
-"""`megalite <command>`: train, generate, data. Launch training on several processes with
+"""`megalite <command>`: train, generate, export-hf, data. Launch training on several processes with
 `torchrun --nproc-per-node N -m megalite train ...`.
 
 Every MegaliteError (bad config, bad data, bad checkpoint, impossible layout) is printed as one
@@ -42,6 +42,14 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_hf(args: argparse.Namespace) -> int:
+    from megalite.checkpoint.hf import export_hf
+
+    out = export_hf(Path(args.checkpoint), Path(args.out))
+    print(f"wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megalite", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -65,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_generate)
+
+    export = commands.add_parser(
+        "export-hf", help="write a checkpoint as a Hugging Face model directory"
+    )
+    export.add_argument("--checkpoint", required=True, help="a checkpoints/step_* directory")
+    export.add_argument("--out", required=True, help="the directory to create")
+    export.set_defaults(func=_export_hf)
 
     data_commands.register(commands)
     return parser

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from megalite.checkpoint.hf import hf_config
 from megalite.config import Config, load_config
 from megalite.parallel_state import ParallelState
 from megalite.training.setup import build_run
@@ -104,45 +105,15 @@ def build_megalite(cfg: Config, label: str, lr: float) -> Contender:
 
 
 def hf_model(cfg: Config) -> torch.nn.Module:
-    """The Hugging Face model with megalite's dimensions, SDPA attention, no dropout."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    """The Hugging Face model with megalite's dimensions (the config `megalite export-hf`
+    writes), SDPA attention, no dropout."""
+    from transformers import AutoModelForCausalLM
 
-    m = cfg.model
-    if m.arch == "gpt":
-        config = GPT2Config(
-            n_embd=m.hidden,
-            n_layer=m.n_layers,
-            n_head=m.n_heads,
-            n_positions=m.seq_len,
-            vocab_size=m.vocab_size,
-            activation_function="gelu_new",  # tanh approximation, as megalite's GPT
-            layer_norm_epsilon=m.norm_eps,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,  # GPT-2's 50256 lies outside a small vocabulary
-            eos_token_id=0,
-            use_cache=False,
-        )
-        cls = GPT2LMHeadModel
-    else:
-        config = LlamaConfig(
-            hidden_size=m.hidden,
-            intermediate_size=m.ffn_hidden,
-            num_hidden_layers=m.n_layers,
-            num_attention_heads=m.n_heads,
-            num_key_value_heads=m.n_kv_heads,
-            head_dim=m.head_dim,
-            max_position_embeddings=m.seq_len,
-            vocab_size=m.vocab_size,
-            rms_norm_eps=m.norm_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-            tie_word_embeddings=False,
-            attention_dropout=0.0,
-            use_cache=False,
-        )
-        cls = LlamaForCausalLM
-    model = cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    config = hf_config(cfg.model)
+    config.use_cache = False
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa", dtype=torch.float32
+    )
     return model.train()
 
 

@@ -207,3 +207,38 @@ def test_config_errors_come_before_torch_is_loaded():
     )
     assert result.stdout.split() == ["2", "False"], result
     assert "unknown config key 'train.stepz'" in result.stderr
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_export_hf_gives_the_same_logits_in_transformers(runs, arch, tmp_path):
+    """The exported directory loads with AutoModelForCausalLM and computes megalite's logits
+    (Llama here has grouped-query attention: 4 heads, 2 kv heads); exporting again onto it is
+    refused and leaves it as it was."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megalite.generate import load_for_inference
+
+    out_dir, result = runs[arch]
+    ok(result)
+    checkpoint, hf_dir = out_dir / "checkpoints" / "step_000015", tmp_path / "hf"
+    exported = ok(finish(start("export-hf", "--checkpoint", str(checkpoint), "--out", str(hf_dir))))
+    assert f"wrote {hf_dir}" in exported.stdout
+    assert {"config.json", "model.safetensors", "tokenizer.model"} <= {
+        p.name for p in hf_dir.iterdir()
+    }
+
+    ours, _ = load_for_inference(checkpoint)
+    theirs = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = ours(ids), theirs(ids).logits
+    assert got.shape == expected.shape == (2, 32, VOCAB)
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-5
+
+    before = {p.name: p.stat().st_mtime_ns for p in hf_dir.iterdir()}
+    again = finish(start("export-hf", "--checkpoint", str(checkpoint), "--out", str(hf_dir)))
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"error: {hf_dir} already exists: choose another --out, or remove it first"
+    ]
+    assert {p.name: p.stat().st_mtime_ns for p in hf_dir.iterdir()} == before
