@@ -236,6 +236,9 @@ class CheckpointConfig:
     """auto (continue from <out_dir>/checkpoints/latest if present), none, or a checkpoint dir."""
     keep: int = 3
     """Newest checkpoints to keep (older ones are deleted)."""
+    init_from: str | None = None
+    """Start a fresh run from these weights (a megalite checkpoint dir or a Hugging Face model
+    dir) instead of random ones; the optimizer and data order start anew. Not used on resume."""
 
     def __post_init__(self) -> None:
         _require(self.interval >= 0, "checkpoint.interval must be >= 0")

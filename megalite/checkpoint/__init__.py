@@ -1,1 +1,1 @@
-"""checkpoint."""
+"""Checkpoints: the sharded on-disk format, Hugging Face conversion, initial weights."""

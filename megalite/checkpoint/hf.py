@@ -1,21 +1,25 @@
-"""Export a checkpoint as a Hugging Face model directory (config.json + model.safetensors) that
-`transformers.AutoModelForCausalLM.from_pretrained` loads: GPT as `GPT2LMHeadModel`, Llama as
-`LlamaForCausalLM`.
+"""Hugging Face, both ways: export a checkpoint as a model directory (config.json +
+model.safetensors) that `transformers.AutoModelForCausalLM.from_pretrained` loads (GPT as
+`GPT2LMHeadModel`, Llama as `LlamaForCausalLM`), and read such a directory back as global
+megalite tensors for `checkpoint.init_from`.
 
-Checkpoint tensors are stored by global name, so a checkpoint of any tp / pp layout exports the
-same way. What changes on the way: the names, the vocabulary padding (dropped), and GPT-2's
-`Conv1D` layout (q, k and v fused into one `c_attn`, every projection stored transposed). Llama
-needs no permutation of q and k, because megalite's rotary embedding already uses the Hugging Face
-`rotate_half` convention.
+Checkpoint tensors are stored by global name, so any tp / pp layout converts the same way. What
+changes on the way: the names (one table, `links`, serves both directions), the vocabulary
+padding, and GPT-2's `Conv1D` layout (q, k and v fused into one `c_attn`, every projection stored
+transposed). Llama needs no permutation of q and k, because megalite's rotary embedding already
+uses the Hugging Face `rotate_half` convention.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
 
 from megalite.checkpoint.sharded import TOKENIZER, CheckpointError
 from megalite.config import ModelConfig
@@ -24,39 +28,49 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def _gpt2_state(params: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    state = {
-        "transformer.wte.weight": params["wte.weight"],
-        "transformer.wpe.weight": params["wpe"],
-        "transformer.ln_f.weight": params["final_norm.weight"],
-        "transformer.ln_f.bias": params["final_norm.bias"],
-        "lm_head.weight": params["wte.weight"],  # tied
-    }
-    for i in range(m.n_layers):
-        ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
-        qkv = [params[f"{ours}attn.{w}.weight"] for w in ("wq", "wk", "wv")]
-        state[f"{theirs}attn.c_attn.weight"] = torch.cat(qkv, dim=0).t()
-        qkv_bias = [params[f"{ours}attn.{w}.bias"] for w in ("wq", "wk", "wv")]
-        state[f"{theirs}attn.c_attn.bias"] = torch.cat(qkv_bias)
-        for mine, hf in [
-            ("attn_norm", "ln_1"),
-            ("mlp_norm", "ln_2"),
-            ("attn.wo", "attn.c_proj"),
-            ("mlp.fc", "mlp.c_fc"),
-            ("mlp.proj", "mlp.c_proj"),
-        ]:
-            weight = params[f"{ours}{mine}.weight"]
-            state[f"{theirs}{hf}.weight"] = weight if weight.dim() == 1 else weight.t()
-            state[f"{theirs}{hf}.bias"] = params[f"{ours}{mine}.bias"]
-    return state
+@dataclass(frozen=True)
+class Link:
+    """Megalite tensor `ours` is (part `part` of `parts` along dim 0 of) Hugging Face tensor
+    `theirs`, stored transposed when `transposed` (GPT-2's Conv1D)."""
+
+    ours: str
+    theirs: str
+    transposed: bool = False
+    part: int = 0
+    parts: int = 1
 
 
-def _llama_state(params: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    state = {
-        "model.embed_tokens.weight": params["tok_embeddings.weight"],
-        "model.norm.weight": params["final_norm.weight"],
-        "lm_head.weight": params["lm_head.weight"],
-    }
+def links(m: ModelConfig) -> list[Link]:
+    """The name map between megalite and Hugging Face, used in both directions."""
+    if m.arch == "gpt":
+        found = [
+            Link("wte.weight", "transformer.wte.weight"),
+            Link("wpe", "transformer.wpe.weight"),
+            Link("final_norm.weight", "transformer.ln_f.weight"),
+            Link("final_norm.bias", "transformer.ln_f.bias"),
+        ]
+        for i in range(m.n_layers):
+            ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
+            for n, w in enumerate(("wq", "wk", "wv")):  # fused into c_attn
+                found.append(
+                    Link(f"{ours}attn.{w}.weight", f"{theirs}attn.c_attn.weight", True, n, 3)
+                )
+                found.append(Link(f"{ours}attn.{w}.bias", f"{theirs}attn.c_attn.bias", False, n, 3))
+            for mine, hf, conv1d in [
+                ("attn_norm", "ln_1", False),
+                ("mlp_norm", "ln_2", False),
+                ("attn.wo", "attn.c_proj", True),
+                ("mlp.fc", "mlp.c_fc", True),
+                ("mlp.proj", "mlp.c_proj", True),
+            ]:
+                found.append(Link(f"{ours}{mine}.weight", f"{theirs}{hf}.weight", conv1d))
+                found.append(Link(f"{ours}{mine}.bias", f"{theirs}{hf}.bias"))
+        return found
+    found = [
+        Link("tok_embeddings.weight", "model.embed_tokens.weight"),
+        Link("final_norm.weight", "model.norm.weight"),
+        Link("lm_head.weight", "lm_head.weight"),
+    ]
     for i in range(m.n_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         for mine, hf in [
@@ -70,8 +84,40 @@ def _llama_state(params: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, t
             ("mlp.up", "mlp.up_proj"),
             ("mlp.down", "mlp.down_proj"),
         ]:
-            state[f"{theirs}{hf}.weight"] = params[f"{ours}{mine}.weight"]
+            found.append(Link(f"{ours}{mine}.weight", f"{theirs}{hf}.weight"))
+    return found
+
+
+def to_hf_state(params: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """Global megalite tensors (real vocabulary rows) -> a Hugging Face state dict."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    transposed: dict[str, bool] = {}
+    for link in links(m):  # parts of a fused tensor come in order
+        parts.setdefault(link.theirs, []).append(params[link.ours])
+        transposed[link.theirs] = link.transposed
+    state = {}
+    for name, pieces in parts.items():
+        full = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        state[name] = full.t() if transposed[name] else full
+    if m.arch == "gpt":
+        state["lm_head.weight"] = state["transformer.wte.weight"]  # tied
     return state
+
+
+def from_hf_state(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """A Hugging Face state dict -> global megalite tensors (real vocabulary rows)."""
+    if m.arch == "llama" and "lm_head.weight" not in state:  # tied in HF: untied copy here
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    params = {}
+    for link in links(m):
+        if link.theirs not in state:
+            raise CheckpointError(f"the Hugging Face weights have no tensor {link.theirs!r}")
+        full = state[link.theirs]
+        full = full.t() if link.transposed else full
+        params[link.ours] = full.chunk(link.parts)[link.part] if link.parts > 1 else full
+    if m.arch == "gpt":  # GPT-2 learns more positions than a shorter context uses
+        params["wpe"] = params["wpe"][: m.seq_len]
+    return params
 
 
 def hf_config(m: ModelConfig) -> PretrainedConfig:
@@ -131,7 +177,7 @@ def export_hf(checkpoint: Path, out: Path) -> Path:
         name: p.detach()[: m.vocab_size] if p.meta.init_rows is not None else p.detach()
         for name, p in model.named_parameters()
     }
-    state = (_gpt2_state if m.arch == "gpt" else _llama_state)(params, m)
+    state = to_hf_state(params, m)
     hf = AutoModelForCausalLM.from_config(hf_config(m))
     hf.load_state_dict(state, strict=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -140,3 +186,98 @@ def export_hf(checkpoint: Path, out: Path) -> Path:
     shutil.copyfile(checkpoint / TOKENIZER, tmp / TOKENIZER)
     tmp.rename(out)
     return out
+
+
+# Megalite model keys and where a Hugging Face config keeps the same number.
+_CONFIG_KEYS = {
+    "gpt": [
+        ("hidden", "n_embd"),
+        ("n_layers", "n_layer"),
+        ("n_heads", "n_head"),
+        ("ffn_hidden", "n_inner"),
+        ("vocab_size", "vocab_size"),
+        ("norm_eps", "layer_norm_epsilon"),
+    ],
+    "llama": [
+        ("hidden", "hidden_size"),
+        ("n_layers", "num_hidden_layers"),
+        ("n_heads", "num_attention_heads"),
+        ("n_kv_heads", "num_key_value_heads"),
+        ("ffn_hidden", "intermediate_size"),
+        ("vocab_size", "vocab_size"),
+        ("norm_eps", "rms_norm_eps"),
+        ("rope_theta", "rope_theta"),
+    ],
+}
+_MODEL_TYPES = {"gpt2": "gpt", "llama": "llama"}
+
+
+def _hf_values(raw: dict) -> dict:
+    """A config.json with the defaults and spellings that vary between releases resolved."""
+    values = dict(raw)
+    if values.get("model_type") == "gpt2" and values.get("n_inner") is None:
+        values["n_inner"] = 4 * values["n_embd"]
+    if values.get("model_type") == "llama":
+        values.setdefault("num_key_value_heads", values.get("num_attention_heads"))
+        rope = values.get("rope_parameters") or values.get("rope_scaling") or {}
+        values.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+        if rope.get("rope_type", "default") != "default":
+            raise CheckpointError(
+                f"rope scaling {rope.get('rope_type')!r} is not supported: megalite implements "
+                "plain rotary embeddings"
+            )
+    return values
+
+
+def check_hf_config(raw: dict, path: Path, m: ModelConfig) -> None:
+    """The Hugging Face model must be the architecture and size the config asks for; the error
+    lists the overrides that would make it so."""
+    arch = _MODEL_TYPES.get(raw.get("model_type"))
+    if arch is None:
+        raise CheckpointError(
+            f"{path}: model_type {raw.get('model_type')!r} is not one megalite builds "
+            f"(supported: {', '.join(_MODEL_TYPES)})"
+        )
+    values = _hf_values(raw)
+    wanted = {"model.arch": arch} if arch != m.arch else {}
+    for ours, theirs in _CONFIG_KEYS[arch]:
+        if getattr(m, ours) != values[theirs]:
+            wanted[f"model.{ours}"] = values[theirs]
+    if arch == "gpt" and values.get("n_positions", 0) < m.seq_len:
+        wanted["model.seq_len"] = values["n_positions"]
+    if wanted:
+        fix = " ".join(f"{key}={value}" for key, value in wanted.items())
+        raise CheckpointError(
+            f"the Hugging Face model in {path} does not match the config: set {fix}"
+        )
+    activation = values.get("activation_function" if arch == "gpt" else "hidden_act")
+    if activation not in ("gelu_new", "gelu_pytorch_tanh", "silu"):
+        raise CheckpointError(f"{path}: activation {activation!r} is not one megalite implements")
+    if arch == "llama" and (values.get("attention_bias") or values.get("mlp_bias")):
+        raise CheckpointError(f"{path}: Llama with attention or MLP biases is not supported")
+
+
+def read_hf(path: Path, m: ModelConfig) -> dict[str, torch.Tensor]:
+    """Global megalite tensors from a Hugging Face model directory (safetensors only: pickled
+    `pytorch_model.bin` weights are refused rather than unpickled)."""
+    config_file = path / "config.json"
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{config_file} cannot be read: {exc}") from None
+    check_hf_config(raw, path, m)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(
+            f"{path} has no model.safetensors: megalite does not unpickle pytorch_model.bin; "
+            "re-save the model with save_pretrained(..., safe_serialization=True)"
+        )
+    state = {}
+    for file in files:
+        with safe_open(str(path / file), framework="pt") as f:
+            state.update({name: f.get_tensor(name) for name in f.keys()})
+    return from_hf_state(state, m)

@@ -234,8 +234,14 @@ def _local_piece(
         file = entry["files"][ps.tp_rank if meta.tp_split_dim is not None else 0]
         with safe_open(str(path / file), framework="pt") as f:
             return f.get_tensor(name)
-    full = read_tensor(path, manifest, name)
-    if meta.init_rows is not None:  # re-pad the vocabulary for this tp
+    return local_piece(read_tensor(path, manifest, name), name, param, ps)
+
+
+def local_piece(full: torch.Tensor, name: str, param: torch.nn.Parameter, ps) -> torch.Tensor:
+    """This rank's piece of the global tensor `full` (the real vocabulary rows only, for
+    vocabulary weights), shaped like `param`: padding rows for this tp added, then cut."""
+    meta = param.meta
+    if meta.init_rows is not None and full.shape[0] <= meta.global_shape[0]:
         padded = full.new_zeros(meta.global_shape)
         padded[: full.shape[0]] = full
         full = padded

@@ -86,7 +86,6 @@ def train(cfg: Config) -> dict[str, float]:
     data = open_data(cfg)
     t = cfg.train
     sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, t.seed)
-    run = build_run(cfg, ps, num_microbatches)
     out_dir, start_step = Path(t.out_dir), 0
     ckpt_root = out_dir / "checkpoints"
     resume_from = find_checkpoint(ckpt_root, cfg.checkpoint.resume)
@@ -100,6 +99,10 @@ def train(cfg: Config) -> dict[str, float]:
             f"{ckpt_root} already holds checkpoints that a fresh run would overwrite: continue "
             f"the run with {resume}, or use another train.out_dir"
         )
+    init_from = cfg.checkpoint.init_from
+    run = build_run(
+        cfg, ps, num_microbatches, Path(init_from) if init_from and not resume_from else None
+    )
     if resume_from is not None:
         state = load_checkpoint(resume_from, run)
         start_step = state["step"]

@@ -4,10 +4,12 @@ optimizer, loss scaler and pipeline executor. The same function serves every lay
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from megalite.checkpoint.initial import load_initial_weights
 from megalite.config import Config
 from megalite.models import ARCHITECTURES, BuildContext, CausalLM
 from megalite.optimizer.grad_buffer import GradBuffer, build_grad_buffers
@@ -104,10 +106,17 @@ class Run:
         return actions
 
 
-def build_run(cfg: Config, ps: ParallelState, num_microbatches: int) -> Run:
+def build_run(
+    cfg: Config, ps: ParallelState, num_microbatches: int, init_from: Path | None = None
+) -> Run:
+    """`init_from`: weights to start from instead of the seeded initialisation (loaded before
+    the optimizer takes its master copy)."""
     precision = resolve_precision(cfg.train.precision, ps.device)
     tp_random = TPRandom(cfg.train.seed, ps)
     chunks = build_chunks(cfg, ps, tp_random)
+    if init_from is not None:
+        named = {name: p for chunk in chunks for name, p in chunk.named_parameters()}
+        load_initial_weights(init_from, named, ps, cfg.model)
     for chunk in chunks:
         chunk.to(DTYPES[precision])
     names = {param: name for chunk in chunks for name, param in chunk.named_parameters()}

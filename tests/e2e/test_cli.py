@@ -182,18 +182,20 @@ def test_resume_after_interrupt_repeats_the_losses_exactly(runs):
 
 def test_bad_input_is_one_error_line_with_exit_code_2(tmp_path):
     missing = tmp_path / "missing.yaml"
-    unknown, no_file = run_all(
+    unknown, no_file, no_weights = run_all(
         ["train", *TINY, f"train.out_dir={tmp_path / 'a'}", "model.n_layer=2"],
         ["train", "--config", str(missing), f"train.out_dir={tmp_path / 'b'}"],
+        ["train", *TINY, f"train.out_dir={tmp_path / 'c'}", f"checkpoint.init_from={missing}"],
     )
-    for result in (unknown, no_file):
+    for result in (unknown, no_file, no_weights):
         assert result.returncode == 2, result
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
         assert "Traceback" not in result.stderr and result.stdout == ""
     assert "'model.n_layer'" in unknown.stderr and "did you mean model.n_layers" in unknown.stderr
     assert f"config file {missing} not found" in no_file.stderr
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert f"checkpoint.init_from={missing}: no such directory" in no_weights.stderr
+    assert not any((tmp_path / d).exists() for d in "abc")
 
 
 def test_config_errors_come_before_torch_is_loaded():
