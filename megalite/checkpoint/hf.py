@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from megalite.checkpoint.sharded import TOKENIZER, CheckpointError
 from megalite.config import ModelConfig
+from megalite.data.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -160,10 +161,29 @@ def hf_config(m: ModelConfig) -> PretrainedConfig:
     )
 
 
+def tokenizer_config(tokenizer: Tokenizer) -> dict:
+    """What lets `AutoTokenizer` load megalite's sentencepiece model and encode exactly as it
+    does: no BOS/EOS added, no space prefixed, pieces taken as they are (`legacy`)."""
+    special = {
+        "unk_token": tokenizer.unk_id,
+        "bos_token": tokenizer.bos_id,
+        "eos_token": tokenizer.eos_id,
+    }
+    return {
+        "tokenizer_class": "LlamaTokenizer",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "add_prefix_space": False,
+        "legacy": True,
+        **{name: tokenizer.piece(i) for name, i in special.items() if i >= 0},
+    }
+
+
 def export_hf(checkpoint: Path, out: Path) -> Path:
     """Write the checkpoint's model to `out` (which must not exist yet) as a Hugging Face model
-    directory, with the sentencepiece `tokenizer.model` beside it. Written to a temporary
-    directory first and renamed into place, so `out` is either complete or absent."""
+    directory, with its tokenizer (`tokenizer.model` + `tokenizer_config.json`, for
+    `AutoTokenizer`). Written to a temporary directory first and renamed into place, so `out`
+    is either complete or absent."""
     from transformers import AutoModelForCausalLM
 
     from megalite.generate import load_for_inference
@@ -171,19 +191,23 @@ def export_hf(checkpoint: Path, out: Path) -> Path:
     checkpoint, out = Path(checkpoint), Path(out)
     if out.exists():
         raise CheckpointError(f"{out} already exists: choose another --out, or remove it first")
-    model, _ = load_for_inference(checkpoint)
+    model, tokenizer = load_for_inference(checkpoint)
     m = model.ctx.cfg
     params = {
         name: p.detach()[: m.vocab_size] if p.meta.init_rows is not None else p.detach()
         for name, p in model.named_parameters()
     }
     state = to_hf_state(params, m)
-    hf = AutoModelForCausalLM.from_config(hf_config(m))
+    config = hf_config(m)
+    config.bos_token_id = tokenizer.bos_id if tokenizer.bos_id >= 0 else None
+    config.eos_token_id = tokenizer.eos_id
+    hf = AutoModelForCausalLM.from_config(config)
     hf.load_state_dict(state, strict=True)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     hf.save_pretrained(tmp, safe_serialization=True)
     shutil.copyfile(checkpoint / TOKENIZER, tmp / TOKENIZER)
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tokenizer), indent=2))
     tmp.rename(out)
     return out
 

@@ -114,6 +114,14 @@ class Tokenizer:
     def bos_id(self) -> int:
         return self._sp.bos_id()
 
+    @property
+    def unk_id(self) -> int:
+        return self._sp.unk_id()
+
+    def piece(self, token_id: int) -> str:
+        """The text of one vocabulary entry (e.g. "<s>" for the BOS id)."""
+        return self._sp.id_to_piece(token_id)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no BOS/EOS added); lines are encoded in parallel."""
         return self.encode_batch([text])[0]

@@ -214,10 +214,10 @@ def test_config_errors_come_before_torch_is_loaded():
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_export_hf_gives_the_same_logits_in_transformers(runs, arch, tmp_path):
     """The exported directory loads with AutoModelForCausalLM and computes megalite's logits
-    (Llama here has grouped-query attention: 4 heads, 2 kv heads); exporting again onto it is
-    refused and leaves it as it was."""
+    (Llama here has grouped-query attention: 4 heads, 2 kv heads), AutoTokenizer encodes as
+    megalite does, and exporting again onto it is refused and leaves it as it was."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megalite.generate import load_for_inference
 
@@ -230,7 +230,11 @@ def test_export_hf_gives_the_same_logits_in_transformers(runs, arch, tmp_path):
         p.name for p in hf_dir.iterdir()
     }
 
-    ours, _ = load_for_inference(checkpoint)
+    ours, tokenizer = load_for_inference(checkpoint)
+    text = "In the beginning God created\n\nthe heaven  and the earth: 1611, é ü 漢字"
+    hf_tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    assert hf_tokenizer.encode(text, add_special_tokens=False) == tokenizer.encode(text)
+    assert hf_tokenizer.decode(tokenizer.encode(text)) == text
     theirs = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
