@@ -107,8 +107,6 @@ def to_hf_state(params: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, to
 
 def from_hf_state(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
     """A Hugging Face state dict -> global megalite tensors (real vocabulary rows)."""
-    if m.arch == "llama" and "lm_head.weight" not in state:  # tied in HF: untied copy here
-        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
     params = {}
     for link in links(m):
         if link.theirs not in state:
@@ -274,6 +272,12 @@ def check_hf_config(raw: dict, path: Path, m: ModelConfig) -> None:
         raise CheckpointError(
             f"the Hugging Face model in {path} does not match the config: set {fix}"
         )
+    if arch == "llama" and values.get("head_dim", m.head_dim) != m.head_dim:
+        raise CheckpointError(f"{path}: head_dim {values['head_dim']} is not hidden / n_heads")
+    if arch == "gpt" and (
+        not values.get("scale_attn_weights", True) or values.get("scale_attn_by_inverse_layer_idx")
+    ):
+        raise CheckpointError(f"{path}: GPT-2 attention scaling other than 1/sqrt(head_dim)")
     activation = values.get("activation_function" if arch == "gpt" else "hidden_act")
     if activation not in ("gelu_new", "gelu_pytorch_tanh", "silu"):
         raise CheckpointError(f"{path}: activation {activation!r} is not one megalite implements")
@@ -304,4 +308,9 @@ def read_hf(path: Path, m: ModelConfig) -> dict[str, torch.Tensor]:
     for file in files:
         with safe_open(str(path / file), framework="pt") as f:
             state.update({name: f.get_tensor(name) for name in f.keys()})
+    base = "transformer." if m.arch == "gpt" else "model."
+    if not any(name.startswith(base) for name in state):  # saved from the base model class
+        state = {base + name: tensor for name, tensor in state.items()}
+    if m.arch == "llama" and raw.get("tie_word_embeddings") and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]  # trained untied here
     return from_hf_state(state, m)

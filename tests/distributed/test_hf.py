@@ -68,3 +68,27 @@ def test_a_mismatched_hugging_face_model_names_the_overrides(builtin_corpus, tmp
     (hf_dir / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
     with pytest.raises(CheckpointError, match="model_type 'mistral' is not one megalite builds"):
         read_hf(hf_dir, same)
+
+
+def test_weights_saved_from_the_base_class_and_tied_heads_are_read(builtin_corpus, tmp_path):
+    """Hub checkpoints are often saved from the base model (`h.0...` rather than
+    `transformer.h.0...`), and some Llamas tie the head to the embedding."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = TINY + ARCHS["llama"]
+    run_layout(1, model + ("train.steps=1",), tmp_path / "source")
+    hf_dir = export_hf(_latest(tmp_path / "source"), tmp_path / "hf")
+    m = load_config(None, list(model)).model
+    exported = read_hf(hf_dir, m)
+
+    state = load_file(hf_dir / "model.safetensors")
+    bare = {k.removeprefix("model."): v for k, v in state.items() if k != "lm_head.weight"}
+    save_file(bare, hf_dir / "model.safetensors")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    tied = read_hf(hf_dir, m)
+    assert tied.keys() == exported.keys()
+    assert torch.equal(tied["lm_head.weight"], exported["tok_embeddings.weight"])
+    for name in exported.keys() - {"lm_head.weight"}:
+        assert torch.equal(tied[name], exported[name]), name
