@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from megalite import comm
 from megalite.checkpoint.sharded import find_checkpoint, load_checkpoint, save_checkpoint
 from megalite.config import Config, config_to_dict, save_config
 from megalite.data import GlobalBatchSampler, TokenDataset, builtin_data
@@ -39,11 +40,15 @@ class Data:
     tokenizer_path: Path
 
 
-def open_data(cfg: Config) -> Data:
-    """The builtin corpus (tokenized to the model's vocabulary on first use) or prepared data."""
+def open_data(cfg: Config, cache_dir: Path | None = None) -> Data:
+    """The builtin corpus (tokenized to the model's vocabulary on first use, by the first process
+    of each node while the others wait) or prepared data. Collective."""
     d, seq = cfg.data, cfg.model.seq_len
     if d.source == "builtin":
-        prefix, tokenizer = builtin_data(cfg.model.vocab_size)
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one process per node builds the cache
+            builtin_data(cfg.model.vocab_size, cache_dir)
+        comm.barrier()
+        prefix, tokenizer = builtin_data(cfg.model.vocab_size, cache_dir)
     else:
         prefix, tokenizer = Path(d.source), None
     kwargs = dict(val_fraction=d.val_fraction, vocab_size=cfg.model.vocab_size)
