@@ -151,7 +151,7 @@ def hf_config(m: ModelConfig) -> PretrainedConfig:
         head_dim=m.head_dim,
         max_position_embeddings=m.seq_len,
         rms_norm_eps=m.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+        rope_theta=m.rope_theta,  # transformers 5 files it under rope_parameters
         attention_dropout=m.dropout,
         tie_word_embeddings=False,
         bos_token_id=None,

@@ -92,3 +92,13 @@ def test_weights_saved_from_the_base_class_and_tied_heads_are_read(builtin_corpu
     assert torch.equal(tied["lm_head.weight"], exported["tok_embeddings.weight"])
     for name in exported.keys() - {"lm_head.weight"}:
         assert torch.equal(tied[name], exported[name]), name
+
+
+def test_rope_theta_travels_both_ways(builtin_corpus, tmp_path):
+    model = TINY + ARCHS["llama"] + ("model.rope_theta=500000",)
+    run_layout(1, model + ("train.steps=1",), tmp_path / "source")
+    hf_dir = export_hf(_latest(tmp_path / "source"), tmp_path / "hf")
+    read_hf(hf_dir, load_config(None, list(model)).model)  # accepted as it is
+    default = load_config(None, list(TINY + ARCHS["llama"])).model
+    with pytest.raises(CheckpointError, match=r"set model.rope_theta=500000(\.0)?$"):
+        read_hf(hf_dir, default)
