@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -105,16 +106,21 @@ def to_hf_state(params: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, to
     return state
 
 
-def from_hf_state(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    """A Hugging Face state dict -> global megalite tensors (real vocabulary rows)."""
+def from_hf_state(
+    state: dict[str, torch.Tensor], m: ModelConfig, names: Collection[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """A Hugging Face state dict -> global megalite tensors (real vocabulary rows): all of them,
+    or those in `names`."""
     params = {}
     for link in links(m):
+        if names is not None and link.ours not in names:
+            continue
         if link.theirs not in state:
             raise CheckpointError(f"the Hugging Face weights have no tensor {link.theirs!r}")
         full = state[link.theirs]
         full = full.t() if link.transposed else full
         params[link.ours] = full.chunk(link.parts)[link.part] if link.parts > 1 else full
-    if m.arch == "gpt":  # GPT-2 learns more positions than a shorter context uses
+    if "wpe" in params:  # GPT-2 learns more positions than a shorter context uses
         params["wpe"] = params["wpe"][: m.seq_len]
     return params
 
@@ -285,9 +291,12 @@ def check_hf_config(raw: dict, path: Path, m: ModelConfig) -> None:
         raise CheckpointError(f"{path}: Llama with attention or MLP biases is not supported")
 
 
-def read_hf(path: Path, m: ModelConfig) -> dict[str, torch.Tensor]:
-    """Global megalite tensors from a Hugging Face model directory (safetensors only: pickled
-    `pytorch_model.bin` weights are refused rather than unpickled)."""
+def read_hf(
+    path: Path, m: ModelConfig, names: Collection[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """Global megalite tensors from a Hugging Face model directory: all of them, or only those
+    in `names` (a rank reads just what it holds). Safetensors only: pickled
+    `pytorch_model.bin` weights are refused rather than unpickled."""
     config_file = path / "config.json"
     try:
         raw = json.loads(config_file.read_text())
@@ -304,13 +313,22 @@ def read_hf(path: Path, m: ModelConfig) -> dict[str, torch.Tensor]:
             f"{path} has no model.safetensors: megalite does not unpickle pytorch_model.bin; "
             "re-save the model with save_pretrained(..., safe_serialization=True)"
         )
-    state = {}
+    stored: dict[str, tuple[str, str]] = {}  # full Hugging Face name -> (file, name in file)
     for file in files:
         with safe_open(str(path / file), framework="pt") as f:
-            state.update({name: f.get_tensor(name) for name in f.keys()})
+            stored.update({name: (file, name) for name in f.keys()})
     base = "transformer." if m.arch == "gpt" else "model."
-    if not any(name.startswith(base) for name in state):  # saved from the base model class
-        state = {base + name: tensor for name, tensor in state.items()}
-    if m.arch == "llama" and raw.get("tie_word_embeddings") and "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]  # trained untied here
-    return from_hf_state(state, m)
+    if not any(name.startswith(base) for name in stored):  # saved from the base model class
+        stored = {base + name: where for name, where in stored.items()}
+    if m.arch == "llama" and raw.get("tie_word_embeddings") and "lm_head.weight" not in stored:
+        stored["lm_head.weight"] = stored["model.embed_tokens.weight"]  # trained untied here
+    needed = {link.theirs for link in links(m) if names is None or link.ours in names}
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for name in needed & stored.keys():
+        file, key = stored[name]
+        by_file.setdefault(file, []).append((name, key))
+    state = {}
+    for file, entries in by_file.items():
+        with safe_open(str(path / file), framework="pt") as f:
+            state.update({name: f.get_tensor(key) for name, key in entries})
+    return from_hf_state(state, m, names)

@@ -25,10 +25,10 @@ def load_initial_weights(
     if (path / "manifest.json").is_file():
         load_parameters(path, read_manifest(path), params, ps)
     elif (path / "config.json").is_file():
-        tensors = read_hf(path, model)
+        sources = {name: param.meta.tied_name or name for name, param in params.items()}
+        tensors = read_hf(path, model, set(sources.values()))  # only what this rank holds
         for name, param in params.items():
-            source = param.meta.tied_name or name
-            param.copy_(local_piece(tensors[source], source, param, ps))
+            param.copy_(local_piece(tensors[sources[name]], sources[name], param, ps))
     else:
         raise CheckpointError(
             f"checkpoint.init_from={path}: neither a megalite checkpoint (no manifest.json) nor "

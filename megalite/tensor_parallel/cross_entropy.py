@@ -60,10 +60,11 @@ def _head_loss(
     minus_one_hot = -here.unsqueeze(-1).float()
 
     total = torch.zeros((), dtype=torch.float32, device=x.device)
-    grad_x = torch.empty_like(x) if with_grads else None
-    grad_rows = (
-        torch.zeros(rows.shape, dtype=torch.float32, device=x.device) if with_grads else None
-    )
+    if with_grads:
+        grad_x = torch.empty_like(x)
+        # The weight gradient, summed over chunks in fp32; padded rows stay zero.
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+        grad_rows = grad_weight[: rows.shape[0]]
     step = chunk_tokens(rows.shape[0], x.device)
     for start in range(0, x.shape[0], step):
         piece = slice(start, start + step)
@@ -95,9 +96,7 @@ def _head_loss(
     # Kept until backward in the weight's dtype, except fp16: its range cannot hold a gradient
     # summed over a micro-batch's tokens before the loss weight scales it down.
     kept = torch.float32 if weight.dtype == torch.float16 else weight.dtype
-    grad_weight = torch.zeros(weight.shape, dtype=kept, device=weight.device)
-    grad_weight[: rows.shape[0]] = grad_rows  # padded rows get no gradient
-    return total, grad_x, grad_weight
+    return total, grad_x, grad_weight.to(kept)
 
 
 class _FusedHeadLoss(torch.autograd.Function):
