@@ -3,7 +3,8 @@
 Every function takes the process group it works on; a group of None means a group of one rank,
 where collectives are identities and nothing touches torch.distributed. That keeps the
 single-process path free of any distributed setup. `record_collectives` lets tests count the
-bytes each collective moves.
+bytes each collective moves; `comm_trace` records every call so that tests can check that the
+ranks of each group agree on them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from megalite import comm_trace
 
 # torch >= 2.9 names these *_single; older releases only have the *_tensor spelling.
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -43,9 +46,14 @@ def record_collectives() -> Iterator[list[CollectiveRecord]]:
         _recorders.remove(log)
 
 
-def _record(op: str, tensor: torch.Tensor, group: Any) -> None:
+def _count(op: str, tensor: torch.Tensor, group_size: int) -> None:
     for log in _recorders:
-        log.append(CollectiveRecord(op, tensor.numel() * tensor.element_size(), size(group)))
+        log.append(CollectiveRecord(op, tensor.numel() * tensor.element_size(), group_size))
+
+
+def _record(op: str, tensor: torch.Tensor, group: Any) -> None:
+    comm_trace.record_collective(op, tensor, group)
+    _count(op, tensor, size(group))
 
 
 def size(group: Any) -> int:
@@ -66,6 +74,7 @@ def all_reduce(tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
 
 def all_reduce_max(tensor: torch.Tensor, group: Any) -> None:
     if size(group) > 1:
+        comm_trace.record_collective("all_reduce_max", tensor, group)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
 
@@ -130,8 +139,11 @@ def post_p2p(
     their handles, sends first. NCCL runs all p2p between two ranks on one stream, so a send
     must be posted together with the receive that follows it, or both sides can wait on each
     other (Megatron-LM's send_forward_recv_backward)."""
-    for tensor, _ in sends:
-        _record("send", tensor, None)
+    for tensor, peer in sends:
+        comm_trace.record_p2p("send", tensor, peer)
+        _count("send", tensor, 1)
+    for tensor, peer in recvs:
+        comm_trace.record_p2p("recv", tensor, peer)
     ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
     return dist.batch_isend_irecv(ops)
@@ -139,4 +151,5 @@ def post_p2p(
 
 def barrier(group: Any = None) -> None:
     if dist.is_initialized():
+        comm_trace.record_collective("barrier", None, group)
         dist.barrier(group=group)

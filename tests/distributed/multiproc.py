@@ -5,6 +5,11 @@ free port, which starts 8 ranks in about two seconds. Each rank uses one intra-o
 OpenMP pools are not safe, and 2 cores gain nothing from more), sends back its result or its
 traceback through a pipe, and exits hard so pytest's own exit handlers never run twice. A run
 that does not finish within `timeout` is killed and fails the test, so a deadlock cannot hang CI.
+
+Every run records each rank's collectives and p2p messages (`megalite.comm_trace`) and fails if
+the ranks of a group disagree on them, naming the first divergent call: a rank-local quantity
+shaping a collective is caught here even where gloo happens to let it pass, and is reported
+before the abort or time-out it causes.
 """
 
 from __future__ import annotations
@@ -12,14 +17,19 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import shutil
 import socket
+import tempfile
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from megalite import comm_trace
 
 
 def free_port() -> int:
@@ -28,7 +38,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, conn, timeout: float):
+def _child(
+    rank: int, world_size: int, port: int, trace_dir: str, fn: Callable, args: tuple, conn, timeout
+):
     status, payload = "error", None
     try:
         torch.set_num_threads(1)
@@ -38,6 +50,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, con
             WORLD_SIZE=str(world_size),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
+            **{comm_trace.ENV: trace_dir},
         )
         dist.init_process_group(
             "gloo",
@@ -63,10 +76,13 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
     """fn(*args) on every rank; returns the per-rank results in rank order."""
     ctx = mp.get_context("fork")
     port = free_port()
+    trace_dir = tempfile.mkdtemp(prefix="megalite-trace-")
     pipes, procs = [], []
     for rank in range(world_size):
         receive, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(rank, world_size, port, fn, args, send, timeout))
+        proc = ctx.Process(
+            target=_child, args=(rank, world_size, port, trace_dir, fn, args, send, timeout)
+        )
         proc.start()
         send.close()
         pipes.append(receive)
@@ -80,10 +96,11 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
             left = (deadline - datetime.datetime.now()).total_seconds()
             ready = wait(open_pipes, timeout=max(left, 0))
             if not ready:
-                raise TimeoutError(
+                errors.append(
                     f"{len(open_pipes)} of {world_size} ranks did not finish in "
                     f"{timeout:.0f}s (deadlock?)"
                 )
+                break
             for conn in ready:
                 open_pipes.remove(conn)
                 try:
@@ -103,6 +120,13 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+    try:
+        # Ranks stopped early have shorter records: then only compare the calls both made.
+        comm_trace.check_traces(Path(trace_dir), complete=not errors)
+    except comm_trace.CollectiveMismatch as mismatch:
+        errors.insert(0, str(mismatch))  # the cause of whatever the ranks reported
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]

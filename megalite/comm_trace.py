@@ -1,0 +1,124 @@
+"""A record of every collective and point-to-point message each rank issues, and the check that
+ranks agree on it.
+
+Every rank of a group must run the same collectives in the same order with the same dtype and
+element count, and a send must meet a receive of the same size (DESIGN.md, the equivalence
+principle). When they do not, gloo aborts with "Received data size doesn't match", and NCCL
+hangs or silently corrupts memory. Neither names the call that diverged.
+
+With `MEGALITE_COLLECTIVE_TRACE=<dir>` set (the multi-process tests always set it), `comm.py`
+appends one line per call to `<dir>/rank<N>.trace` *before* issuing it, so the record survives a
+rank that aborts inside the call. `check_traces(dir)` then compares the ranks' records and names
+the first call on which the members of a group disagree.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+
+ENV = "MEGALITE_COLLECTIVE_TRACE"
+
+
+class CollectiveMismatch(AssertionError):
+    """Ranks of one group issued different collectives, or a send met a different receive."""
+
+
+class _Trace:
+    """This process's open trace file; reopened after a fork or a change of rank."""
+
+    def __init__(self) -> None:
+        self.file: TextIO | None = None
+        self.key: tuple[str, int, int] | None = None
+        self.group_ranks: dict[int, str] = {}
+
+    def writer(self) -> TextIO | None:
+        directory = os.environ.get(ENV)
+        if not directory or not dist.is_initialized():
+            return None
+        key = (directory, os.getpid(), dist.get_rank())
+        if key != self.key:
+            path = Path(directory) / f"rank{dist.get_rank()}.trace"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a", buffering=1)  # line-buffered: each call hits the file
+            self.key, self.group_ranks = key, {}
+        return self.file
+
+    def ranks_of(self, group: Any) -> str:
+        """The group's global ranks, 'r0,r1,...': the same string on every member."""
+        group = dist.group.WORLD if group is None else group
+        if id(group) not in self.group_ranks:
+            ranks = dist.get_process_group_ranks(group)
+            self.group_ranks[id(group)] = ",".join(map(str, ranks))
+        return self.group_ranks[id(group)]
+
+
+_trace = _Trace()
+
+
+def _shape(tensor: torch.Tensor | None) -> str:
+    return "-" if tensor is None else f"{str(tensor.dtype).removeprefix('torch.')}x{tensor.numel()}"
+
+
+def record_collective(op: str, tensor: torch.Tensor | None, group: Any) -> None:
+    """Note a collective over `group` on the tensor that every member passes with equal size."""
+    writer = _trace.writer()
+    if writer is not None:
+        writer.write(f"group {_trace.ranks_of(group)} {op} {_shape(tensor)}\n")
+
+
+def record_p2p(op: str, tensor: torch.Tensor, peer: int) -> None:
+    """Note a send or receive (op 'send' / 'recv') with global rank `peer`."""
+    writer = _trace.writer()
+    if writer is not None:
+        writer.write(f"{op} {peer} {_shape(tensor)}\n")
+
+
+def _read(directory: Path) -> dict[int, list[str]]:
+    traces = {}
+    for path in directory.glob("rank*.trace"):
+        traces[int(path.stem.removeprefix("rank"))] = path.read_text().splitlines()
+    return traces
+
+
+def _sequences(traces: dict[int, list[str]]) -> dict[str, dict[int, list[str]]]:
+    """Stream name -> {rank: its calls in order}. A group's stream holds its collectives; the
+    stream 'a->b' holds a's sends to b and b's receives from a."""
+    streams: dict[str, dict[int, list[str]]] = {}
+    for rank, lines in traces.items():
+        for line in lines:
+            kind, who, call = line.split(" ", 2)
+            if kind == "group":
+                name, members, entry = f"group {who}", map(int, who.split(",")), call
+            else:
+                src, dst = (rank, int(who)) if kind == "send" else (int(who), rank)
+                name, members, entry = f"p2p {src}->{dst}", (src, dst), call
+            stream = streams.setdefault(name, {member: [] for member in members})
+            stream[rank].append(entry)
+    return streams
+
+
+def check_traces(directory: Path, complete: bool = True) -> None:
+    """Raise CollectiveMismatch naming the first call on which two members of a group (or the
+    two ends of a p2p link) disagree, with the calls of every member at that position.
+
+    `complete=False` when some rank stopped early (an error, a time-out): its record is then
+    shorter for that reason alone, so only the calls that every member made are compared."""
+    for name, calls in sorted(_sequences(_read(Path(directory))).items()):
+        length = max(len(seq) for seq in calls.values())
+        compared = length if complete else min(len(seq) for seq in calls.values())
+        for index in range(compared):
+            at = {
+                rank: seq[index] if index < len(seq) else "(nothing)" for rank, seq in calls.items()
+            }
+            if len(set(at.values())) > 1:
+                detail = "; ".join(f"rank {rank}: {call}" for rank, call in sorted(at.items()))
+                raise CollectiveMismatch(
+                    f"ranks disagree on call #{index} of {name} (of {length}): {detail}. A "
+                    "collective's count and size must depend only on quantities equal across "
+                    "its group"
+                )
