@@ -11,3 +11,11 @@ def builtin_corpus():
     from megalite.data import builtin_data
 
     return builtin_data(TEST_VOCAB)
+
+
+@pytest.fixture(scope="session")
+def builtin_corpus_8000():
+    """The builtin corpus at the shipped tiny configs' vocabulary."""
+    from megalite.data import builtin_data
+
+    return builtin_data(8000)

@@ -33,9 +33,13 @@ MIN_CHUNK_TOKENS = 256
 """At least this many tokens per chunk, so the GEMMs stay efficient for very large vocabularies."""
 
 
-def chunk_tokens(local_vocab: int, device: torch.device) -> int:
+def chunk_tokens(padded_local_vocab: int, device: torch.device) -> int:
+    """Tokens per chunk. Every chunk runs two all-reduces over the tp group, so this must be
+    computed from the padded share of the vocabulary (V_pad / tp, equal on every rank), never
+    from a rank's own count of real rows: the last rank holds the padding, and different chunk
+    sizes would send different sizes to one collective (gloo aborts, NCCL hangs)."""
     budget = CHUNK_LOGIT_BYTES["cuda" if device.type == "cuda" else "cpu"]
-    return max(MIN_CHUNK_TOKENS, budget // (4 * max(local_vocab, 1)))
+    return max(MIN_CHUNK_TOKENS, budget // (4 * padded_local_vocab))
 
 
 def _head_loss(
@@ -65,7 +69,7 @@ def _head_loss(
         # The weight gradient, summed over chunks in fp32; padded rows stay zero.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
         grad_rows = grad_weight[: rows.shape[0]]
-    step = chunk_tokens(rows.shape[0], x.device)
+    step = chunk_tokens(weight.shape[0], x.device)
     for start in range(0, x.shape[0], step):
         piece = slice(start, start + step)
         x_c = x[piece]

@@ -34,13 +34,16 @@ TINY = (
 )
 
 
-def _train(overrides: tuple[str, ...], out_dir: str) -> None:
-    train(load_config(None, [*overrides, f"train.out_dir={out_dir}"]))
+def _train(config: str | None, overrides: tuple[str, ...], out_dir: str) -> None:
+    train(load_config(config, [*overrides, f"train.out_dir={out_dir}"]))
 
 
-def run_layout(world_size: int, overrides: tuple[str, ...], out_dir: Path):
-    """Train on `world_size` ranks; returns (losses per step, final weights by global name)."""
-    run_ranks(world_size, _train, overrides, str(out_dir))
+def run_layout(
+    world_size: int, overrides: tuple[str, ...], out_dir: Path, config: str | None = None
+):
+    """Train on `world_size` ranks; returns (losses per step, final weights by global name).
+    `config`: a YAML file the overrides apply to (the defaults when None)."""
+    run_ranks(world_size, _train, config, overrides, str(out_dir))
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [(row["loss"], row["grad_norm"]) for row in rows]
     checkpoint = out_dir / "checkpoints" / (out_dir / "checkpoints" / "latest").read_text()
@@ -54,9 +57,19 @@ def run_layout(world_size: int, overrides: tuple[str, ...], out_dir: Path):
 
 
 @functools.cache
-def reference(overrides: tuple[str, ...]):
+def reference(overrides: tuple[str, ...], config: str | None = None):
     """The single-process run of a config (cached: many layouts compare with the same one)."""
-    return run_layout(1, overrides, Path(tempfile.mkdtemp(prefix="megalite-ref-")))
+    return run_layout(1, overrides, Path(tempfile.mkdtemp(prefix="megalite-ref-")), config)
+
+
+def assert_same_losses(losses: list, ref_losses: list, rtol: float = 1e-5) -> None:
+    """Per-step (loss, grad norm) pairs equal the reference's within `rtol`, relatively."""
+    assert len(losses) == len(ref_losses)
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(losses, ref_losses), 1):
+        assert abs(loss - ref_loss) <= rtol * ref_loss, f"step {step}: loss {loss} vs {ref_loss}"
+        assert abs(norm - ref_norm) <= rtol * ref_norm, (
+            f"step {step}: grad norm {norm} vs {ref_norm}"
+        )
 
 
 def assert_equivalent(
@@ -73,14 +86,8 @@ def assert_equivalent(
     moves final weights by up to 2e-6, and tp = 4 by up to 1.2e-5 (halving with the lr)."""
     ref_losses, ref_weights = reference(TINY + model)
     losses, weights = run_layout(world_size, TINY + model + layout, out_dir)
-    assert len(losses) == len(ref_losses) == 10
-    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(losses, ref_losses), 1):
-        assert abs(loss - ref_loss) <= loss_rtol * ref_loss, (
-            f"step {step}: loss {loss} vs {ref_loss}"
-        )
-        assert abs(norm - ref_norm) <= loss_rtol * ref_norm, (
-            f"step {step}: grad norm {norm} vs {ref_norm}"
-        )
+    assert len(ref_losses) == 10
+    assert_same_losses(losses, ref_losses, loss_rtol)
     assert ref_losses[-1][0] < ref_losses[0][0] - 0.1, "the reference run did not learn"
     assert weights.keys() == ref_weights.keys()
     for name, ref in ref_weights.items():
