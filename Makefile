@@ -24,7 +24,7 @@ setup: $(STAMP)
 
 train: setup
 	$(BIN)/megalite train --config $(CONFIG) train.out_dir=$(RUN_DIR)
-	$(BIN)/megalite generate --checkpoint $(RUN_DIR)/checkpoints/$$(cat $(RUN_DIR)/checkpoints/latest) \
+	$(BIN)/megalite generate --checkpoint $(RUN_DIR) \
 		--prompt "And God said" --max-new-tokens 60 --temperature 0.8 --top-k 40
 
 test: setup

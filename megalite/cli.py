@@ -50,6 +50,12 @@ def _export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+CHECKPOINT_HELP = (
+    "a run directory (train.out_dir), its checkpoints/ directory or checkpoints/latest file "
+    "(each meaning the newest complete checkpoint), or a checkpoints/step_* directory"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megalite", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -66,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
 
     gen = commands.add_parser("generate", help="sample text from a checkpoint")
-    gen.add_argument("--checkpoint", required=True, help="a checkpoints/step_* directory")
+    gen.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     gen.add_argument("--prompt", default="", help="text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
@@ -77,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser(
         "export-hf", help="write a checkpoint as a Hugging Face model directory"
     )
-    export.add_argument("--checkpoint", required=True, help="a checkpoints/step_* directory")
+    export.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     export.add_argument("--out", required=True, help="the directory to create")
     export.set_defaults(func=_export_hf)
 

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import torch
 
-from megalite.checkpoint.sharded import TOKENIZER, CheckpointError, load_parameters, read_manifest
+from megalite.checkpoint.sharded import (
+    TOKENIZER,
+    CheckpointError,
+    load_parameters,
+    read_manifest,
+    resolve_checkpoint,
+)
 from megalite.config import build_config
 from megalite.data import Tokenizer
 from megalite.models import CausalLM
@@ -17,9 +23,9 @@ from megalite.training.setup import build_chunks
 
 
 def load_for_inference(path: Path, device: str = "cpu") -> tuple[CausalLM, Tokenizer]:
-    """The whole model as one chunk (tp = pp = 1) with the checkpoint's weights, and its
-    tokenizer."""
-    path = Path(path)
+    """The whole model as one chunk (tp = pp = 1) with the weights of the checkpoint `path`
+    names (a step directory, or a run's newest: see `resolve_checkpoint`), and its tokenizer."""
+    path = resolve_checkpoint(Path(path))
     manifest = read_manifest(path)
     raw = manifest["trainer"]["config"]
     raw["parallel"] = {}  # one process: no tp/pp/sp

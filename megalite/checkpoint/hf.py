@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from megalite.checkpoint.sharded import TOKENIZER, CheckpointError
+from megalite.checkpoint.sharded import TOKENIZER, CheckpointError, resolve_checkpoint
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import Tokenizer
 
@@ -184,7 +184,8 @@ def tokenizer_config(tokenizer: Tokenizer) -> dict:
 
 
 def export_hf(checkpoint: Path, out: Path) -> Path:
-    """Write the checkpoint's model to `out` (which must not exist yet) as a Hugging Face model
+    """Write the model of `checkpoint` (a step directory, or a run's newest: see
+    `resolve_checkpoint`) to `out` (which must not exist yet) as a Hugging Face model
     directory, with its tokenizer (`tokenizer.model` + `tokenizer_config.json`, for
     `AutoTokenizer`). Written to a temporary directory first and renamed into place, so `out`
     is either complete or absent."""
@@ -192,9 +193,10 @@ def export_hf(checkpoint: Path, out: Path) -> Path:
 
     from megalite.generate import load_for_inference
 
-    checkpoint, out = Path(checkpoint), Path(out)
+    out = Path(out)
     if out.exists():
         raise CheckpointError(f"{out} already exists: choose another --out, or remove it first")
+    checkpoint = resolve_checkpoint(Path(checkpoint))
     model, tokenizer = load_for_inference(checkpoint)
     m = model.ctx.cfg
     params = {

@@ -202,6 +202,51 @@ def find_checkpoint(root: Path, resume: str) -> Path | None:
     return root / latest.read_text().strip() if latest.is_file() else None
 
 
+def resolve_checkpoint(path: Path) -> Path:
+    """The checkpoint a user means by `path`, so that `generate` and `export-hf` take whatever a
+    run left behind: a step directory is itself; the `latest` pointer file, a `checkpoints/`
+    directory or a run directory (train.out_dir) mean the newest complete checkpoint there."""
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        return path
+    if path.is_file() and path.name == "latest":
+        root = path.parent
+    elif (path / "checkpoints").is_dir():
+        root = path / "checkpoints"
+    else:
+        root = path
+    newest = _newest_complete(root) if root.is_dir() else None
+    if newest is None:
+        found = "no complete megalite checkpoint" if path.exists() else "no such file or directory"
+        raise CheckpointError(
+            f"{path}: {found}; expected a run directory (train.out_dir), its checkpoints/ "
+            "directory, the checkpoints/latest file, or a step_* directory with a manifest.json"
+        )
+    return newest
+
+
+def _newest_complete(root: Path) -> Path | None:
+    """The checkpoint `latest` names when it is complete, else the highest complete step_*."""
+    latest = root / "latest"
+    if latest.is_file():
+        named = root / latest.read_text().strip()
+        if (named / "manifest.json").is_file():
+            return named
+    steps = [p for p in root.glob("step_*") if p.name.removeprefix("step_").isdigit()]
+    complete = [p for p in steps if (p / "manifest.json").is_file()]
+    return max(complete, key=lambda p: int(p.name.removeprefix("step_")), default=None)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint was saved at, read from its manifest without hashing its files
+    (that happens on load): enough to decide whether anything is left to train."""
+    try:
+        return int(json.loads((path / "manifest.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        read_manifest(path)  # raises the error that names what is wrong
+        raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json (no step)") from None
+
+
 def read_tensor(path: Path, manifest: dict, name: str) -> torch.Tensor:
     """The full global tensor `name`, glued from its tp pieces, without the padding rows beyond
     the real vocabulary (whose count depends on the tp it was saved with)."""
