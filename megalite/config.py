@@ -52,7 +52,12 @@ class ModelConfig:
     vocab_round_to: int = 128
     """Embedding rows are padded to a multiple of tp times this (padding is never predicted)."""
     seq_len: int = 256
-    """Tokens per training sample (the context length)."""
+    """Tokens per training sample: the context length training runs at."""
+    max_positions: int | None = None
+    """Positions the model can represent (GPT-2's `n_positions`, Llama's
+    `max_position_embeddings`): GPT's learned position table has this many rows and Llama's
+    rotary tables cover them; `generate` may use this much context. None means seq_len. Set it
+    to fine-tune a model that has more positions than seq_len (GPT-2: 1024) and keep them all."""
     dropout: float = 0.0
     """Dropout on attention probabilities and residual branches (0 makes layouts comparable)."""
     norm_eps: float = 1e-5
@@ -70,6 +75,13 @@ class ModelConfig:
             _require(getattr(self, name) >= 1, f"model.{name} must be >= 1")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        if self.max_positions is None:
+            self.max_positions = self.seq_len
+        _require(
+            self.seq_len <= self.max_positions,
+            f"model.seq_len ({self.seq_len}) exceeds model.max_positions ({self.max_positions}): "
+            f"raise model.max_positions to at least {self.seq_len} or lower model.seq_len",
+        )
         if self.ffn_hidden is None:
             self.ffn_hidden = (
                 4 * self.hidden if self.arch == "gpt" else 64 * math.ceil(8 * self.hidden / 3 / 64)

@@ -48,10 +48,12 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Extend ids (b, s) by max_new_tokens; temperature 0 means greedy."""
-    seq_len = model.ctx.cfg.seq_len
+    """Extend ids (b, s) by max_new_tokens; temperature 0 means greedy. The context is the
+    last max_positions tokens: all the positions the model has, even beyond its training
+    seq_len."""
+    context = model.ctx.cfg.max_positions
     for _ in range(max_new_tokens):
-        logits = model(ids[:, -seq_len:])[:, -1, :].float()  # (b, vocab)
+        logits = model(ids[:, -context:])[:, -1, :].float()  # (b, vocab)
         if temperature == 0:
             next_id = logits.argmax(dim=-1, keepdim=True)
         else:

@@ -100,10 +100,10 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight
 
 
-def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (seq, head_dim) in the Hugging Face `rotate_half` layout."""
+def rotary_tables(head_dim: int, positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (positions, head_dim) in the Hugging Face `rotate_half` layout."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
 
@@ -159,7 +159,7 @@ class Attention(nn.Module):
             sequence_parallel=ctx.sequence_parallel,
         )
         if rotary:
-            cos, sin = rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+            cos, sin = rotary_tables(cfg.head_dim, cfg.max_positions, cfg.rope_theta)
             self.register_buffer("cos", cos.to(ps.device), persistent=False)
             self.register_buffer("sin", sin.to(ps.device), persistent=False)
 

@@ -34,9 +34,10 @@ class GPT(CausalLM):
         vocab = dict(round_to=cfg.vocab_round_to, init=init, sequence_parallel=sp)
         if has_embedding:
             self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, ps, **vocab)
-            # Replicated over tp; under SP each rank adds the rows of its own positions.
-            meta = ParamMeta((cfg.seq_len, cfg.hidden), init, tp_grad_reduce=sp)
-            self.wpe = make_param((cfg.seq_len, cfg.hidden), meta, ps)
+            # One row per position the model knows (max_positions; training uses the first
+            # seq_len). Replicated over tp; under SP each rank adds the rows of its own positions.
+            meta = ParamMeta((cfg.max_positions, cfg.hidden), init, tp_grad_reduce=sp)
+            self.wpe = make_param((cfg.max_positions, cfg.hidden), meta, ps)
             self.wte.weight.meta.pp_tied = not has_head  # the head is on the last stage
         self.layers = self.make_layers(layer_ids)
         if has_head:

@@ -120,8 +120,6 @@ def from_hf_state(
         full = state[link.theirs]
         full = full.t() if link.transposed else full
         params[link.ours] = full.chunk(link.parts)[link.part] if link.parts > 1 else full
-    if "wpe" in params:  # GPT-2 learns more positions than a shorter context uses
-        params["wpe"] = params["wpe"][: m.seq_len]
     return params
 
 
@@ -133,7 +131,7 @@ def hf_config(m: ModelConfig) -> PretrainedConfig:
     if m.arch == "gpt":
         return GPT2Config(
             vocab_size=m.vocab_size,
-            n_positions=m.seq_len,
+            n_positions=m.max_positions,
             n_embd=m.hidden,
             n_layer=m.n_layers,
             n_head=m.n_heads,
@@ -155,7 +153,7 @@ def hf_config(m: ModelConfig) -> PretrainedConfig:
         num_attention_heads=m.n_heads,
         num_key_value_heads=m.n_kv_heads,
         head_dim=m.head_dim,
-        max_position_embeddings=m.seq_len,
+        max_position_embeddings=m.max_positions,
         rms_norm_eps=m.norm_eps,
         rope_theta=m.rope_theta,  # transformers 5 files it under rope_parameters
         attention_dropout=m.dropout,
@@ -227,6 +225,7 @@ _CONFIG_KEYS = {
         ("ffn_hidden", "n_inner"),
         ("vocab_size", "vocab_size"),
         ("norm_eps", "layer_norm_epsilon"),
+        ("max_positions", "n_positions"),
     ],
     "llama": [
         ("hidden", "hidden_size"),
@@ -237,6 +236,7 @@ _CONFIG_KEYS = {
         ("vocab_size", "vocab_size"),
         ("norm_eps", "rms_norm_eps"),
         ("rope_theta", "rope_theta"),
+        ("max_positions", "max_position_embeddings"),
     ],
 }
 _MODEL_TYPES = {"gpt2": "gpt", "llama": "llama"}
@@ -245,10 +245,13 @@ _MODEL_TYPES = {"gpt2": "gpt", "llama": "llama"}
 def _hf_values(raw: dict) -> dict:
     """A config.json with the defaults and spellings that vary between releases resolved."""
     values = dict(raw)
-    if values.get("model_type") == "gpt2" and values.get("n_inner") is None:
-        values["n_inner"] = 4 * values["n_embd"]
+    if values.get("model_type") == "gpt2":
+        if values.get("n_inner") is None:
+            values["n_inner"] = 4 * values["n_embd"]
+        values.setdefault("n_positions", 1024)  # transformers' defaults
     if values.get("model_type") == "llama":
         values.setdefault("num_key_value_heads", values.get("num_attention_heads"))
+        values.setdefault("max_position_embeddings", 2048)
         rope = values.get("rope_parameters") or values.get("rope_scaling") or {}
         values.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
         if rope.get("rope_type", "default") != "default":
@@ -273,8 +276,9 @@ def check_hf_config(raw: dict, path: Path, m: ModelConfig) -> None:
     for ours, theirs in _CONFIG_KEYS[arch]:
         if getattr(m, ours) != values[theirs]:
             wanted[f"model.{ours}"] = values[theirs]
-    if arch == "gpt" and values.get("n_positions", 0) < m.seq_len:
-        wanted["model.seq_len"] = values["n_positions"]
+    positions = values["n_positions" if arch == "gpt" else "max_position_embeddings"]
+    if positions < m.seq_len:  # a longer context than the model has positions for
+        wanted["model.seq_len"] = positions
     if wanted:
         fix = " ".join(f"{key}={value}" for key, value in wanted.items())
         raise CheckpointError(

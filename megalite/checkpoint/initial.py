@@ -11,8 +11,38 @@ from torch import nn
 
 from megalite.checkpoint.hf import read_hf
 from megalite.checkpoint.sharded import CheckpointError, load_parameters, local_piece, read_manifest
-from megalite.config import ModelConfig
+from megalite.config import ModelConfig, build_config
 from megalite.parallel_state import ParallelState
+
+# The model settings that decide which tensors a checkpoint holds and their shapes.
+SHAPE_KEYS = (
+    "arch",
+    "n_layers",
+    "hidden",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_hidden",
+    "vocab_size",
+    "max_positions",
+)
+
+
+def check_saved_model(path: Path, saved: dict, model: ModelConfig) -> None:
+    """The megalite checkpoint must hold the model the config builds; the error lists the
+    overrides that would make it so (as for a Hugging Face model)."""
+    theirs = build_config({"model": saved}).model
+    wanted = {
+        f"model.{key}": getattr(theirs, key)
+        for key in SHAPE_KEYS
+        if getattr(theirs, key) != getattr(model, key)
+    }
+    if theirs.max_positions < model.seq_len:  # a longer context than it has positions for
+        wanted["model.seq_len"] = theirs.max_positions
+    if wanted:
+        fix = " ".join(f"{key}={value}" for key, value in wanted.items())
+        raise CheckpointError(
+            f"the megalite checkpoint {path} does not match the config: set {fix}"
+        )
 
 
 @torch.no_grad()
@@ -23,7 +53,9 @@ def load_initial_weights(
     if not path.is_dir():
         raise CheckpointError(f"checkpoint.init_from={path}: no such directory")
     if (path / "manifest.json").is_file():
-        load_parameters(path, read_manifest(path), params, ps)
+        manifest = read_manifest(path)
+        check_saved_model(path, manifest["trainer"]["config"]["model"], model)
+        load_parameters(path, manifest, params, ps)
     elif (path / "config.json").is_file():
         sources = {name: param.meta.tied_name or name for name, param in params.items()}
         tensors = read_hf(path, model, set(sources.values()))  # only what this rank holds

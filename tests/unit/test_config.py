@@ -50,6 +50,12 @@ def test_ffn_hidden_default_rules(arch, hidden, expected):
     assert cfg.model.ffn_hidden == expected
 
 
+def test_max_positions_defaults_to_seq_len_and_may_exceed_it():
+    assert load_config(None, ["model.seq_len=128"]).model.max_positions == 128
+    cfg = load_config(None, ["model.seq_len=128", "model.max_positions=1024"])
+    assert (cfg.model.seq_len, cfg.model.max_positions) == (128, 1024)
+
+
 def test_explicit_values_are_kept():
     cfg = load_config(
         None, ["model.arch=llama", "model.n_kv_heads=2", "model.ffn_hidden=100", "model.hidden=64"]
@@ -248,6 +254,11 @@ def test_wrong_type_in_yaml_file(tmp_path):
         ("model.n_heads=0", "model.n_heads must be >= 1"),
         ("model.vocab_size=0", "model.vocab_size must be >= 1"),
         ("model.seq_len=0", "model.seq_len must be >= 1"),
+        (
+            "model.max_positions=128",
+            "model.seq_len (256) exceeds model.max_positions (128): raise model.max_positions "
+            "to at least 256 or lower model.seq_len",
+        ),
         ("model.vocab_round_to=0", "model.vocab_round_to must be >= 1"),
         ("model.hidden=66", "model.hidden (66) must be divisible by model.n_heads (4)"),
         ("model.n_kv_heads=0", "model.n_kv_heads (0) must divide model.n_heads (4)"),
