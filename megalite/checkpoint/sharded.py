@@ -3,17 +3,21 @@
     <out_dir>/checkpoints/
         latest                     text file naming the newest complete checkpoint
         step_000100/
-            manifest.json          layout, trainer state, every tensor piece, file checksums
-            model_tp01_pp00.safetensors   parameters and Adam state of one (tp, pp) rank
-            rng_rank00003.safetensors     RNG streams of every rank
+            manifest.json          layout, trainer state, where every tensor lies, checksums
+            model_tp01_pp00.safetensors        parameters of one (tp, pp) rank (its dp rank 0)
+            optim_tp01_pp00_dp03.safetensors   the Adam state that rank owns (ZeRO: 1/dp)
+            rng_rank00003.safetensors          RNG streams of every rank
 
-Tensors are stored under their global names (global layer indices) with the tp piece they
-hold, so a checkpoint loads into any tp / pp / dp layout: pieces are cut or glued as needed.
-Optimizer state is stored per parameter (gathered over dp), never as raw flat buffers.
+Tensors are stored under their global names (global layer indices). The manifest lists, for
+each, the segments that make it up: (tp piece, flat element range within the piece, file, key).
+A parameter is one segment per tp piece; its optimizer state is one segment per owned range, so
+each rank writes exactly what it holds, with no gather over dp and host memory bounded by its
+own shards. A checkpoint loads into any tp / pp / dp layout: segments are glued and cut as needed.
 
 Safety: everything is written under a temporary directory that is renamed into place only when
 complete, then `latest` is replaced atomically; files are safetensors and JSON (no pickle); a
-manifest checksum mismatch is refused with a message naming the file.
+file whose checksum differs from the manifest's is refused with a message naming it. A resuming
+rank verifies only the files it reads.
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ from safetensors.torch import save as safetensors_bytes
 
 from megalite import comm
 from megalite.errors import MegaliteError
+from megalite.optimizer.zero1 import STATE_KINDS
 
-FORMAT = "megalite-checkpoint-v1"
-OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
+FORMAT = "megalite-checkpoint-v2"
+READABLE_FORMATS = ("megalite-checkpoint-v1", FORMAT)
+OPTIMIZER_KINDS = STATE_KINDS
 TOKENIZER = "tokenizer.model"
 
 
@@ -71,26 +77,82 @@ def _rng_state(run) -> dict[str, torch.Tensor]:
     return state
 
 
-def _pieces(run) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """This rank's tensors to save and their manifest entries (tied copies are saved once)."""
-    tensors, entries = {}, {}
-    optimizer_state, _ = run.optimizer.state_dict()  # collective over dp
-    for name, param in run.named_parameters().items():
-        meta = param.meta
-        if meta.tied_name is not None or (meta.tp_split_dim is None and run.ps.tp_rank > 0):
-            continue
-        split = meta.tp_split_dim is not None
-        for suffix, tensor in [("", param), *((f".{k}", None) for k in OPTIMIZER_KINDS)]:
-            key = name + suffix
-            tensors[key] = (tensor if tensor is not None else optimizer_state[key]).detach().cpu()
-            entries[key] = {
-                "global_shape": list(meta.global_shape),
-                "real_rows": meta.init_rows,
-                "split_dim": meta.tp_split_dim,
-                "piece": run.ps.tp_rank if split else 0,
-                "pieces": run.ps.tp_size if split else 1,
-            }
-    return tensors, entries
+def _entry(meta, pieces: int) -> dict[str, Any]:
+    return {
+        "global_shape": list(meta.global_shape),
+        "real_rows": meta.init_rows,
+        "split_dim": meta.tp_split_dim,
+        "pieces": pieces,
+        "segments": [],
+    }
+
+
+def _saved_name(param, name: str, ps) -> str | None:
+    """The name `param` is saved under by this rank, or None: a tied copy is saved by its
+    original, a tp-replicated tensor by tp rank 0."""
+    meta = param.meta
+    if meta.tied_name is not None or (meta.tp_split_dim is None and ps.tp_rank > 0):
+        return None
+    return name
+
+
+def owned_tensors(run) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict]]:
+    """What this rank writes, by file: its tp piece of every parameter (dp rank 0) and the
+    optimizer state of the elements it owns, copied to host memory; and the manifest entries
+    saying where each segment lies. No collective: every rank already holds what it writes."""
+    ps = run.ps
+    model_file = f"model_tp{ps.tp_rank:02d}_pp{ps.pp_rank:02d}.safetensors"
+    optim_file = f"optim_tp{ps.tp_rank:02d}_pp{ps.pp_rank:02d}_dp{ps.dp_rank:02d}.safetensors"
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    entries: dict[str, dict] = {}
+
+    def add(key: str, param, file: str, lo: int, tensor: torch.Tensor) -> None:
+        split = param.meta.tp_split_dim is not None
+        piece, pieces = (ps.tp_rank, ps.tp_size) if split else (0, 1)
+        entry = entries.setdefault(key.split("@")[0], _entry(param.meta, pieces))
+        entry["segments"].append([piece, lo, lo + tensor.numel(), file, key])
+        files.setdefault(file, {})[key] = tensor.detach().cpu()
+
+    names = run.names
+    if ps.dp_rank == 0:
+        for name, param in run.named_parameters().items():
+            if _saved_name(param, name, ps) is not None:
+                add(name, param, model_file, 0, param)
+    if run.optimizer.sharded or ps.dp_rank == 0:
+        for param, lo, _, views in run.optimizer.owned_pieces():
+            name = _saved_name(param, names[param], ps)
+            if name is not None:
+                for kind, view in views.items():
+                    add(f"{name}.{kind}@{lo}", param, optim_file, lo, view)
+    return files, entries
+
+
+def check_shared_directory(directory: Path, ps) -> None:
+    """Collective. Every rank writes its own files into a checkpoint, and rank 0 publishes it:
+    that needs `directory` on a filesystem every node sees. Each rank leaves a marker named by a
+    token that rank 0 draws for this launch and checks that it sees all of them; on a node-local
+    disk every rank misses some, so every rank stops with the same clear error."""
+    if ps.world_size == 1:
+        return
+    token = torch.zeros((), dtype=torch.int64, device=ps.device)
+    if ps.rank == 0:
+        token.fill_(int.from_bytes(os.urandom(6), "little"))
+    comm.all_reduce(token, ps.world_group)  # a broadcast: the other ranks add zero
+    probe = Path(directory) / f".shared-check-{token.item():x}"
+    probe.mkdir(parents=True, exist_ok=True)
+    (probe / f"rank{ps.rank}").touch()
+    comm.barrier()
+    seen = sum((probe / f"rank{r}").is_file() for r in range(ps.world_size))
+    comm.barrier()
+    if ps.rank == 0 or seen < ps.world_size:
+        shutil.rmtree(probe, ignore_errors=True)
+    comm.barrier()  # gone for every rank once this returns
+    if seen < ps.world_size:
+        raise CheckpointError(
+            f"{directory} is not shared by all ranks: rank {ps.rank} sees {seen} of "
+            f"{ps.world_size} ranks' files there. Put train.out_dir on a filesystem that every "
+            "node mounts (NFS, Lustre, ...)"
+        )
 
 
 def save_checkpoint(
@@ -107,16 +169,13 @@ def save_checkpoint(
     final, tmp_dir = step_dir(root, step), step_dir(root, step).with_suffix(".tmp")
     if ps.rank == 0:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        tmp_dir.mkdir(parents=True)
     comm.barrier()
-    tensors, entries = _pieces(run)
-    index: dict[str, Any] = {"files": {}, "tensors": {}}
-    rng_file = f"rng_rank{ps.rank:05d}.safetensors"
-    index["files"][rng_file] = _write_atomic(tmp_dir / rng_file, safetensors_bytes(_rng_state(run)))
-    if ps.dp_rank == 0:
-        model_file = f"model_tp{ps.tp_rank:02d}_pp{ps.pp_rank:02d}.safetensors"
-        index["files"][model_file] = _write_atomic(tmp_dir / model_file, safetensors_bytes(tensors))
-        index["tensors"] = {k: {**v, "file": model_file} for k, v in entries.items()}
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    files, entries = owned_tensors(run)
+    index: dict[str, Any] = {"files": {}, "tensors": entries}
+    files[f"rng_rank{ps.rank:05d}.safetensors"] = _rng_state(run)
+    for file, tensors in files.items():
+        index["files"][file] = _write_atomic(tmp_dir / file, safetensors_bytes(tensors))
     if ps.rank == 0 and tokenizer is not None:
         index["files"][TOKENIZER] = _write_atomic(tmp_dir / TOKENIZER, Path(tokenizer).read_bytes())
     _write_atomic(tmp_dir / f"index_rank{ps.rank:05d}.json", json.dumps(index).encode())
@@ -143,13 +202,11 @@ def _finish(root, final, tmp_dir, step, run, trainer_state, keep) -> None:
         index = json.loads(index_file.read_text())
         manifest["files"].update(index["files"])
         for name, entry in index["tensors"].items():
-            merged = manifest["tensors"].setdefault(
-                name, {**entry, "files": [None] * entry["pieces"]}
-            )
-            merged["files"][entry["piece"]] = entry["file"]
+            merged = manifest["tensors"].setdefault(name, {**entry, "segments": []})
+            merged["segments"] += entry["segments"]
         index_file.unlink()
     for entry in manifest["tensors"].values():
-        del entry["file"], entry["piece"]
+        entry["segments"].sort()
     _write_atomic(tmp_dir / "manifest.json", json.dumps(manifest, indent=1).encode())
     if final.exists():
         shutil.rmtree(final)
@@ -159,8 +216,9 @@ def _finish(root, final, tmp_dir, step, run, trainer_state, keep) -> None:
         shutil.rmtree(old)
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    """Load and verify a checkpoint's manifest and file checksums."""
+def read_manifest(path: Path, verify_files: bool = True) -> dict[str, Any]:
+    """Load a checkpoint's manifest and (verify_files) check every file's checksum; without it,
+    each file is checked when first read (`_open`), so a rank verifies only what it reads."""
     manifest_path = path / "manifest.json"
     if not manifest_path.is_file():
         raise CheckpointError(
@@ -173,20 +231,39 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json: {exc}") from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json (not an object)")
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in READABLE_FORMATS:
         raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
     if not {"files", "tensors", "trainer"} <= manifest.keys():
         raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json (missing fields)")
-    for name, digest in manifest["files"].items():
-        file = path / name
-        if not file.is_file() or _sha256(file) != digest:
-            others = sorted(p.name for p in path.parent.glob("step_*[0-9]") if p != path)
-            hint = f" (earlier checkpoints: {', '.join(others)})" if others else ""
-            raise CheckpointError(
-                f"checkpoint {path} is corrupt: {name} is missing or fails its checksum; "
-                f"resume from an earlier checkpoint with checkpoint.resume=<dir>{hint}"
-            )
+    if verify_files:
+        for name in manifest["files"]:
+            _verify(path, manifest, name)
     return manifest
+
+
+_verified: set[tuple[Path, str]] = set()
+"""(file, checksum) pairs this process has already verified."""
+
+
+def _verify(path: Path, manifest: dict, name: str) -> None:
+    file, digest = (path / name).resolve(), manifest["files"].get(name)
+    if (file, digest) in _verified:
+        return
+    if digest is None or not file.is_file() or _sha256(file) != digest:
+        others = sorted(p.name for p in path.parent.glob("step_*[0-9]") if p != path)
+        hint = f" (earlier checkpoints: {', '.join(others)})" if others else ""
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: {name} is missing or fails its checksum; "
+            f"resume from an earlier checkpoint with checkpoint.resume=<dir>{hint}"
+        )
+    _verified.add((file, digest))
+
+
+def _segments(entry: dict, name: str) -> list[list]:
+    """[piece, lo, hi, file, key] of every stored segment; a v1 entry held whole pieces."""
+    if "segments" in entry:
+        return entry["segments"]
+    return [[i, 0, None, file, name] for i, file in enumerate(entry["files"])]
 
 
 def find_checkpoint(root: Path, resume: str) -> Path | None:
@@ -247,6 +324,31 @@ def checkpoint_step(path: Path) -> int:
         raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json (no step)") from None
 
 
+def _piece_shape(entry: dict) -> list[int]:
+    shape = list(entry["global_shape"])
+    if entry["split_dim"] is not None:
+        shape[entry["split_dim"]] //= entry["pieces"]
+    return shape
+
+
+def _read_piece(path: Path, manifest: dict, name: str, entry: dict, piece: int) -> torch.Tensor:
+    """Tp piece `piece` of tensor `name`, glued from its segments (verified on first read)."""
+    parts, filled = [], 0
+    for index, lo, _, file, key in _segments(entry, name):
+        if index != piece:
+            continue
+        if lo != filled:
+            raise CheckpointError(f"checkpoint {path}: {name} lacks elements {filled}..{lo}")
+        _verify(path, manifest, file)
+        with safe_open(str(path / file), framework="pt") as f:
+            parts.append(f.get_tensor(key).reshape(-1))
+        filled += parts[-1].numel()
+    shape = _piece_shape(entry)
+    if filled != torch.Size(shape).numel():
+        raise CheckpointError(f"checkpoint {path}: {name} piece {piece} is incomplete")
+    return torch.cat(parts).view(shape) if len(parts) > 1 else parts[0].view(shape)
+
+
 def read_tensor(path: Path, manifest: dict, name: str) -> torch.Tensor:
     """The full global tensor `name`, glued from its tp pieces, without the padding rows beyond
     the real vocabulary (whose count depends on the tp it was saved with)."""
@@ -256,10 +358,7 @@ def read_tensor(path: Path, manifest: dict, name: str) -> torch.Tensor:
             f"checkpoint {path} has no tensor {name!r}: it was saved from a different model "
             "(check model.arch and model.n_layers)"
         )
-    parts = []
-    for file in entry["files"]:
-        with safe_open(str(path / file), framework="pt") as f:
-            parts.append(f.get_tensor(name))
+    parts = [_read_piece(path, manifest, name, entry, i) for i in range(entry["pieces"])]
     full = torch.cat(parts, dim=entry["split_dim"]) if len(parts) > 1 else parts[0]
     return full[: entry["real_rows"]] if entry["real_rows"] else full
 
@@ -276,9 +375,8 @@ def _local_piece(
         and entry["global_shape"] == list(meta.global_shape)
     )
     if same_cut:  # saved with this tp: read only our own piece
-        file = entry["files"][ps.tp_rank if meta.tp_split_dim is not None else 0]
-        with safe_open(str(path / file), framework="pt") as f:
-            return f.get_tensor(name)
+        piece = ps.tp_rank if meta.tp_split_dim is not None else 0
+        return _read_piece(path, manifest, name, entry, piece)
     return local_piece(read_tensor(path, manifest, name), name, param, ps)
 
 
@@ -304,15 +402,15 @@ def local_piece(full: torch.Tensor, name: str, param: torch.nn.Parameter, ps) ->
 def load_checkpoint(path: Path, run) -> dict[str, Any]:
     """Load weights, optimizer state and (same layout only) RNG streams into `run`; returns the
     trainer state saved with them (step, data position, loss scaler)."""
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, verify_files=False)
     load_parameters(path, manifest, run.named_parameters(), run.ps)
-    optimizer_state = {}
-    for name, param in run.named_parameters().items():
-        source = param.meta.tied_name or name
-        for kind in OPTIMIZER_KINDS:
-            piece = _local_piece(path, manifest, f"{source}.{kind}", param, run.ps)
-            optimizer_state[f"{name}.{kind}"] = piece.to(run.ps.device)
-    run.optimizer.load_state_dict(optimizer_state, manifest["optimizer_step"])
+
+    def read_state(param: torch.nn.Parameter, kind: str) -> torch.Tensor:
+        source = param.meta.tied_name or run.names[param]
+        piece = _local_piece(path, manifest, f"{source}.{kind}", param, run.ps)
+        return piece.reshape(-1).to(run.ps.device)
+
+    run.optimizer.load_pieces(read_state, manifest["optimizer_step"])
     rng_file = path / f"rng_rank{run.ps.rank:05d}.safetensors"
     same_layout = manifest["layout"] == {
         "tp": run.ps.tp_size,

@@ -9,6 +9,7 @@ AdamW. The update matches torch.optim.AdamW (decoupled weight decay, bias-correc
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,9 @@ from megalite.config import OptimConfig
 from megalite.optimizer.clip import sum_of_squares
 from megalite.optimizer.grad_buffer import GradBuffer
 from megalite.parallel_state import ParallelState
+
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+"""The optimizer state kept per owned element, each fp32."""
 
 
 @dataclass
@@ -153,39 +157,34 @@ class DistributedOptimizer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], int]:
-        """Per-parameter state keyed `<global name>.<master|exp_avg|exp_avg_sq>`, each shaped
-        like the local parameter (owned pieces gathered over dp), so it reloads into any dp."""
-        out = {}
-        for buffer in self.buffers:
-            states = [s for s in self.states if s.buffer is buffer]
-            for kind in ("master", "exp_avg", "exp_avg_sq"):
-                full = torch.zeros_like(buffer.grads_flat)
-                for state in states:
-                    piece = getattr(state, kind)
-                    full[state.start : state.start + piece.numel()] = piece
-                if buffer.sharded:
-                    comm.all_reduce(full, self.ps.dp_group)  # owners are disjoint: a gather
-                for param in buffer.params:
-                    start = buffer.offsets[param]
-                    out[f"{self.names[param]}.{kind}"] = (
-                        full[start : start + param.numel()].view_as(param).clone()
-                    )
-        return out, self.step_count
-
-    def load_state_dict(self, tensors: dict[str, torch.Tensor], step_count: int) -> None:
-        self.step_count = step_count
+    def owned_pieces(self) -> Iterator[tuple[nn.Parameter, int, int, dict[str, torch.Tensor]]]:
+        """(param, lo, hi, {kind: state}) for every range [lo, hi) of a parameter's flattened
+        elements whose optimizer state this rank holds, `kind` in STATE_KINDS. The state
+        tensors are views: a checkpoint saves and restores exactly what this rank owns, with no
+        gather over dp."""
         for state in self.states:
             end = state.start + state.master.numel()
             for param in state.buffer.params:
                 p_start = state.buffer.offsets[param]
                 lo, hi = max(state.start, p_start), min(end, p_start + param.numel())
-                if lo >= hi:
-                    continue
-                for kind in ("master", "exp_avg", "exp_avg_sq"):
-                    flat = tensors[f"{self.names[param]}.{kind}"].reshape(-1)
-                    getattr(state, kind)[lo - state.start : hi - state.start] = flat[
-                        lo - p_start : hi - p_start
-                    ]
+                if lo < hi:
+                    views = {
+                        k: getattr(state, k)[lo - state.start : hi - state.start]
+                        for k in STATE_KINDS
+                    }
+                    yield param, lo - p_start, hi - p_start, views
+
+    @torch.no_grad()
+    def load_pieces(
+        self, read: Callable[[nn.Parameter, str], torch.Tensor], step_count: int
+    ) -> None:
+        """Restore the owned state; `read(param, kind)` gives the state of the whole local
+        parameter, flattened (read once per owned range, so host memory stays at one
+        parameter's piece)."""
+        self.step_count = step_count
+        for param, lo, hi, views in self.owned_pieces():
+            for kind, view in views.items():
+                view.copy_(read(param, kind)[lo:hi])
+        for state in self.states:
             if state.master is not state.params:
                 state.params.copy_(state.master)

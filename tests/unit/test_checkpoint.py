@@ -87,11 +87,12 @@ def test_checkpoint_layout_latest_and_retention(trained):
     assert names == [
         "manifest.json",
         "model_tp00_pp00.safetensors",
+        "optim_tp00_pp00_dp00.safetensors",
         "rng_rank00000.safetensors",
         "tokenizer.model",
     ]
     manifest = read_manifest(newest)  # checksums verify
-    assert manifest["format"] == "megalite-checkpoint-v1"
+    assert manifest["format"] == "megalite-checkpoint-v2"
     assert manifest["step"] == 6 and manifest["optimizer_step"] == 6
     assert manifest["layout"] == {"tp": 1, "pp": 1, "dp": 1} and manifest["world_size"] == 1
     assert set(manifest["files"]) == set(names) - {"manifest.json"}

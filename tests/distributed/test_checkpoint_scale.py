@@ -1,0 +1,83 @@
+"""Checkpoints that scale: each rank writes only what it holds (its tp piece of the weights on dp
+rank 0, the Adam state it owns under ZeRO-1) with no gather over dp, and a checkpoint directory
+that not every rank can see stops the run with one clear error."""
+
+from pathlib import Path
+
+import torch
+from equivalence import TINY
+from multiproc import run_ranks
+
+from megalite import comm
+from megalite.checkpoint.sharded import (
+    CheckpointError,
+    check_shared_directory,
+    owned_tensors,
+    save_checkpoint,
+)
+from megalite.config import load_config
+from megalite.parallel_state import build_parallel_state
+from megalite.training.setup import build_run
+
+LAYOUT = ("parallel.tp=2", "parallel.zero=1", "model.arch=llama", "model.n_kv_heads=2")
+
+
+def _save(root: str):
+    cfg = load_config(None, [*TINY, *LAYOUT])
+    ps = build_parallel_state(2, 1, torch.device("cpu"))
+    run = build_run(cfg, ps, num_microbatches=1)
+    files, _ = owned_tensors(run)
+    written = {
+        kind: sum(
+            t.numel() * t.element_size()
+            for file, tensors in files.items()
+            if file.startswith(kind)
+            for t in tensors.values()
+        )
+        for kind in ("model_", "optim_")
+    }
+    # What this tp rank saves: its piece of split tensors, replicated ones on tp rank 0 only,
+    # tied copies never (their original is saved).
+    saved = [
+        p
+        for p in run.named_parameters().values()
+        if p.meta.tied_name is None and (p.meta.tp_split_dim is not None or ps.tp_rank == 0)
+    ]
+    elements = sum(p.numel() for p in saved)
+    with comm.record_collectives() as log:
+        save_checkpoint(Path(root), 1, run, {"step": 1}, keep=1)
+    return ps.tp_rank, ps.dp_rank, written, elements, [r.op for r in log]
+
+
+def test_each_rank_saves_only_its_own_shards(tmp_path):
+    ranks = run_ranks(4, _save, str(tmp_path))
+    for tp_rank in (0, 1):
+        mine = [(dp, w, n, ops) for t, dp, w, n, ops in ranks if t == tp_rank]
+        elements = mine[0][2]
+        for dp_rank, written, _, ops in mine:
+            assert ops == [], f"save ran data collectives {ops}: it must not gather over dp"
+            # Weights (fp32 here): this rank's tp piece, written once per tp rank by dp rank 0.
+            assert written["model_"] == (4 * elements if dp_rank == 0 else 0)
+            # Adam state (fp32 master, exp_avg, exp_avg_sq): about half of it on each dp rank.
+            assert 0 < written["optim_"] < 0.6 * 12 * elements
+        # Between them the dp ranks wrote every element's state exactly once.
+        assert sum(written["optim_"] for _, written, _, _ in mine) == 12 * elements
+
+
+def _check(shared: str, per_rank: str) -> tuple[str, list[str]]:
+    ps = build_parallel_state(1, 1, torch.device("cpu"))
+    check_shared_directory(Path(shared), ps)  # one directory every rank sees: no error
+    left = [p.name for p in Path(shared).iterdir()]
+    try:
+        check_shared_directory(Path(per_rank) / f"node{ps.rank}", ps)
+    except CheckpointError as exc:
+        return str(exc), left
+    return "passed", left
+
+
+def test_a_directory_not_every_rank_sees_is_refused(tmp_path):
+    results = run_ranks(2, _check, str(tmp_path / "shared"), str(tmp_path / "local"), timeout=60)
+    for rank, (message, left) in enumerate(results):
+        assert left == [], "the shared check must leave nothing behind"
+        assert f"rank {rank} sees 1 of 2 ranks' files" in message
+        assert "not shared by all ranks" in message and "train.out_dir" in message
