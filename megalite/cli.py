@@ -21,9 +21,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # checked before torch is even imported
     from megalite.training.loop import train
 
-    final = train(cfg)
-    if final and "val_loss" in final and args.quiet is False:
-        print(f"final val_loss {final['val_loss']:.4f} (ppl {final['val_ppl']:.1f})")
+    train(cfg)  # ends with its summary line (or says there was nothing left to train)
     return 0
 
 
@@ -68,7 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="section.key=value",
         help="e.g. train.steps=50 parallel.tp=2",
     )
-    train.add_argument("--quiet", action="store_true", help="no final summary line")
     train.set_defaults(func=_train)
 
     gen = commands.add_parser("generate", help="sample text from a checkpoint")

@@ -3,6 +3,7 @@ checkpoints. Every rank runs this same function."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -12,7 +13,12 @@ from pathlib import Path
 import torch
 
 from megalite import comm
-from megalite.checkpoint.sharded import find_checkpoint, load_checkpoint, save_checkpoint
+from megalite.checkpoint.sharded import (
+    checkpoint_step,
+    find_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megalite.config import Config, config_to_dict, save_config
 from megalite.data import GlobalBatchSampler, TokenDataset, builtin_data
 from megalite.errors import MegaliteError
@@ -24,7 +30,7 @@ from megalite.parallel_state import (
     init_distributed,
 )
 from megalite.profiling.flops import flops_per_token, peak_flops
-from megalite.training.metrics import MetricsLogger
+from megalite.training.metrics import MetricsLogger, summary_line
 from megalite.training.setup import Run, build_run
 from megalite.training.step import eval_loss, train_step
 
@@ -84,15 +90,36 @@ def setup_topology(cfg: Config) -> tuple[ParallelState, int]:
     return build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, device), num_microbatches
 
 
-def train(cfg: Config) -> dict[str, float]:
-    """Train to cfg.train.steps (resuming if a checkpoint says so); returns the last metrics."""
-    ps, num_microbatches = setup_topology(cfg)
-    torch.manual_seed(cfg.train.seed)  # dropout on tp-replicated activations: same on all ranks
-    data = open_data(cfg)
-    t = cfg.train
-    sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, t.seed)
-    out_dir, start_step = Path(t.out_dir), 0
-    ckpt_root = out_dir / "checkpoints"
+# Settings that shape the learning-rate schedule or the batch: a resume that changes them does
+# not continue the run it resumes, so it says what changed.
+RESUME_SENSITIVE = (
+    "train.steps",
+    "train.global_batch_size",
+    "train.micro_batch_size",
+    "optim.lr",
+    "optim.min_lr",
+    "optim.warmup_steps",
+    "optim.decay_steps",
+)
+
+
+def config_changes(saved: dict, cfg: Config) -> list[str]:
+    """`key old -> new` for each RESUME_SENSITIVE setting of `cfg` that differs from `saved`
+    (the checkpoint's config as a dict; keys it lacks are not compared)."""
+    now = config_to_dict(cfg)
+    changes = []
+    for key in RESUME_SENSITIVE:
+        section, name = key.split(".")
+        new = now[section][name]
+        old = saved.get(section, {}).get(name, new)
+        if old != new:
+            changes.append(f"{key} {json.dumps(old)} -> {json.dumps(new)}")
+    return changes
+
+
+def resume_point(cfg: Config, ckpt_root: Path) -> Path | None:
+    """The checkpoint this run continues from, if any; refuses a fresh run that would overwrite
+    the checkpoints of another."""
     resume_from = find_checkpoint(ckpt_root, cfg.checkpoint.resume)
     if resume_from is None and any(ckpt_root.glob("step_*")):
         resume = (
@@ -104,33 +131,65 @@ def train(cfg: Config) -> dict[str, float]:
             f"{ckpt_root} already holds checkpoints that a fresh run would overwrite: continue "
             f"the run with {resume}, or use another train.out_dir"
         )
+    return resume_from
+
+
+def restore(run: Run, path: Path, sampler: GlobalBatchSampler) -> int:
+    """Continue from the checkpoint at `path`, saying what changed since; returns its step."""
+    state = load_checkpoint(path, run)
+    if run.ps.rank == 0:
+        print(f"resumed from {path} at step {state['step']}")
+        changes = config_changes(state.get("config", {}), run.cfg)
+        if changes:
+            print(f"changed since the checkpoint: {', '.join(changes)}")
+    sampler.load_state_dict(state["sampler"])
+    run.scaler.load_state_dict(state["scaler"])
+    return state["step"]
+
+
+def train(cfg: Config) -> dict[str, float]:
+    """Train to cfg.train.steps (resuming if a checkpoint says so) and print one summary line;
+    returns the last metrics row, empty when an earlier run already got there."""
+    ps, num_microbatches = setup_topology(cfg)
+    t = cfg.train
+    out_dir, start_step = Path(t.out_dir), 0
+    ckpt_root = out_dir / "checkpoints"
+    resume_from = resume_point(cfg, ckpt_root)
+    if resume_from is not None and (saved_step := checkpoint_step(resume_from)) >= t.steps:
+        if ps.rank == 0:
+            print(
+                f"already trained to step {saved_step} (out_dir {out_dir}); "
+                "raise train.steps to continue"
+            )
+        return {}
+    torch.manual_seed(t.seed)  # dropout on tp-replicated activations: same on all ranks
+    data = open_data(cfg)
+    sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, t.seed)
     init_from = cfg.checkpoint.init_from
     run = build_run(
         cfg, ps, num_microbatches, Path(init_from) if init_from and not resume_from else None
     )
     if resume_from is not None:
-        state = load_checkpoint(resume_from, run)
-        start_step = state["step"]
-        sampler.load_state_dict(state["sampler"])
-        run.scaler.load_state_dict(state["scaler"])
+        start_step = restore(run, resume_from, sampler)
     if ps.rank == 0:
         save_config(cfg, out_dir / "config.yaml")
     logger = MetricsLogger(cfg, out_dir, ps.rank == 0, start_step)
-    if resume_from is not None:
-        logger.write(f"resumed from {resume_from} at step {start_step}")
     tokens_per_step = t.global_batch_size * cfg.model.seq_len
     flops_per_step = flops_per_token(cfg.model) * tokens_per_step
-    peak = peak_flops(ps.device) * ps.world_size
+    peak = peak_flops(ps.device) * ps.world_size  # NaN for an unknown GPU: MFU is logged null
     row: dict[str, float] = {}
+    val_loss, train_time, saved = None, 0.0, None
 
-    def checkpoint(step: int) -> None:
+    def checkpoint(step: int) -> Path:
         state = {
             "step": step,
             "sampler": sampler.state_dict(),
             "scaler": run.scaler.state_dict(),
             "config": config_to_dict(cfg),
         }
-        save_checkpoint(ckpt_root, step, run, state, cfg.checkpoint.keep, data.tokenizer_path)
+        return save_checkpoint(
+            ckpt_root, step, run, state, cfg.checkpoint.keep, data.tokenizer_path
+        )
 
     for step in range(start_step, t.steps):
         lr = learning_rate(step, cfg.optim, t.steps)
@@ -138,6 +197,7 @@ def train(cfg: Config) -> dict[str, float]:
         start = time.perf_counter()
         metrics = train_step(run, batch, lr)
         elapsed = time.perf_counter() - start
+        train_time += elapsed
         if not math.isfinite(metrics.loss):
             raise TrainingError(
                 f"loss became {metrics.loss} at step {step + 1}: lower optim.lr, raise "
@@ -158,9 +218,9 @@ def train(cfg: Config) -> dict[str, float]:
             "loss_scale": run.scaler.scale,
         }
         if t.eval_interval <= t.steps and (done % t.eval_interval == 0 or done == t.steps):
-            row["val_loss"] = evaluate(run, data.val)
-            row["val_ppl"] = math.exp(min(row["val_loss"], 50.0))
-            logger.write(f"step {done}: val_loss {row['val_loss']:.4f} ppl {row['val_ppl']:.1f}")
+            val_loss = row["val_loss"] = evaluate(run, data.val)
+            row["val_ppl"] = math.exp(min(val_loss, 50.0))
+            logger.write(f"step {done}: val_loss {val_loss:.4f} ppl {row['val_ppl']:.1f}")
         if done % t.log_interval == 0 or done == t.steps or "val_loss" in row:
             logger.log(row)
         logger.progress(
@@ -173,6 +233,10 @@ def train(cfg: Config) -> dict[str, float]:
         )
         interval = cfg.checkpoint.interval
         if (interval and done % interval == 0) or done == t.steps:
-            checkpoint(done)
+            saved = checkpoint(done)
     logger.close()
+    if ps.rank == 0:
+        steps_run = t.steps - start_step
+        throughput = steps_run * tokens_per_step / train_time
+        print(summary_line(t.steps, steps_run, row["loss"], val_loss, throughput, saved))
     return row

@@ -1,9 +1,14 @@
 """Where metrics go: `<out_dir>/metrics.jsonl` (one JSON object per row), the console progress
-bar, and Weights & Biases when asked for. Only rank 0 writes."""
+bar, and Weights & Biases when asked for. Only rank 0 writes.
+
+Rows are strict JSON: a value that is not a finite number (MFU on a GPU without a known peak,
+the gradient norm of a step skipped for fp16 overflow) is written as null, because `NaN` and
+`Infinity` are not JSON and break the readers of the file."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -32,10 +37,12 @@ class MetricsLogger:
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(row) + "\n")
+        row = {k: None if _not_finite(v) else v for k, v in row.items()}
+        self.file.write(json.dumps(row, allow_nan=False) + "\n")
         self.file.flush()
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+            logged = {k: v for k, v in row.items() if k != "step" and v is not None}
+            self.wandb_run.log(logged, step=row["step"])
 
     def progress(self, step: int, postfix: dict[str, str]) -> None:
         if self.bar is not None:
@@ -54,6 +61,27 @@ class MetricsLogger:
         self.file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def _not_finite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def summary_line(
+    step: int,
+    steps_run: int,
+    loss: float,
+    val_loss: float | None,
+    tokens_per_sec: float,
+    checkpoint: Path,
+) -> str:
+    """The one line every finished run ends with: where it got, how well, how fast, and
+    where its weights are."""
+    plural = "" if steps_run == 1 else "s"
+    line = f"trained to step {step} ({steps_run} step{plural} in this run): loss {loss:.4f}"
+    if val_loss is not None:
+        line += f", val_loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50.0)):.1f})"
+    return line + f", {tokens_per_sec:,.0f} tokens/s; checkpoint {checkpoint}"
 
 
 def _start_wandb(cfg: Config, out_dir: Path):

@@ -1,5 +1,6 @@
 """End to end through the real command line, `python -m megalite ...` in subprocesses: training
-both architectures, sampling, resuming after a crash, and the one-line errors for bad input.
+both architectures (each run ending with its summary line), sampling from a run directory,
+resuming after a crash, and the one-line errors for bad input.
 
 Independent commands run concurrently (each with one thread) to keep the wall time down."""
 
@@ -104,8 +105,13 @@ def runs(tmp_path_factory, builtin_corpus):
 def test_train_logs_metrics_and_the_loss_falls(runs, arch):
     out_dir, result = runs[arch]
     ok(result)
-    assert "final val_loss" in result.stdout
     rows = metrics(out_dir)
+    summary = result.stdout.splitlines()[-1]
+    assert summary.startswith(
+        f"trained to step 15 (15 steps in this run): loss {rows[-1]['loss']:.4f}, "
+        f"val_loss {rows[-1]['val_loss']:.4f} (ppl "
+    )
+    assert summary.endswith(f"tokens/s; checkpoint {out_dir / 'checkpoints' / 'step_000015'}")
     assert [r["step"] for r in rows] == list(range(1, 16))
     for row in rows:
         for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s"):
@@ -122,22 +128,17 @@ def test_train_logs_metrics_and_the_loss_falls(runs, arch):
 
 
 def test_generate_is_greedy_and_deterministic(runs):
+    """The run directory and the `latest` pointer both name the newest checkpoint."""
     out_dir, result = runs["gpt"]
     ok(result)
-    checkpoint = out_dir / "checkpoints" / (out_dir / "checkpoints" / "latest").read_text()
     prompt = "And God said"
-    command = [
-        "generate",
-        "--checkpoint",
-        str(checkpoint),
-        "--prompt",
-        prompt,
-        "--temperature",
-        "0",
-        "--max-new-tokens",
-        "12",
-    ]
-    first, second = (ok(r) for r in run_all(command, command))
+
+    def command(checkpoint: Path) -> list[str]:
+        options = ["--prompt", prompt, "--temperature", "0", "--max-new-tokens", "12"]
+        return ["generate", "--checkpoint", str(checkpoint), *options]
+
+    latest = out_dir / "checkpoints" / "latest"
+    first, second = (ok(r) for r in run_all(command(out_dir), command(latest)))
     assert first.stdout.startswith(prompt)
     assert len(first.stdout.strip()) > len(prompt)
     assert first.stdout == second.stdout
@@ -149,7 +150,12 @@ def test_no_evaluation_when_eval_interval_exceeds_steps(runs):
     rows = metrics(out_dir)
     assert [r["step"] for r in rows] == list(range(1, 21))
     assert all("val_loss" not in r and "val_ppl" not in r for r in rows)
-    assert "final val_loss" not in result.stdout
+    # Without evaluation and without a progress bar the run still ends with one summary line.
+    (summary,) = result.stdout.splitlines()
+    assert summary.startswith(
+        f"trained to step 20 (20 steps in this run): loss {rows[-1]['loss']:.4f}, "
+    )
+    assert summary.endswith(f" tokens/s; checkpoint {out_dir / 'checkpoints' / 'step_000020'}")
 
 
 def test_resume_after_interrupt_repeats_the_losses_exactly(runs):
@@ -215,7 +221,8 @@ def test_config_errors_come_before_torch_is_loaded():
 def test_export_hf_gives_the_same_logits_in_transformers(runs, arch, tmp_path):
     """The exported directory loads with AutoModelForCausalLM and computes megalite's logits
     (Llama here has grouped-query attention: 4 heads, 2 kv heads), AutoTokenizer encodes as
-    megalite does, and exporting again onto it is refused and leaves it as it was."""
+    megalite does, and exporting again onto it is refused and leaves it as it was. The export
+    is given the run directory (gpt) or its checkpoints/ directory (llama): both mean step 15."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -224,7 +231,8 @@ def test_export_hf_gives_the_same_logits_in_transformers(runs, arch, tmp_path):
     out_dir, result = runs[arch]
     ok(result)
     checkpoint, hf_dir = out_dir / "checkpoints" / "step_000015", tmp_path / "hf"
-    exported = ok(finish(start("export-hf", "--checkpoint", str(checkpoint), "--out", str(hf_dir))))
+    given = out_dir if arch == "gpt" else out_dir / "checkpoints"
+    exported = ok(finish(start("export-hf", "--checkpoint", str(given), "--out", str(hf_dir))))
     assert f"wrote {hf_dir}" in exported.stdout
     assert {"config.json", "model.safetensors", "tokenizer.model"} <= {
         p.name for p in hf_dir.iterdir()
