@@ -316,12 +316,11 @@ def _newest_complete(root: Path) -> Path | None:
 
 def checkpoint_step(path: Path) -> int:
     """The step a checkpoint was saved at, read from its manifest without hashing its files
-    (that happens on load): enough to decide whether anything is left to train."""
-    try:
-        return int(json.loads((path / "manifest.json").read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        read_manifest(path)  # raises the error that names what is wrong
-        raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json (no step)") from None
+    (loading does that): enough to decide whether anything is left to train."""
+    step = read_manifest(path, verify_files=False).get("step")
+    if not isinstance(step, int):
+        raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json (no step)")
+    return step
 
 
 def _piece_shape(entry: dict) -> list[int]:

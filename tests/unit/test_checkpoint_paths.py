@@ -6,7 +6,12 @@ import json
 
 import pytest
 
-from megalite.checkpoint.sharded import CheckpointError, checkpoint_step, resolve_checkpoint
+from megalite.checkpoint.sharded import (
+    FORMAT,
+    CheckpointError,
+    checkpoint_step,
+    resolve_checkpoint,
+)
 from megalite.cli import main
 
 
@@ -16,7 +21,8 @@ def make_checkpoints(run, steps, latest=None, incomplete=()):
     for step in steps:
         (root / f"step_{step:06d}").mkdir(parents=True)
         if step not in incomplete:
-            (root / f"step_{step:06d}" / "manifest.json").write_text(json.dumps({"step": step}))
+            manifest = {"format": FORMAT, "step": step, "files": {}, "tensors": {}, "trainer": {}}
+            (root / f"step_{step:06d}" / "manifest.json").write_text(json.dumps(manifest))
     if latest is not None:
         (root / "latest").write_text(f"step_{latest:06d}")
     return root
@@ -69,6 +75,10 @@ def test_no_checkpoint_is_one_error_that_says_what_was_expected(tmp_path, capsys
 
 def test_a_manifest_without_a_step_is_refused(tmp_path):
     step = make_checkpoints(tmp_path, [3]) / "step_000003"
+    manifest = json.loads((step / "manifest.json").read_text())
+    (step / "manifest.json").write_text(json.dumps({**manifest, "step": None}))
+    with pytest.raises(CheckpointError, match=r"corrupt manifest.json \(no step\)"):
+        checkpoint_step(step)
     (step / "manifest.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="corrupt manifest.json"):
         checkpoint_step(step)
