@@ -248,10 +248,10 @@ def _hf_values(raw: dict) -> dict:
     if values.get("model_type") == "gpt2":
         if values.get("n_inner") is None:
             values["n_inner"] = 4 * values["n_embd"]
-        values.setdefault("n_positions", 1024)  # transformers' defaults
+        values.setdefault("n_positions", 1024)  # transformers' default
     if values.get("model_type") == "llama":
         values.setdefault("num_key_value_heads", values.get("num_attention_heads"))
-        values.setdefault("max_position_embeddings", 2048)
+        values.setdefault("max_position_embeddings", 2048)  # transformers' default
         rope = values.get("rope_parameters") or values.get("rope_scaling") or {}
         values.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
         if rope.get("rope_type", "default") != "default":
