@@ -26,6 +26,8 @@ from megalite.tensor_parallel.mappings import (
 )
 
 InitFn = Callable[[torch.Tensor, torch.Generator], None]
+"""Fills a tensor in place with independent values from the generator. Initialisation calls it
+once per block of a parameter (`random.draw_shard`), so it must treat every element alike."""
 
 
 def normal_init(std: float) -> InitFn:
@@ -66,7 +68,8 @@ class ParamMeta:
 
 
 def make_param(local_shape: tuple[int, ...], meta: ParamMeta, ps: ParallelState) -> nn.Parameter:
-    """An uninitialised parameter on the rank's device; `init_parameters` fills it later."""
+    """An uninitialised parameter on the rank's device: `init_parameters` fills it, or a
+    checkpoint does (resume, `checkpoint.init_from`) without drawing anything."""
     param = nn.Parameter(torch.empty(local_shape, device=ps.device))
     param.meta = meta
     return param

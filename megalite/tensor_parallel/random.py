@@ -1,8 +1,10 @@
 """Randomness that does not depend on the parallel layout.
 
-- Weights: every parameter is drawn as its full global tensor from a stream seeded by
-  (global seed, its global name), and each rank keeps its shard. Any tp/pp/dp layout therefore
-  starts from the same model.
+- Weights: a parameter's global tensor is cut into blocks of whole slices along its tp split
+  dim (dim 0 when it is replicated), and block k is drawn from its own generator, seeded by
+  hash(global seed, global name) + k. A rank draws only the blocks its shard overlaps, so start-up
+  work falls with tp, and the values never depend on the layout: every tp/pp/dp/sp/vpp layout
+  starts from the same global weights (`tests/unit/test_init.py` proves it bit for bit).
 - Dropout: activations replicated over tp ranks must drop the same elements (torch's default
   generator, seeded identically on every tp rank); activations split over tp ranks (local
   attention heads, sequence shards under SP) must drop different ones (`TPRandom.fork()`, a
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import zlib
 from collections.abc import Callable, Iterator
 
@@ -20,24 +23,81 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel.layers import ParamMeta
+
+VALUES_PER_BLOCK = 2**16
+"""About this many values share one stream: enough that the per-block cost (a generator, a
+call) vanishes beside drawing them, few enough that a shard rarely starts inside a block."""
 
 
 def param_seed(seed: int, name: str) -> int:
-    """A stable 63-bit seed for one parameter's init stream."""
+    """The seed of a parameter's first block; block k's is this + k. torch's CPU generator
+    (mt19937) keeps only the low 32 bits of a seed, so counting up rather than hashing each
+    block means a parameter's blocks never share a stream, and two parameters only if their
+    ranges of seeds overlap."""
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
+def slices_per_block(slice_numel: int, values_per_block: int = VALUES_PER_BLOCK) -> int:
+    """The largest power of two of slices holding at most `values_per_block` values (at least
+    one slice): shards cut by a power-of-two tp then start on a block boundary."""
+    fit = max(1, values_per_block // slice_numel)
+    return 1 << (fit.bit_length() - 1)
+
+
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int, ps: ParallelState) -> None:
-    """Fill every parameter from its global tensor's stream and keep this rank's shard."""
+def draw_shard(
+    meta: ParamMeta,
+    name: str,
+    seed: int,
+    tp_rank: int,
+    tp_size: int,
+    values_per_block: int = VALUES_PER_BLOCK,
+) -> torch.Tensor:
+    """Tp rank `tp_rank`'s piece of the global tensor `name` (all of it when replicated), on
+    CPU, drawing only the blocks the piece overlaps; tp_size=1 draws the full tensor.
+
+    Drawn on CPU rather than on the rank's GPU because CUDA's generator gives other values
+    (which even depend on the GPU model): CPU draws make a GPU run start from exactly the
+    weights a CPU test run checks. A block is drawn in the tensor's own layout, so a parameter
+    of one block (every tensor of the tiny test models) is one draw of the whole tensor.
+    """
+    split = meta.tp_split_dim is not None
+    # A replicated tensor is cut along dim 0, the dim its column-parallel form splits: GQA's
+    # K/V weights are replicated when n_kv_heads < tp and split otherwise, with equal values.
+    dim = meta.tp_split_dim if split else 0
+    length = meta.global_shape[dim] // tp_size if split else meta.global_shape[dim]
+    start = tp_rank * length if split else 0
+    real = meta.init_rows or meta.global_shape[dim]  # padded vocabulary rows stay zero
+    end = min(start + length, real)
+
+    def along_dim(size: int) -> list[int]:
+        return [size if d == dim else n for d, n in enumerate(meta.global_shape)]
+
+    shard = torch.zeros(along_dim(length))
+    per_block = slices_per_block(math.prod(along_dim(1)), values_per_block)
+    first_seed = param_seed(seed, name)
+    for k in range(start // per_block, -(-end // per_block)):
+        lo, hi = k * per_block, min((k + 1) * per_block, real)  # the block's global slices
+        block = torch.empty(along_dim(hi - lo))
+        meta.init(block, torch.Generator().manual_seed((first_seed + k) % 2**32))
+        keep_lo, keep_hi = max(lo, start), min(hi, end)  # the part inside this shard
+        kept = block.narrow(dim, keep_lo - lo, keep_hi - keep_lo)
+        shard.narrow(dim, keep_lo - start, keep_hi - keep_lo).copy_(kept)
+    return shard
+
+
+@torch.no_grad()
+def init_parameters(
+    model: nn.Module, seed: int, ps: ParallelState, values_per_block: int = VALUES_PER_BLOCK
+) -> None:
+    """Fill every parameter with this rank's piece of its global tensor. A copy of a tied
+    parameter (GPT's head on the last pipeline stage) draws from the tied name's streams.
+    Tests pass a small `values_per_block` to put block boundaries inside tiny shards."""
     for name, param in model.named_parameters():
-        meta = param.meta
-        generator = torch.Generator().manual_seed(param_seed(seed, meta.tied_name or name))
-        full = torch.zeros(meta.global_shape)
-        meta.init(full if meta.init_rows is None else full[: meta.init_rows], generator)
-        if meta.tp_split_dim is not None:
-            full = full.chunk(ps.tp_size, dim=meta.tp_split_dim)[ps.tp_rank]
-        param.copy_(full)
+        source = param.meta.tied_name or name
+        shard = draw_shard(param.meta, source, seed, ps.tp_rank, ps.tp_size, values_per_block)
+        param.copy_(shard)
 
 
 class TPRandom:

@@ -31,9 +31,12 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
-def build_chunks(cfg: Config, ps: ParallelState, tp_random: TPRandom) -> list[CausalLM]:
+def build_chunks(
+    cfg: Config, ps: ParallelState, tp_random: TPRandom, random_init: bool = True
+) -> list[CausalLM]:
     """This rank's model chunks (virtual stages pp_rank, pp_rank + pp, ...), initialised from
-    per-parameter seeds so that every layout starts from the same global weights."""
+    per-parameter seeds so that every layout starts from the same global weights; with
+    random_init=False left uninitialised for a checkpoint to fill."""
     p = cfg.parallel
     ctx = BuildContext(
         cfg.model,
@@ -56,7 +59,8 @@ def build_chunks(cfg: Config, ps: ParallelState, tp_random: TPRandom) -> list[Ca
         chunk = ARCHITECTURES[cfg.model.arch](
             ctx, layers, has_embedding=stage == 0, has_head=stage == n_stages - 1
         )
-        init_parameters(chunk, cfg.train.seed, ps)
+        if random_init:
+            init_parameters(chunk, cfg.train.seed, ps)
         chunks.append(chunk)
     return chunks
 
@@ -107,13 +111,19 @@ class Run:
 
 
 def build_run(
-    cfg: Config, ps: ParallelState, num_microbatches: int, init_from: Path | None = None
+    cfg: Config,
+    ps: ParallelState,
+    num_microbatches: int,
+    init_from: Path | None = None,
+    random_init: bool = True,
 ) -> Run:
     """`init_from`: weights to start from instead of the seeded initialisation (loaded before
-    the optimizer takes its master copy)."""
+    the optimizer takes its master copy). `random_init=False`: the caller loads every weight
+    afterwards (resume), so drawing them would be wasted start-up time; nothing is drawn either
+    with `init_from`, which fills every parameter."""
     precision = resolve_precision(cfg.train.precision, ps.device)
     tp_random = TPRandom(cfg.train.seed, ps)
-    chunks = build_chunks(cfg, ps, tp_random)
+    chunks = build_chunks(cfg, ps, tp_random, random_init and init_from is None)
     if init_from is not None:
         named = {name: p for chunk in chunks for name, p in chunk.named_parameters()}
         load_initial_weights(init_from, named, ps, cfg.model)
