@@ -19,7 +19,7 @@ def float64_attention(q, k, v, causal: bool, softmax_scale: float | None = None)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # (batch, heads, seq_q, seq_k)
     if causal:
         seq = q.shape[1]
-        future = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+        future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
 
