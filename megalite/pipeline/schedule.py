@@ -6,18 +6,23 @@ A schedule says, for one rank, in which order to run the forward and backward of
 (micro-batch, local chunk) and where to send and receive activations and their gradients.
 
 Keeping schedules as plain lists (no tensors, no processes) lets tests check them exhaustively
-(`megalite.pipeline.simulate`) and keeps the executor a dumb loop over actions. The executor
-issues sends asynchronously and waits on a receive at the point it is listed. Under NCCL the
+(`megalite.pipeline.simulate`) and keeps the executor a dumb loop over actions. The p2p actions
+listed between two compute steps are one batch (`p2p_batches`): the executor posts them together
+and waits for a received tensor only at the compute that needs it, as Megatron-LM's schedules
+post send-forward, receive-forward, send-backward and receive-backward together. Under NCCL the
 p2p messages between two ranks match in posting order, so every list is built such that, for
 each ordered pair of ranks, the sends of one side equal the receives of the other, message by
-message.
+message; and a send completes only when the receiver's stream reaches the receive, so where a
+receive is listed decides whether two ranks can wait on each other (`_place_p2p`).
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import functools
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from megalite.errors import MegaliteError
 
@@ -43,9 +48,12 @@ class Op(enum.Enum):
         self.is_compute = code in ("F", "B")
         self.is_send = code.startswith("S")
 
+    # Members are singletons, so identity is their hash: C-fast, where Enum's hashes the name
+    # in Python (simulations hash millions of Actions).
+    __hash__ = object.__hash__
 
-@dataclass(frozen=True)
-class Action:
+
+class Action(NamedTuple):
     """One step of a rank's schedule; `chunk` is the LOCAL chunk index on that rank."""
 
     op: Op
@@ -90,8 +98,8 @@ def build_schedule(
     """The action list of `pp_rank` for one training step, for `kind` in KINDS.
 
     `group_size` (N) only matters to interleaved with vpp > 1 (default pp); the other kinds run
-    one group of all m micro-batches. A receive sits right before the compute step that needs
-    it (or earlier, see `_receive_in_send_order`), a send right after the step producing it.
+    one group of all m micro-batches. A send sits right after the step producing it; a receive
+    in the batch the rank posts when its sender has sent (`_place_p2p`).
 
     gpipe:
         All forwards, then all backwards (with vpp > 1: chunk-major, one group of m). Simplest,
@@ -112,9 +120,26 @@ def build_schedule(
         exactly 1f1b.
     """
     n = _check_layout(kind, pp_size, pp_rank, num_microbatches, vpp, group_size)
-    senders = {(pp_rank - 1) % pp_size, (pp_rank + 1) % pp_size} - {pp_rank}
-    placed = {q: _placed(kind, pp_size, q, num_microbatches, vpp, n) for q in senders | {pp_rank}}
-    return _receive_in_send_order(placed, pp_rank, pp_size, vpp)
+    return list(_every_rank(kind, pp_size, num_microbatches, vpp, n)[pp_rank])
+
+
+def p2p_batches(actions: Sequence[Action]) -> list[Action | tuple[Action, ...]]:
+    """The list as the executor runs it and the simulator checks it: each compute step (an
+    Action), and between two of them the p2p actions listed there as one batch (a plain tuple,
+    posted together in list order)."""
+    steps: list[Action | tuple[Action, ...]] = []
+    batch: list[Action] = []
+    for action in actions:
+        if action.op.is_compute:
+            if batch:
+                steps.append(tuple(batch))
+                batch = []
+            steps.append(action)
+        else:
+            batch.append(action)
+    if batch:
+        steps.append(tuple(batch))
+    return steps
 
 
 def interleaved_warmup(pp_size: int, pp_rank: int, vpp: int, group_size: int) -> int:
@@ -187,9 +212,18 @@ def _forward_order(m: int, vpp: int, group_size: int) -> list[tuple[int, int]]:
 
 
 @functools.lru_cache(maxsize=64)
-def _placed(kind: str, pp_size: int, pp_rank: int, m: int, vpp: int, n: int) -> tuple[Action, ...]:
-    """The compute order of `pp_rank` with p2p placed around each step (cached: building a
-    rank's list needs its neighbours' lists too)."""
+def _every_rank(
+    kind: str, pp_size: int, m: int, vpp: int, n: int
+) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's list (cached: placing one rank's receives needs its neighbours' timing)."""
+    computes = [_compute_order(kind, pp_size, rank, m, vpp, n) for rank in range(pp_size)]
+    starts, ends = _ideal_timeline(computes, pp_size, vpp)
+    return tuple(
+        tuple(_place_p2p(computes, starts, ends, rank, pp_size, vpp)) for rank in range(pp_size)
+    )
+
+
+def _compute_order(kind: str, pp_size: int, pp_rank: int, m: int, vpp: int, n: int) -> list[Action]:
     forwards = _forward_order(m, vpp, n)
     if kind == "gpipe":
         warmup = len(forwards)
@@ -197,8 +231,7 @@ def _placed(kind: str, pp_size: int, pp_rank: int, m: int, vpp: int, n: int) -> 
         warmup = pp_size - pp_rank - 1
     else:
         warmup = interleaved_warmup(pp_size, pp_rank, vpp, n)
-    compute = _one_forward_one_backward(forwards, vpp, min(warmup, len(forwards)))
-    return tuple(_place_p2p(compute, pp_rank, pp_size, vpp))
+    return _one_forward_one_backward(forwards, vpp, min(warmup, len(forwards)))
 
 
 def _one_forward_one_backward(
@@ -218,68 +251,89 @@ def _one_forward_one_backward(
     return steps
 
 
-def _place_p2p(compute: list[Action], pp_rank: int, pp_size: int, vpp: int) -> list[Action]:
-    """Receive right before the compute that needs it, send right after the one producing it.
+_IDEAL_COST = {Op.FORWARD: 1, Op.BACKWARD: 2}
+"""Costs of the timeline that places receives: any positive costs give a deadlock-free
+placement; these (backward twice the forward) keep receives close to their use."""
+
+
+def _producer(compute: Action, pp_rank: int, pp_size: int, vpp: int) -> tuple[int, Action] | None:
+    """(rank, compute step) whose output `compute` consumes, or None at the pipeline's ends."""
+    stage = virtual_stage(pp_rank, compute.chunk, pp_size)
+    source = stage - 1 if compute.op is Op.FORWARD else stage + 1
+    if not 0 <= source < pp_size * vpp:
+        return None
+    return source % pp_size, Action(compute.op, compute.microbatch, source // pp_size)
+
+
+def _ideal_timeline(
+    computes: list[list[Action]], pp_size: int, vpp: int
+) -> tuple[list[list[int]], dict[tuple[int, Action], int]]:
+    """Start time of every compute step (per rank, by position) and the end time of each
+    (rank, compute), when every step waits only for its input and messages take no time."""
+    starts: list[list[int]] = [[] for _ in computes]
+    ends: dict[tuple[int, Action], int] = {}
+    clocks = [0] * pp_size
+    while any(len(starts[r]) < len(computes[r]) for r in range(pp_size)):
+        moved = False
+        for rank, actions in enumerate(computes):
+            while len(starts[rank]) < len(actions):
+                action = actions[len(starts[rank])]
+                producer = _producer(action, rank, pp_size, vpp)
+                if producer is not None and producer not in ends:
+                    break
+                start = max(clocks[rank], ends[producer] if producer else 0)
+                starts[rank].append(start)
+                clocks[rank] = ends[(rank, action)] = start + _IDEAL_COST[action.op]
+                moved = True
+        if not moved:
+            raise ScheduleError("pipeline compute order waits on itself (a bug in the schedule)")
+    return starts, ends
+
+
+def _place_p2p(
+    computes: list[list[Action]],
+    starts: list[list[int]],
+    ends: dict[tuple[int, Action], int],
+    pp_rank: int,
+    pp_size: int,
+    vpp: int,
+) -> list[Action]:
+    """Send right after the compute producing the message; receive in the first batch the rank
+    leaves at or after the moment the message is sent, in the ideal timeline.
 
     Only stage boundaries communicate: the first virtual stage receives no input, the last
     sends no output (and receives no output gradient: its loss starts the backward).
+
+    Why there: under NCCL a send completes only once the receiver's stream reaches the matching
+    receive, and a rank's batches run one after another, so a batch waits on its partners'
+    batches and, through them, on every batch before those. Time each batch by when its rank
+    leaves it in the ideal timeline (the start of the next compute). A send's batch is left no
+    earlier than the send; the receive's batch is the first one left at or after it. So each
+    side's previous batch is left strictly before the other side's batch: every wait points to
+    an earlier time, and no two ranks can wait on each other, whatever the real costs. A receive
+    listed right before its compute can come later than that: with interleaving, rank 0 then
+    sends a gradient alone that rank 1 receives only after a batch whose send rank 0 receives
+    only after its own (issue 13). Receives from one peer come in the order it sends them, as
+    NCCL matches them; a received tensor may wait a few steps for its compute.
     """
+    mine = computes[pp_rank]
+    receives: list[list[tuple[int, Action]]] = [[] for _ in range(len(mine) + 1)]
+    for action in mine:
+        producer = _producer(action, pp_rank, pp_size, vpp)
+        if producer is not None:
+            sent = ends[producer]
+            # The batch before the first compute that starts at or after the send:
+            batch = bisect.bisect_left(starts[pp_rank], sent)
+            op = Op.RECV_FORWARD if action.op is Op.FORWARD else Op.RECV_BACKWARD
+            receives[batch].append((sent, Action(op, action.microbatch, action.chunk)))
     last = pp_size * vpp - 1
     steps: list[Action] = []
-    for action in compute:
+    for index, action in enumerate(mine):
+        steps += [receive for _, receive in sorted(receives[index], key=lambda r: r[0])]
+        steps.append(action)
         stage = virtual_stage(pp_rank, action.chunk, pp_size)
-        mb, chunk = action.microbatch, action.chunk
-        if action.op is Op.FORWARD:
-            if stage > 0:
-                steps.append(Action(Op.RECV_FORWARD, mb, chunk))
-            steps.append(action)
-            if stage < last:
-                steps.append(Action(Op.SEND_FORWARD, mb, chunk))
-        else:
-            if stage < last:
-                steps.append(Action(Op.RECV_BACKWARD, mb, chunk))
-            steps.append(action)
-            if stage > 0:
-                steps.append(Action(Op.SEND_BACKWARD, mb, chunk))
-    return steps
-
-
-def matching_receive(send: Action, pp_rank: int, pp_size: int, vpp: int) -> tuple[int, Action]:
-    """(receiving rank, its receive action) for a send action of `pp_rank`."""
-    peer_rank, peer_chunk = peer_of(send, pp_rank, pp_size, vpp)
-    op = Op.RECV_FORWARD if send.op is Op.SEND_FORWARD else Op.RECV_BACKWARD
-    return peer_rank, Action(op, send.microbatch, peer_chunk)
-
-
-def _receive_in_send_order(
-    placed: dict[int, tuple[Action, ...]], pp_rank: int, pp_size: int, vpp: int
-) -> list[Action]:
-    """`pp_rank`'s list, with receives moved earlier where needed so that each peer's messages
-    are received in the order that peer sends them (`placed` holds the peers' lists too).
-
-    Only with pp=2 do activations and gradients share a rank pair, and there (with groups larger
-    than pp, or a last partial group) the sender can emit a gradient before an activation that
-    the receiver needs first. Receiving the earlier-sent message first costs no time: it was
-    sent, hence arrives, before the one the receiver waits for. The executor must therefore
-    keep a received tensor until its compute step, which may come a few steps later.
-    """
-    pending: dict[int, list[Action]] = {}
-    for sender, actions in placed.items():
-        for send in actions:
-            if send.op.is_send:
-                receiver, receive = matching_receive(send, sender, pp_size, vpp)
-                if receiver == pp_rank:
-                    pending.setdefault(sender, []).append(receive)
-    in_send_order = {sender: iter(receives) for sender, receives in pending.items()}
-    received: set[Action] = set()
-    steps: list[Action] = []
-    for action in placed[pp_rank]:
-        if action.op.is_compute or action.op.is_send:
-            steps.append(action)
-        elif action not in received:
-            for earlier in in_send_order[peer_of(action, pp_rank, pp_size, vpp)[0]]:
-                steps.append(earlier)
-                received.add(earlier)
-                if earlier == action:
-                    break
+        if action.op is Op.FORWARD and stage < last:
+            steps.append(Action(Op.SEND_FORWARD, action.microbatch, action.chunk))
+        elif action.op is Op.BACKWARD and stage > 0:
+            steps.append(Action(Op.SEND_BACKWARD, action.microbatch, action.chunk))
     return steps

@@ -1,19 +1,31 @@
 """Run pipeline schedules without tensors: check them and measure their bubble and memory.
 
-Each rank's action list runs as an event simulation. A compute step takes its cost; a send never
-blocks (its message arrives `p2p_cost` later); a receive waits for its message. This is the
-executor's model (asynchronous sends, receives as blocking waits), so a schedule that passes
-here has matching p2p, no deadlock, and the bubble and activation memory reported here.
+All ranks' action lists run together as an event simulation with NCCL's p2p semantics, the
+strictest a backend has: the p2p actions between two compute steps are one batch
+(`schedule.p2p_batches`, exactly as the executor posts them); each rank's batches run one after
+another on one stream; a send completes only when the peer's stream has reached the batch with
+the matching receive, and a batch completes when all of its messages have. Compute runs on its
+own stream and waits only for the batch holding its input. (gloo buffers sends, so a schedule
+that passes here also runs there.) A schedule that passes has matching p2p, cannot deadlock, and
+has the bubble and activation memory reported here.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from megalite.pipeline.schedule import Action, Op, ScheduleError, peer_of, virtual_stage
+from megalite.pipeline.schedule import (
+    Action,
+    Op,
+    ScheduleError,
+    p2p_batches,
+    peer_of,
+    virtual_stage,
+)
 
 
 @dataclass(frozen=True)
@@ -59,12 +71,19 @@ class Message(NamedTuple):
 
 def message_of(action: Action, pp_rank: int, pp_size: int, vpp: int) -> Message:
     """The message a send puts on the wire, or the one a receive expects."""
-    peer_rank, peer_chunk = peer_of(action, pp_rank, pp_size, vpp)
-    here = virtual_stage(pp_rank, action.chunk, pp_size)
-    there = virtual_stage(peer_rank, peer_chunk, pp_size)
-    is_activation = action.op in (Op.SEND_FORWARD, Op.RECV_FORWARD)
-    src, dst = (here, there) if action.op.is_send else (there, here)
+    is_activation, src, dst, _ = _link(action.op, action.chunk, pp_rank, pp_size, vpp)
     return Message(is_activation, action.microbatch, src, dst)
+
+
+@functools.lru_cache(maxsize=4096)
+def _link(op: Op, chunk: int, pp_rank: int, pp_size: int, vpp: int) -> tuple[bool, int, int, int]:
+    """(is activation, source stage, destination stage, peer rank) of a p2p action on a chunk
+    (cached: a simulation asks for every message)."""
+    peer_rank, peer_chunk = peer_of(Action(op, 0, chunk), pp_rank, pp_size, vpp)
+    here = virtual_stage(pp_rank, chunk, pp_size)
+    there = virtual_stage(peer_rank, peer_chunk, pp_size)
+    src, dst = (here, there) if op.is_send else (there, here)
+    return op in (Op.SEND_FORWARD, Op.RECV_FORWARD), src, dst, peer_rank
 
 
 def check_p2p_order(schedules: Sequence[list[Action]], pp_size: int, vpp: int) -> None:
@@ -141,18 +160,20 @@ def simulate(
 ) -> SimResult:
     """Run all ranks' schedules together; raise ScheduleError on mismatched p2p or deadlock.
 
-    Costs are per chunk forward / backward. A rank runs its list in order, each receive
-    completing at max(its clock, the message's arrival); the greedy order of ranks does not
-    change the times, since every time depends only on earlier events.
+    Costs are per chunk forward / backward; a message takes `p2p_cost` once both of its ends
+    have started their batches. Every time depends only on earlier events, so the order in
+    which the simulation visits ranks does not change the result.
     """
     if len(schedules) != pp_size:
         raise ScheduleError(f"expected {pp_size} schedules (one per pp rank), got {len(schedules)}")
     check_p2p_order(schedules, pp_size, vpp)
     sim = _Simulation(schedules, pp_size, vpp, forward_cost, backward_cost, p2p_cost)
-    while not sim.finished():
-        if not any([sim.advance(rank) for rank in range(pp_size)]):
-            raise ScheduleError(f"pipeline schedule deadlocks: {sim.stuck()}")
-    makespan = max(sim.clock)
+    ready = set(range(pp_size))
+    while ready:
+        ready |= sim.advance(ready.pop())
+    if not sim.finished():
+        raise ScheduleError(f"pipeline schedule deadlocks under NCCL semantics: {sim.stuck()}")
+    makespan = max(max([clock, *done]) for clock, done in zip(sim.clock, sim.done))
     busy = sim.busy
     return SimResult(
         makespan=makespan,
@@ -165,7 +186,8 @@ def simulate(
 
 
 class _Simulation:
-    """Per-rank clocks and positions, plus the messages in flight on each ordered rank pair."""
+    """Per rank: the host walking its steps (compute clock), and its p2p stream: when each
+    batch was posted, started (reached the head of the stream) and completed."""
 
     def __init__(
         self,
@@ -176,61 +198,126 @@ class _Simulation:
         backward_cost: float,
         p2p_cost: float,
     ) -> None:
-        self.schedules, self.pp_size, self.vpp = schedules, pp_size, vpp
-        self.cost = {Op.FORWARD: forward_cost, Op.BACKWARD: backward_cost}
         self.p2p_cost = p2p_cost
+        steps = [p2p_batches(actions) for actions in schedules]
+        self.batches = [
+            [s for s in rank_steps if not isinstance(s, Action)] for rank_steps in steps
+        ]
+        self.partners = _partners(self.batches, pp_size, vpp)
+        costs = {Op.FORWARD: (forward_cost, 1), Op.BACKWARD: (backward_cost, -1)}
+        self.program = [_program(rank_steps, costs) for rank_steps in steps]
         self.position = [0] * pp_size
         self.clock = [0.0] * pp_size
         self.busy = [0.0] * pp_size
         self.in_flight = [0] * pp_size
         self.peak = [0] * pp_size
-        self.arrivals: dict[tuple[int, int], list[float]] = {}  # (src, dst) -> arrival times
-        self.consumed: dict[tuple[int, int], int] = {}  # (src, dst) -> messages received
+        self.posted: list[list[float]] = [[] for _ in range(pp_size)]
+        self.started: list[list[float]] = [[] for _ in range(pp_size)]
+        self.done: list[list[float]] = [[] for _ in range(pp_size)]
 
     def finished(self) -> bool:
-        return all(p == len(s) for p, s in zip(self.position, self.schedules))
+        return all(len(d) == len(b) for d, b in zip(self.done, self.batches))
 
-    def advance(self, rank: int) -> bool:
-        """Run `rank` until it finishes or waits for a message; True if it moved at all."""
-        start = self.position[rank]
-        actions = self.schedules[rank]
-        while self.position[rank] < len(actions):
-            action = actions[self.position[rank]]
-            if action.op.is_compute:
-                self._compute(rank, action)
-            elif action.op.is_send:
-                peer = peer_of(action, rank, self.pp_size, self.vpp)[0]
-                arrival = self.clock[rank] + self.p2p_cost
-                self.arrivals.setdefault((rank, peer), []).append(arrival)
-            elif not self._receive(rank, action):
-                break
-            self.position[rank] += 1
-        return self.position[rank] > start
+    def advance(self, rank: int) -> set[int]:
+        """Move `rank`'s host and stream as far as they can go; returns the ranks to look at
+        again (the partners of each batch that started)."""
+        woken = set()
+        done, started, posted = self.done[rank], self.started[rank], self.posted[rank]
+        while True:
+            self._run_host(rank)
+            head = len(done)
+            if head == len(posted):
+                return woken
+            partners = self.partners[rank][head]
+            if len(started) == head:  # the head batch starts once posted and its previous done
+                started.append(max(posted[head], done[-1] if head else 0.0))
+                woken.update(peer for peer, _, _ in partners)
+            meet = started[head]
+            for peer, index, _ in partners:
+                if index >= len(self.started[peer]):
+                    return woken
+                meet = max(meet, self.started[peer][index])
+            done.append(meet + self.p2p_cost)
 
-    def _compute(self, rank: int, action: Action) -> None:
-        cost = self.cost[action.op]
-        self.clock[rank] += cost
-        self.busy[rank] += cost
-        self.in_flight[rank] += 1 if action.op is Op.FORWARD else -1
-        self.peak[rank] = max(self.peak[rank], self.in_flight[rank])
-
-    def _receive(self, rank: int, action: Action) -> bool:
-        """Take the next message from the peer if it was sent (the order was checked before)."""
-        pair = (peer_of(action, rank, self.pp_size, self.vpp)[0], rank)
-        index = self.consumed.get(pair, 0)
-        arrivals = self.arrivals.get(pair, [])
-        if index >= len(arrivals):
-            return False
-        self.clock[rank] = max(self.clock[rank], arrivals[index])
-        self.consumed[pair] = index + 1
-        return True
+    def _run_host(self, rank: int) -> None:
+        """Post batches and run compute until a compute needs a batch not yet complete."""
+        program, done = self.program[rank], self.done[rank]
+        position, clock = self.position[rank], self.clock[rank]
+        while position < len(program):
+            cost, needs, in_flight = program[position]
+            if cost is None:
+                self.posted[rank].append(clock)
+            else:
+                if needs is not None:
+                    if needs >= len(done):
+                        break
+                    clock = max(clock, done[needs])
+                clock += cost
+                self.busy[rank] += cost
+                self.in_flight[rank] += in_flight
+                self.peak[rank] = max(self.peak[rank], self.in_flight[rank])
+            position += 1
+        self.position[rank], self.clock[rank] = position, clock
 
     def stuck(self) -> str:
-        """Where each unfinished rank waits, for the deadlock message."""
-        waits = []
-        for rank, actions in enumerate(self.schedules):
-            if self.position[rank] < len(actions):
-                action = actions[self.position[rank]]
-                peer, chunk = peer_of(action, rank, self.pp_size, self.vpp)
-                waits.append(f"rank {rank} waits at {action} for rank {peer} chunk {chunk}")
-        return "; ".join(waits)
+        """The cycle of ranks whose stream heads wait on each other, each with the action it
+        is stuck at and the action of the next rank it waits for."""
+        waits = {}
+        for rank, batches in enumerate(self.batches):
+            head = len(self.done[rank])
+            if head < len(batches):
+                for action, (peer, index, other) in zip(batches[head], self.partners[rank][head]):
+                    if index >= len(self.started[peer]):
+                        waits[rank] = (action, peer, other)
+                        break
+        rank, seen = next(iter(waits)), []
+        while rank not in seen:
+            seen.append(rank)
+            rank = waits[rank][1]
+        return "; ".join(
+            f"rank {r} is stuck at {waits[r][0]} until rank {waits[r][1]} reaches {waits[r][2]}"
+            for r in seen[seen.index(rank) :]
+        )
+
+
+def _program(
+    steps: list[Action | tuple[Action, ...]], costs: dict[Op, tuple[float, int]]
+) -> list[tuple[float | None, int | None, int]]:
+    """One rank's steps for the host: (cost, batch holding its input, change of activations
+    held) per compute; (None, None, 0) per batch, which the host only posts."""
+    program: list[tuple[float | None, int | None, int]] = []
+    batch_of: dict[tuple[Op, int, int], int] = {}
+    batches = 0
+    for step in steps:
+        if not isinstance(step, Action):
+            batch_of.update({(a.op, a.microbatch, a.chunk): batches for a in step})
+            batches += 1
+            program.append((None, None, 0))
+        else:
+            receive = Op.RECV_FORWARD if step.op is Op.FORWARD else Op.RECV_BACKWARD
+            cost, in_flight = costs[step.op]
+            program.append((cost, batch_of.get((receive, step.microbatch, step.chunk)), in_flight))
+    return program
+
+
+def _partners(
+    batches: list[list[tuple[Action, ...]]], pp_size: int, vpp: int
+) -> list[list[list[tuple[int, int, Action]]]]:
+    """For each action of each batch: (peer rank, peer batch, peer action) of its other end.
+    The k-th send from a to b meets b's k-th receive from a (their order is checked before)."""
+    ends: dict[tuple[int, int, bool, int], tuple[int, int, Action]] = {}
+    keys = []
+    for rank, rank_batches in enumerate(batches):
+        count: Counter = Counter()
+        for index, batch in enumerate(rank_batches):
+            for action in batch:
+                peer = _link(action.op, action.chunk, rank, pp_size, vpp)[3]
+                pair = (rank, peer, True) if action.op.is_send else (peer, rank, False)
+                key = (*pair, count[pair])
+                count[pair] += 1
+                ends[key] = (rank, index, action)
+                keys.append((rank, index, key))
+    partners: list[list[list]] = [[[] for _ in rank_batches] for rank_batches in batches]
+    for rank, index, (src, dst, is_send, k) in keys:
+        partners[rank][index].append(ends[(src, dst, not is_send, k)])
+    return partners

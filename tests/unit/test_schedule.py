@@ -1,5 +1,6 @@
 """Pipeline schedules: hand-checked lists, the papers' bubble and memory formulas measured by the
-simulator, and an exhaustive sweep over small layouts for p2p order, deadlock and coverage."""
+simulator, and exhaustive sweeps over layouts for p2p order, coverage and deadlock under NCCL's
+blocking sends."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from megalite.pipeline.schedule import (
     ScheduleError,
     build_schedule,
     interleaved_warmup,
+    p2p_batches,
     peer_of,
     virtual_stage,
 )
@@ -38,9 +40,29 @@ def _run(kind: str, pp: int, m: int, vpp: int, group: int | None, f, b, p2p) -> 
     return simulate(lists, pp, vpp, f, b, p2p)
 
 
-def codes(actions: list[Action]) -> list[str]:
+FORWARD_OPS = (Op.FORWARD, Op.RECV_FORWARD, Op.SEND_FORWARD)
+
+
+def forward_only(lists: list[list[Action]]) -> list[list[Action]]:
+    """What evaluation runs: the forward actions of each rank's list (`Run.schedule`)."""
+    return [[a for a in actions if a.op in FORWARD_OPS] for actions in lists]
+
+
+def code(action: Action) -> str:
     """Short form: op code and micro-batch, plus `.chunk` when the chunk is not 0."""
-    return [f"{a.op.value}{a.microbatch}" + (f".{a.chunk}" if a.chunk else "") for a in actions]
+    return f"{action.op.value}{action.microbatch}" + (f".{action.chunk}" if action.chunk else "")
+
+
+def codes(actions: list[Action]) -> list[str]:
+    return [code(a) for a in actions]
+
+
+def batched(actions: list[Action]) -> str:
+    """The list as the executor runs it, each p2p batch in brackets."""
+    return " ".join(
+        code(step) if isinstance(step, Action) else f"[{' '.join(codes(step))}]"
+        for step in p2p_batches(actions)
+    )
 
 
 def group_sizes(pp: int, vpp: int, m: int) -> list[int | None]:
@@ -57,13 +79,31 @@ def group_sizes(pp: int, vpp: int, m: int) -> list[int | None]:
 
 
 def test_1f1b_pp2_m3_by_hand():
-    # Rank 0 warms up with one forward; rank 1 (last stage) starts 1F1B at once.
-    assert codes(build_schedule("1f1b", 2, 0, 3)) == (
-        "F0 SF0 F1 SF1 RB0 B0 F2 SF2 RB1 B1 RB2 B2".split()
+    # Rank 0 warms up with one forward; rank 1 (last stage) starts 1F1B at once. Each batch
+    # holds the sends of the compute before it and the receives whose message is sent by then:
+    # rank 0 sends an activation and receives a gradient together (Megatron's
+    # send_forward_recv_backward), and rank 1 takes mb 1's activation while it works on mb 0.
+    assert (
+        batched(build_schedule("1f1b", 2, 0, 3))
+        == "F0 [SF0] F1 [SF1 RB0] B0 F2 [SF2 RB1] B1 [RB2] B2"
     )
-    assert codes(build_schedule("1f1b", 2, 1, 3)) == (
-        "RF0 F0 B0 SB0 RF1 F1 B1 SB1 RF2 F2 B2 SB2".split()
+    assert (
+        batched(build_schedule("1f1b", 2, 1, 3))
+        == "[RF0] F0 [RF1] B0 [SB0] F1 B1 [SB1 RF2] F2 B2 [SB2]"
     )
+
+
+def test_p2p_batches_group_the_actions_between_two_computes():
+    actions = [Action(Op.RECV_FORWARD, 0, 0), Action(Op.FORWARD, 0, 0)]
+    actions += [Action(Op.SEND_FORWARD, 0, 0), Action(Op.RECV_BACKWARD, 0, 0)]
+    actions += [Action(Op.BACKWARD, 0, 0), Action(Op.SEND_BACKWARD, 0, 0)]
+    assert p2p_batches(actions) == [
+        (actions[0],),
+        actions[1],
+        (actions[2], actions[3]),
+        actions[4],
+        (actions[5],),
+    ]
 
 
 def test_interleaved_pp2_forward_order_by_hand():
@@ -82,7 +122,7 @@ def test_pp2_receives_follow_the_send_order():
     rank1 = build_schedule("interleaved", 2, 1, 4, vpp=2, group_size=4)
     gradient = rank1.index(Action(Op.RECV_BACKWARD, 0, 0))
     activation = rank1.index(Action(Op.RECV_FORWARD, 3, 1))
-    assert gradient == activation - 1
+    assert gradient < activation < rank1.index(Action(Op.BACKWARD, 0, 0))
     simulate(schedules("interleaved", 2, 4, 2, 4), 2, 2)
 
 
@@ -183,10 +223,48 @@ def test_every_layout_runs(kind: str, pp: int, vpp: int):
 @pytest.mark.parametrize("pp,vpp", [(2, 1), (2, 3), (4, 2)])
 def test_forward_only_gpipe_lists_run(pp: int, vpp: int):
     """Evaluation runs the forward actions of a GPipe list alone: they must match by themselves."""
-    forward_ops = (Op.FORWARD, Op.RECV_FORWARD, Op.SEND_FORWARD)
     for m in range(1, 7):
-        lists = [[a for a in s if a.op in forward_ops] for s in schedules("gpipe", pp, m, vpp)]
+        lists = forward_only(schedules("gpipe", pp, m, vpp))
         assert simulate(lists, pp, vpp).peak_in_flight == [m * vpp] * pp
+
+
+def valid_layouts(kind: str, pp: int):
+    """(vpp, m) for vpp in 1..4 and m in pp..4pp that `kind` accepts (default group size)."""
+    for vpp in (1, 2, 3, 4):
+        for m in range(pp, 4 * pp + 1):
+            if kind == "1f1b" and vpp > 1 or kind == "interleaved" and vpp > 1 and m % pp:
+                continue  # one chunk per rank; a last group shorter than pp
+            yield vpp, m
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_no_deadlock_under_nccl_semantics(kind: str, pp: int):
+    """Every layout, in training and in evaluation (the forward actions of a GPipe list), runs
+    to the end when a send blocks until its receiver's stream reaches the matching receive."""
+    layouts = list(valid_layouts(kind, pp))
+    assert len(layouts) == {"gpipe": 4, "1f1b": 1, "interleaved": 1}[kind] * (3 * pp + 1) + (
+        3 * 4 if kind == "interleaved" else 0
+    )
+    for vpp, m in layouts:
+        lists = schedules(kind, pp, m, vpp)
+        simulate(lists, pp, vpp)
+        if kind == "gpipe":
+            simulate(forward_only(lists), pp, vpp)
+
+
+def receive_when_needed(actions: list[Action]) -> list[Action]:
+    """The placement the executor used before: each receive right before the compute that
+    needs it, batched with what precedes it."""
+    receives = [a for a in actions if not a.op.is_compute and not a.op.is_send]
+    steps = []
+    for action in actions:
+        if action.op.is_compute:
+            want = Op.RECV_FORWARD if action.op is Op.FORWARD else Op.RECV_BACKWARD
+            steps += [r for r in receives if r == Action(want, action.microbatch, action.chunk)]
+        if action not in receives:
+            steps.append(action)
+    return steps
 
 
 @pytest.mark.parametrize(
@@ -222,16 +300,21 @@ def test_simulator_reports_p2p_mismatch():
     with pytest.raises(ScheduleError, match="from rank 0 to rank 1, message 0: .* mb 1 .* mb 0"):
         simulate([rank0, rank1], 2, 1)
     with pytest.raises(ScheduleError, match="2 sends but 1 receives"):
-        simulate([schedules("1f1b", 2, 2)[0], rank1[:-4]], 2, 1)
+        simulate([schedules("1f1b", 2, 2)[0], rank1[:2]], 2, 1)  # RF0 F0 only
 
 
 def test_simulator_reports_deadlock():
-    # Rank 0 waits for a gradient before sending the activation that rank 1 waits for.
-    rank0 = [Action(Op.FORWARD, 0, 0), Action(Op.RECV_BACKWARD, 0, 0)]
-    rank0 += [Action(Op.SEND_FORWARD, 0, 0), Action(Op.BACKWARD, 0, 0)]
-    rank1 = schedules("1f1b", 2, 1)[1]
-    with pytest.raises(ScheduleError, match="deadlocks: rank 0 waits at RECV_BACKWARD"):
-        simulate([rank0, rank1], 2, 1)
+    """Issue 13's example: interleaved pp 2, vpp 2, m 4 with each receive posted right before its
+    compute. Rank 0 sends the gradient of (mb 0, chunk 1) in a batch of its own; rank 1 receives
+    it only after a batch whose send rank 0 receives only after that one: both streams stop."""
+    lists = [receive_when_needed(actions) for actions in schedules("interleaved", 2, 4, 2)]
+    with pytest.raises(ScheduleError, match="deadlocks under NCCL semantics") as error:
+        simulate(lists, 2, 2)
+    assert str(error.value).endswith(
+        "rank 0 is stuck at SEND_BACKWARD(mb=0, chunk=1) until rank 1 reaches "
+        "RECV_BACKWARD(mb=0, chunk=0); rank 1 is stuck at SEND_BACKWARD(mb=1, chunk=1) until "
+        "rank 0 reaches RECV_BACKWARD(mb=1, chunk=1)"
+    )
 
 
 def test_validate_catches_incomplete_or_misordered_lists():
@@ -240,7 +323,8 @@ def test_validate_catches_incomplete_or_misordered_lists():
         validate([rank0[:-1], rank1], 2, 1, 3)
     with pytest.raises(ScheduleError, match="appears 2 times"):
         validate([rank0 + rank0[:1], rank1], 2, 1, 3)
-    backward_first = rank1[2:3] + rank1[:2] + rank1[3:]  # B0 before RF0 F0
+    b0 = rank1.index(Action(Op.BACKWARD, 0, 0))
+    backward_first = [rank1[b0], *rank1[:b0], *rank1[b0 + 1 :]]  # B0 before RF0 F0
     with pytest.raises(ScheduleError, match="comes before"):
         validate([rank0, backward_first], 2, 1, 3)
     with pytest.raises(ScheduleError, match="one per pp rank"):
