@@ -1,5 +1,6 @@
 # The two commands of the README. Both create .venv and install megalite on first use.
 #   make train   train the tiny GPT on the builtin corpus (CPU, a few minutes), then sample
+#                (CONFIG=configs/llama-tiny.yaml for the Llama, ARGS="train.steps=20" for overrides)
 #   make test    run the test suite
 # CUDA users: make train TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 
@@ -7,6 +8,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/gpt-tiny.yaml
+ARGS ?=
 RUN_DIR ?= runs/$(basename $(notdir $(CONFIG)))-$(shell date +%Y%m%d-%H%M%S)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.megalite-installed
@@ -23,7 +25,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 train: setup
-	$(BIN)/megalite train --config $(CONFIG) train.out_dir=$(RUN_DIR)
+	$(BIN)/megalite train --config $(CONFIG) train.out_dir=$(RUN_DIR) $(ARGS)
 	$(BIN)/megalite generate --checkpoint $(RUN_DIR) \
 		--prompt "And God said" --max-new-tokens 60 --temperature 0.8 --top-k 40
 

@@ -1,0 +1,148 @@
+"""Every command the README shows, run the way a user types it, so the README cannot drift from
+what works.
+
+The commands are read from the README's ```bash blocks and run in order in one scratch
+directory (later commands use what earlier ones wrote: the run that `generate` samples, the
+tokenizer that `data prepare` uses). Each gets only the extra arguments in `SHORT` that keep it
+quick on a 2-core CPU: step counts, sizes of benchmarks, the interpreter for the GPU kernel
+benchmark. A README command missing from `SHORT` fails the first test, so a new command comes
+with its test. The 8-rank torchrun example also records its collectives and checks that every
+group agreed on them.
+"""
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megalite import comm_trace
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 420
+TRAIN_SHORT = "train.steps=2 train.eval_steps=1 logging.progress=false"
+
+SHORT = {
+    "make train": f'ARGS="{TRAIN_SHORT}"',
+    "make test": "",  # CI's own command (.ci/run): checked, not run inside the suite it runs
+    "megalite train --config configs/gpt-tiny.yaml train.steps=50 optim.lr=1e-3": TRAIN_SHORT,
+    'megalite generate --checkpoint runs/gpt-tiny --prompt "And God said"': "--max-new-tokens 8",
+    "megalite export-hf --checkpoint runs/gpt-tiny --out hf/gpt-tiny": "",
+    "megalite train --config configs/gpt-tiny.yaml checkpoint.init_from=hf/gpt-tiny "
+    "train.out_dir=runs/from-hf": TRAIN_SHORT,
+    "torchrun --nproc-per-node 8 -m megalite train --config configs/gpt-tiny.yaml "
+    "parallel.tp=2 parallel.sp=true parallel.pp=2 parallel.zero=1 "
+    "train.global_batch_size=16 train.out_dir=runs/3d": TRAIN_SHORT,
+    "megalite data tokenizer --input corpus.txt --vocab-size 32000 --out data/tokenizer": "",
+    "megalite data prepare --input corpus.jsonl --tokenizer data/tokenizer.model "
+    "--out data/corpus": "",
+    # GPT-2 124M at a fraction of its width: the point is the prepared data and the config.
+    "megalite train --config configs/gpt2-124m.yaml data.source=data/corpus "
+    "model.vocab_size=32000": "train.steps=1 train.micro_batch_size=1 train.global_batch_size=1 "
+    "model.n_layers=2 model.hidden=128 model.n_heads=2 model.seq_len=256 logging.progress=false",
+    "python tools/bench_single.py": "--steps 1 --warmup 0",
+    "python tools/bench_tp.py": "--steps 1 --warmup 0",
+    "python tools/bench_pp.py": "--steps 1 --warmup 0",
+    "python tools/bench_zero.py": "--steps 1 --warmup 0",
+    "python tools/bench_kernels.py": "--cpu-smoke",
+    "python tools/estimate_memory.py --config configs/llama-7b.yaml --world-size 32": "",
+}
+
+# What each kind of command prints when it worked (besides exiting 0).
+EXPECTED = {
+    "megalite train": "trained to step",
+    "torchrun": "trained to step",
+    "megalite generate": "And God said",
+    "megalite export-hf": "wrote hf/gpt-tiny",
+    "megalite data tokenizer": "32000 pieces",
+    "megalite data prepare": "wrote data/corpus",
+    "make train": "trained to step 2",
+    "python tools/bench_single.py": "tokens/s",  # the header of each benchmark's table
+    "python tools/bench_tp.py": "tokens/s",
+    "python tools/bench_pp.py": "tokens/s",
+    "python tools/bench_zero.py": "tokens/s",
+    "python tools/bench_kernels.py": "fwd",
+    "python tools/estimate_memory.py": "GiB",
+}
+
+
+def readme_commands() -> list[str]:
+    """The README's bash-block commands in order: continuation lines joined, comments dropped."""
+    text = (REPO / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = " ".join(re.sub(r"\s+#.*$", "", line).split())
+            if command:
+                commands.append(command)
+    return commands
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, builtin_corpus_8000):
+    """A user's directory: the repository's configs and tools, and a corpus of their own."""
+    from megalite.data.builtin import builtin_corpus_text
+
+    root = tmp_path_factory.mktemp("readme")
+    for name in ("configs", "tools"):
+        (root / name).symlink_to(REPO / name)
+    text = builtin_corpus_text()
+    (root / "corpus.txt").write_text(text)
+    with open(root / "corpus.jsonl", "w") as f:
+        for book in text.split("\n\n"):
+            f.write(json.dumps({"text": book}) + "\n")
+    return root
+
+
+def test_every_readme_command_has_a_test():
+    missing = [c for c in readme_commands() if c not in SHORT]
+    assert not missing, f"README commands without an entry in SHORT (add one): {missing}"
+    stale = [c for c in SHORT if c not in readme_commands()]
+    assert not stale, f"SHORT names commands the README no longer shows: {stale}"
+
+
+def _argv(command: str, workspace: Path) -> tuple[list[str], Path, dict[str, str]]:
+    """How to run `command` here: the venv's Python for `megalite` / `python`, a free port for
+    torchrun, the repository as the directory of make."""
+    words = shlex.split(command) + shlex.split(SHORT[command])
+    env = {"OMP_NUM_THREADS": "1"}
+    if words[0] == "make":
+        run_dir = workspace / "runs" / "make-train"
+        return [*words, f"RUN_DIR={run_dir}", f"VENV={sys.prefix}"], REPO, env
+    if words[0] == "megalite":
+        return [sys.executable, "-m", "megalite", *words[1:]], workspace, env
+    if words[0] == "python":
+        return [sys.executable, *words[1:]], workspace, env
+    assert words[0] == "torchrun", f"no way to run {words[0]} here"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env[comm_trace.ENV] = str(workspace / "torchrun-trace")
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--master-port={port}"]
+    return [*launcher, *words[1:]], workspace, env
+
+
+@pytest.mark.parametrize("command", readme_commands())
+def test_readme_command_runs(command, workspace):
+    if command == "make test":
+        ci = (REPO / ".ci" / "run").read_text()
+        assert "\nmake test\n" in ci, ".ci/run must run the README's test command"
+        dry = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True)
+        assert dry.returncode == 0 and "pytest" in dry.stdout, dry.stdout + dry.stderr
+        return
+    argv, cwd, env = _argv(command, workspace)
+    result = subprocess.run(
+        argv, cwd=cwd, env={**os.environ, **env}, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{command}\n{output[-4000:]}"
+    expected = [text for prefix, text in EXPECTED.items() if command.startswith(prefix)]
+    for text in expected:
+        assert text in output, f"{command}: no {text!r} in\n{output[-4000:]}"
+    if command.startswith("torchrun"):
+        comm_trace.check_traces(workspace / "torchrun-trace")
