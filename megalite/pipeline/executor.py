@@ -1,17 +1,22 @@
-"""Runs one rank's schedule: a loop over actions, with no schedule logic of its own.
+"""Runs one rank's schedule: a loop over its steps, with no schedule logic of its own.
 
 Forward of micro-batch m on local chunk c feeds it token ids (first virtual stage) or the
 activation received from the previous stage, and keeps (input, output) until the backward.
-Sends are asynchronous; a receive blocks where the schedule lists it, and that waiting time is
-the measured pipeline bubble. An output that was sent on is freed as soon as its send completes
-(only its autograd graph is needed for the backward; Megatron-LM's deallocate_output_tensor).
+The p2p actions between two compute steps are posted as one batch (`schedule.p2p_batches`);
+a compute waits only for the receive it needs, and that waiting is the measured pipeline bubble.
+An output is freed as soon as its send is posted: the backward needs only its autograd graph,
+and the communication library holds the sent tensor until the send completes (gloo's work
+object, NCCL's stash); Megatron-LM's deallocate_output_tensor.
 With pp = 1 the schedule holds only forwards and backwards: plain gradient accumulation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,7 +24,7 @@ from torch import nn
 from megalite import comm
 from megalite.optimizer.grad_buffer import GradBuffer
 from megalite.parallel_state import ParallelState
-from megalite.pipeline.schedule import Action, Op, peer_of, virtual_stage
+from megalite.pipeline.schedule import Action, Op, p2p_batches, peer_of, virtual_stage
 
 
 @dataclass
@@ -34,6 +39,48 @@ class StepTimes:
         """Share of the schedule spent waiting on receives."""
         total = self.compute_s + self.wait_s
         return self.wait_s / total if total else 0.0
+
+
+class IntervalTimer:
+    """Total time of named intervals: CUDA events on a GPU, the host clock on CPU.
+
+    On a GPU the host only queues kernels, so a host clock would time the queueing, and a wait
+    for a receive (which makes the stream wait, not the host) would read zero. There, events are
+    recorded on the current stream around each interval and read once, when `totals` is called
+    at the end of the step: no synchronisation in between.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.on_cuda = device.type == "cuda"
+        self.host_s: dict[str, float] = {}
+        self.events: dict[str, list[tuple[Any, Any]]] = {}
+        self.last_event: Any = None
+
+    @contextlib.contextmanager
+    def interval(self, name: str) -> Iterator[None]:
+        if not self.on_cuda:
+            start = time.perf_counter()
+            yield
+            self.host_s[name] = self.host_s.get(name, 0.0) + time.perf_counter() - start
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self.events.setdefault(name, []).append((start, end))
+        self.last_event = end
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per name. On a GPU this waits for the last recorded event: events on one
+        stream complete in order, so every interval has been timed then."""
+        if not self.on_cuda:
+            return dict(self.host_s)
+        if self.last_event is not None:
+            self.last_event.synchronize()
+        return {
+            name: sum(start.elapsed_time(end) for start, end in pairs) / 1000  # ms -> s
+            for name, pairs in self.events.items()
+        }
 
 
 @dataclass
@@ -52,16 +99,16 @@ class _Step:
     loss_weight: float
     loss_scale: float
     device: torch.device
-    times: StepTimes = field(default_factory=StepTimes)
+    timer: IntervalTimer
+    peak_in_flight: int = 0
     received: dict = field(default_factory=dict)
-    """(op, micro-batch, chunk) -> received activation or gradient."""
-    posted: dict = field(default_factory=dict)
-    """(op, micro-batch, chunk) -> receive posted early, together with a send."""
+    """(op, micro-batch, chunk) of a receive -> (its work, the buffer it fills)."""
     saved: dict = field(default_factory=dict)
     """(micro-batch, chunk) -> (input, output) kept from forward until backward."""
     input_grads: dict = field(default_factory=dict)
     """(micro-batch, chunk) -> gradient of the chunk's input, until it is sent."""
-    in_flight_sends: list = field(default_factory=list)
+    sends: list = field(default_factory=list)
+    """Works of sends not yet seen complete (on gloo they hold the sent tensor)."""
 
     def __post_init__(self) -> None:
         self.loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -107,76 +154,73 @@ class PipelineExecutor:
         """Run the actions of `schedule` (forward-only ones for evaluation, under no_grad);
         returns the sum over this rank's micro-batches of loss_weight * token-loss sum (zero off
         the last stage) and the timings."""
-        step = _Step(micro_batches, loss_weight, loss_scale, self.ps.device)
-        last_backward = {a.chunk: i for i, a in enumerate(schedule) if a.op is Op.BACKWARD}
-        for index, action in enumerate(schedule):
-            if action.op in (Op.RECV_FORWARD, Op.RECV_BACKWARD):
-                start = time.perf_counter()
-                self._receive(step, action)
-                step.times.wait_s += time.perf_counter() - start
-            elif action.op.is_send:
-                following = schedule[index + 1] if index + 1 < len(schedule) else None
-                self._send(step, action, following)
-            else:
-                start = time.perf_counter()
+        timer = IntervalTimer(self.ps.device)
+        step = _Step(micro_batches, loss_weight, loss_scale, self.ps.device, timer)
+        last_backward = {a.chunk: a for a in schedule if a.op is Op.BACKWARD}
+        for action in p2p_batches(schedule):
+            if not isinstance(action, Action):
+                self._post(step, action)
+                continue
+            inputs = self._received_input(step, action)
+            with timer.interval("compute"):
                 if action.op is Op.FORWARD:
-                    step.loss_total += self._forward(step, action)
-                    step.times.peak_in_flight = max(step.times.peak_in_flight, len(step.saved))
+                    step.loss_total += self._forward(step, action, inputs)
+                    step.peak_in_flight = max(step.peak_in_flight, len(step.saved))
                 else:
-                    if index == last_backward[action.chunk]:
+                    if action == last_backward[action.chunk]:
                         for buffer in self.buffers_of_chunk[action.chunk]:
                             buffer.start_sync()
-                    self._backward(step, action)
-                step.times.compute_s += time.perf_counter() - start
-            step.in_flight_sends = self._free_sent(step.in_flight_sends)
-        for work, _ in step.in_flight_sends:
+                    self._backward(step, action, inputs)
+        for work in step.sends:
             work.wait()
-        return step.loss_total, step.times
+        seconds = timer.totals()
+        times = StepTimes(
+            seconds.get("compute", 0.0), seconds.get("wait", 0.0), step.peak_in_flight
+        )
+        return step.loss_total, times
 
-    def _receive(self, step: _Step, action: Action) -> None:
-        """Wait for a receive, posted now or earlier together with a send."""
-        key = (action.op, action.microbatch, action.chunk)
-        work, buffer, _ = step.posted.pop(key, None) or self._post(receive=action)
-        work.wait()
-        step.received[key] = buffer
+    def _post(self, step: _Step, batch: tuple[Action, ...]) -> None:
+        """Post one batch of sends and receives together (see `schedule._place_p2p` for why this
+        cannot deadlock under NCCL), then free the sent outputs' storage."""
+        sends, outputs, receives = [], [], []
+        for action in batch:
+            key = (action.microbatch, action.chunk)
+            if action.op is Op.SEND_FORWARD:
+                held = step.saved[key] if torch.is_grad_enabled() else step.saved.pop(key)
+                outputs.append(held[1])
+                message = held[1].detach().contiguous()  # SP shards can be strided views
+                sends.append((message, self._peer(action)))
+            elif action.op is Op.SEND_BACKWARD:
+                sends.append((step.input_grads.pop(key).contiguous(), self._peer(action)))
+            else:
+                buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=step.device)
+                receives.append((action, buffer))
+        works = comm.post_p2p(sends, [(buffer, self._peer(a)) for a, buffer in receives])
+        for (action, buffer), work in zip(receives, works[len(sends) :]):
+            step.received[(action.op, action.microbatch, action.chunk)] = (work, buffer)
+        for output in outputs:
+            output.data = torch.empty(0, dtype=output.dtype, device=output.device)
+        step.sends = [work for work in step.sends if not work.is_completed()]
+        step.sends += works[: len(sends)]
 
-    def _send(self, step: _Step, action: Action, following: Action | None) -> None:
-        """Start a send; a receive listed right after it is posted in the same batch (NCCL
-        runs all p2p between two ranks on one stream, so the two must not wait on each other)."""
-        key = (action.microbatch, action.chunk)
-        if action.op is Op.SEND_FORWARD:
-            held = step.saved[key] if torch.is_grad_enabled() else step.saved.pop(key)
-            output = held[1]
-            message = output.detach().contiguous()  # SP shards can be strided views
-        else:
-            output, message = None, step.input_grads.pop(key).contiguous()
-        if following is not None and following.op in (Op.RECV_FORWARD, Op.RECV_BACKWARD):
-            posts = self._post(receive=following, send=(message, self._peer(action)))
-            step.posted[(following.op, following.microbatch, following.chunk)] = posts
-        else:
-            posts = self._post(send=(message, self._peer(action)))
-        step.in_flight_sends.append((posts[2], output))
+    def _received_input(self, step: _Step, action: Action) -> torch.Tensor | None:
+        """The received activation (forward) or output gradient (backward) `action` consumes,
+        waited for (the bubble); None where the chunk's input is not received."""
+        receive = Op.RECV_FORWARD if action.op is Op.FORWARD else Op.RECV_BACKWARD
+        posted = step.received.pop((receive, action.microbatch, action.chunk), None)
+        if posted is None:
+            return None
+        work, buffer = posted
+        with step.timer.interval("wait"):
+            work.wait()
+        return buffer
 
-    def _post(self, receive: Action | None = None, send: tuple[torch.Tensor, int] | None = None):
-        """Post a receive (into a fresh buffer) and/or a send as one batch; returns
-        (receive handle, buffer, send handle), with None for what was not posted."""
-        buffer = None
-        recvs = []
-        if receive is not None:
-            buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.ps.device)
-            recvs = [(buffer, self._peer(receive))]
-        works = comm.post_p2p([send] if send is not None else [], recvs)
-        send_work = works[0] if send is not None else None
-        recv_work = works[-1] if receive is not None else None
-        return recv_work, buffer, send_work
-
-    def _forward(self, step: _Step, action: Action) -> torch.Tensor:
+    def _forward(self, step: _Step, action: Action, received: torch.Tensor | None) -> torch.Tensor:
         mb, c = action.microbatch, action.chunk
         batch = step.micro_batches[mb]
         if self.is_first[c]:
             inputs = batch.inputs
         else:
-            received = step.received.pop((Op.RECV_FORWARD, mb, c))
             inputs = received.requires_grad_(torch.is_grad_enabled())
         output = self.chunks[c](inputs, batch.targets if self.is_last[c] else None)
         if self.is_last[c]:
@@ -187,24 +231,12 @@ class PipelineExecutor:
             step.saved[(mb, c)] = (None, output.detach())  # kept only until it is sent on
         return output.detach() if self.is_last[c] else output.new_zeros((), dtype=torch.float32)
 
-    def _backward(self, step: _Step, action: Action) -> None:
+    def _backward(self, step: _Step, action: Action, grad: torch.Tensor | None) -> None:
         mb, c = action.microbatch, action.chunk
         inputs, output = step.saved.pop((mb, c))
         if self.is_last[c]:
             (output * step.loss_scale).backward()
         else:
-            _run_backward(output, step.received.pop((Op.RECV_BACKWARD, mb, c)))
+            _run_backward(output, grad)
         if inputs is not None:
             step.input_grads[(mb, c)] = inputs.grad
-
-    @staticmethod
-    def _free_sent(in_flight: list) -> list:
-        """Drop finished sends; free the storage of outputs whose send has completed."""
-        pending = []
-        for work, output in in_flight:
-            if work.is_completed():
-                if output is not None:
-                    output.data = torch.empty(0, dtype=output.dtype, device=output.device)
-            else:
-                pending.append((work, output))
-        return pending
