@@ -10,6 +10,7 @@ ranks of each group agree on them.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -132,21 +133,63 @@ def split(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     return tensor.chunk(world, dim=dim)[rank(group)].contiguous()
 
 
+NCCL_LIKE_P2P_ENV = "MEGALITE_NCCL_LIKE_P2P"
+"""Set to 1 (tests, on gloo) for p2p with NCCL's blocking semantics, see `post_p2p`."""
+
+_HANDSHAKE_TAG = 1  # the program's own messages use tag 0
+
+
 def post_p2p(
     sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]
 ) -> list[Any]:
     """Start point-to-point sends and receives (tensor, global peer rank) as one batch and return
-    their handles, sends first. NCCL runs all p2p between two ranks on one stream, so a send
-    must be posted together with the receive that follows it, or both sides can wait on each
-    other (Megatron-LM's send_forward_recv_backward)."""
+    their handles, sends first.
+
+    NCCL runs a rank's p2p batches one after another on one stream, and a send completes only
+    when the receiver's stream reaches the matching receive; gloo buffers sends, so a batching
+    that deadlocks on GPUs runs here. With MEGALITE_NCCL_LIKE_P2P=1 (tests), gloo behaves like
+    NCCL: a send completes only once its receiver announces that it has posted the receive, and
+    the batch completes before this returns, so the next one cannot start earlier.
+    """
     for tensor, peer in sends:
         comm_trace.record_p2p("send", tensor, peer)
         _count("send", tensor, 1)
     for tensor, peer in recvs:
         comm_trace.record_p2p("recv", tensor, peer)
+    if os.environ.get(NCCL_LIKE_P2P_ENV) == "1":
+        return _post_p2p_blocking(sends, recvs)
     ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
     return dist.batch_isend_irecv(ops)
+
+
+def _post_p2p_blocking(
+    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]
+) -> list[Any]:
+    """`post_p2p` with NCCL's semantics on gloo (CPU tensors): every receive is announced to its
+    sender, and the batch completes once each of its sends has been announced and each of its
+    receives has arrived. The announcements use a tag of their own, so they never meet the
+    program's messages, and stay out of the collective trace."""
+    works = [dist.isend(tensor, peer) for tensor, peer in sends]
+    works += [dist.irecv(tensor, peer) for tensor, peer in recvs]
+    announced = [dist.isend(torch.ones(1), peer, tag=_HANDSHAKE_TAG) for _, peer in recvs]
+    announced += [dist.irecv(torch.empty(1), peer, tag=_HANDSHAKE_TAG) for _, peer in sends]
+    for work in works + announced:
+        work.wait()
+    return [_COMPLETED] * len(works)  # gloo hangs when a work is waited for twice
+
+
+class _Completed:
+    """The handle of a p2p message that has already completed."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_COMPLETED = _Completed()
 
 
 def barrier(group: Any = None) -> None:
