@@ -16,7 +16,8 @@ from multiproc import run_ranks
 from megalite import comm
 from megalite.config import load_config
 from megalite.parallel_state import build_parallel_state
-from megalite.pipeline.schedule import build_schedule
+from megalite.pipeline.executor import PipelineExecutor
+from megalite.pipeline.schedule import Op, build_schedule
 from megalite.pipeline.simulate import simulate
 from megalite.training.setup import build_run
 from megalite.training.step import train_step
@@ -118,6 +119,30 @@ def _peaks(schedule, pp, num_microbatches):
     torch.manual_seed(0)
     metrics = train_step(run, torch.randint(0, 500, (2 * num_microbatches, 33)), 1e-3)
     return metrics.peak_in_flight, metrics.bubble_fraction
+
+
+def _storage_of_sent_outputs(pp: int, num_microbatches: int) -> list[int]:
+    """Bytes still held by each sent output right after its send was posted."""
+    held = []
+    post = PipelineExecutor._post
+
+    def post_and_look(self, step, batch):
+        post(self, step, batch)
+        for action in batch:
+            if action.op is Op.SEND_FORWARD:
+                output = step.saved[(action.microbatch, action.chunk)][1]
+                held.append(output.untyped_storage().nbytes())
+
+    PipelineExecutor._post = post_and_look  # in this forked rank only
+    _peaks("1f1b", pp, num_microbatches)
+    return held
+
+
+def test_sent_outputs_are_freed_when_the_send_is_posted():
+    """Only the autograd graph of a sent output is needed for its backward: its storage goes as
+    soon as the send is posted (the communication library holds the message)."""
+    held_by_rank = run_ranks(2, _storage_of_sent_outputs, 2, 4)
+    assert held_by_rank == [[0, 0, 0, 0], []]  # rank 0 sends 4 activations, rank 1 none
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
