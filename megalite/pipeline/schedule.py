@@ -224,6 +224,7 @@ def _every_rank(
 
 
 def _compute_order(kind: str, pp_size: int, pp_rank: int, m: int, vpp: int, n: int) -> list[Action]:
+    """`pp_rank`'s forwards and backwards in order, for the kinds `build_schedule` describes."""
     forwards = _forward_order(m, vpp, n)
     if kind == "gpipe":
         warmup = len(forwards)
@@ -252,8 +253,8 @@ def _one_forward_one_backward(
 
 
 _IDEAL_COST = {Op.FORWARD: 1, Op.BACKWARD: 2}
-"""Costs of the timeline that places receives: any positive costs give a deadlock-free
-placement; these (backward twice the forward) keep receives close to their use."""
+"""Costs of the timeline that places receives. Any positive costs give a placement that cannot
+deadlock; these are the usual ratio (a backward does twice a forward's work)."""
 
 
 def _producer(compute: Action, pp_rank: int, pp_size: int, vpp: int) -> tuple[int, Action] | None:
