@@ -2,9 +2,10 @@
 
 - Weights: a parameter's global tensor is cut into blocks of whole slices along its tp split
   dim (dim 0 when it is replicated), and block k is drawn from its own generator, seeded by
-  hash(global seed, global name) + k. A rank draws only the blocks its shard overlaps, so start-up
-  work falls with tp, and the values never depend on the layout: every tp/pp/dp/sp/vpp layout
-  starts from the same global weights (`tests/unit/test_init.py` proves it bit for bit).
+  hash(global seed, global name) + k. A rank draws only the blocks its shard overlaps, so
+  start-up work falls with tp, and the values never depend on the layout: every
+  tp/pp/dp/sp/vpp layout starts from the same global weights (`tests/unit/test_init.py`
+  proves it bit for bit). Resuming from a checkpoint draws nothing (`build_run`).
 - Dropout: activations replicated over tp ranks must drop the same elements (torch's default
   generator, seeded identically on every tp rank); activations split over tp ranks (local
   attention heads, sequence shards under SP) must drop different ones (`TPRandom.fork()`, a
@@ -58,9 +59,10 @@ def draw_shard(
     CPU, drawing only the blocks the piece overlaps; tp_size=1 draws the full tensor.
 
     Drawn on CPU rather than on the rank's GPU because CUDA's generator gives other values
-    (which even depend on the GPU model): CPU draws make a GPU run start from exactly the
-    weights a CPU test run checks. A block is drawn in the tensor's own layout, so a parameter
-    of one block (every tensor of the tiny test models) is one draw of the whole tensor.
+    (which can even depend on the GPU's number of multiprocessors): CPU draws make a GPU run
+    start from exactly the weights a CPU test run checks. A block is drawn in the tensor's own
+    layout, so a parameter of one block (every tensor of the tiny test models) is one draw of
+    the whole tensor.
     """
     split = meta.tp_split_dim is not None
     # A replicated tensor is cut along dim 0, the dim its column-parallel form splits: GQA's
