@@ -14,6 +14,7 @@ import torch
 
 from megalite import comm
 from megalite.checkpoint.sharded import (
+    check_shared_directory,
     checkpoint_step,
     find_checkpoint,
     load_checkpoint,
@@ -162,12 +163,17 @@ def train(cfg: Config) -> dict[str, float]:
                 "raise train.steps to continue"
             )
         return {}
+    check_shared_directory(ckpt_root, ps)  # every rank writes its own checkpoint files there
     torch.manual_seed(t.seed)  # dropout on tp-replicated activations: same on all ranks
     data = open_data(cfg)
     sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, t.seed)
     init_from = cfg.checkpoint.init_from
     run = build_run(
-        cfg, ps, num_microbatches, Path(init_from) if init_from and not resume_from else None
+        cfg,
+        ps,
+        num_microbatches,
+        Path(init_from) if init_from and not resume_from else None,
+        random_init=resume_from is None,  # the checkpoint overwrites every weight
     )
     if resume_from is not None:
         start_step = restore(run, resume_from, sampler)
