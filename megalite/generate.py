@@ -32,7 +32,8 @@ def load_for_inference(path: Path, device: str = "cpu") -> tuple[CausalLM, Token
     raw["train"]["recompute"] = "none"
     cfg = build_config(raw)
     ps = ParallelState.single(device)
-    (model,) = build_chunks(cfg, ps, TPRandom(cfg.train.seed, ps))
+    # The checkpoint fills every weight: no random init to throw away.
+    (model,) = build_chunks(cfg, ps, TPRandom(cfg.train.seed, ps), random_init=False)
     load_parameters(path, manifest, dict(model.named_parameters()), ps)
     if TOKENIZER not in manifest["files"]:
         raise CheckpointError(f"checkpoint {path} carries no tokenizer.model")

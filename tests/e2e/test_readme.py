@@ -51,6 +51,7 @@ SHORT = {
     "python tools/bench_zero.py": "--steps 1 --warmup 0",
     "python tools/bench_kernels.py": "--cpu-smoke",
     "python tools/estimate_memory.py --config configs/llama-7b.yaml --world-size 32": "",
+    "python tools/bench_init.py": "--layout configs/gpt2-124m.yaml:tp=2,pp=2,vpp=1 --repeat 1",
 }
 
 # What each kind of command prints when it worked (besides exiting 0).
@@ -68,6 +69,7 @@ EXPECTED = {
     "python tools/bench_zero.py": "tokens/s",
     "python tools/bench_kernels.py": "fwd",
     "python tools/estimate_memory.py": "GiB",
+    "python tools/bench_init.py": "shard",
 }
 
 
