@@ -3,12 +3,12 @@ layout, retention, `latest`, refusal of corrupt or foreign state with a message 
 file and the way out, and no pickle anywhere."""
 
 import json
-import os
 import shutil
 import struct
 from pathlib import Path
 
 import pytest
+from run_configs import TWO_LAYERS, snapshot
 from safetensors import safe_open
 
 from megalite.checkpoint.sharded import CheckpointError, read_manifest
@@ -19,27 +19,10 @@ STEPS, INTERVAL, KEEP = 6, 2, 2
 
 
 def tiny_config(out_dir: Path, *extra: str):
+    schedule = [f"train.steps={STEPS}", "optim.warmup_steps=2", f"checkpoint.interval={INTERVAL}"]
     return load_config(
         None,
-        [
-            "model.n_layers=2",
-            "model.hidden=64",
-            "model.n_heads=4",
-            "model.vocab_size=500",
-            "model.seq_len=32",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=4",
-            f"train.steps={STEPS}",
-            "train.eval_interval=1000",
-            "train.precision=fp32",
-            "train.device=cpu",
-            f"train.out_dir={out_dir}",
-            "optim.warmup_steps=2",
-            f"checkpoint.interval={INTERVAL}",
-            f"checkpoint.keep={KEEP}",
-            "logging.progress=false",
-            *extra,
-        ],
+        [*TWO_LAYERS, *schedule, f"checkpoint.keep={KEEP}", f"train.out_dir={out_dir}", *extra],
     )
 
 
@@ -62,17 +45,6 @@ def run_copy(trained, tmp_path):
     out_dir = tmp_path / "run"
     shutil.copytree(trained, out_dir)
     return out_dir
-
-
-def snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    """Every path under root with its size and mtime (ns)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            stat = path.stat()
-            out[str(path.relative_to(root))] = (stat.st_size, stat.st_mtime_ns)
-    return out
 
 
 # ----------------------------------------------------------------------------- layout

@@ -7,6 +7,7 @@ resumes or starts from `checkpoint.init_from` draws nothing."""
 import pytest
 import torch
 from megalite.models import ARCHITECTURES, BuildContext
+from run_configs import TWO_LAYERS
 
 import megalite.training.setup as setup
 from megalite.config import load_config
@@ -132,26 +133,8 @@ def test_replicated_and_split_forms_of_one_weight_start_equal():
 
 
 def _run_config(out_dir, *extra: str):
-    return load_config(
-        None,
-        [
-            "model.n_layers=2",
-            "model.hidden=64",
-            "model.n_heads=4",
-            "model.vocab_size=500",
-            "model.seq_len=32",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=4",
-            "train.steps=2",
-            "train.eval_interval=1000",
-            "train.precision=fp32",
-            "train.device=cpu",
-            f"train.out_dir={out_dir}",
-            "checkpoint.interval=2",
-            "logging.progress=false",
-            *extra,
-        ],
-    )
+    overrides = [*TWO_LAYERS, "train.steps=2", "checkpoint.interval=2"]
+    return load_config(None, [*overrides, f"train.out_dir={out_dir}", *extra])
 
 
 def test_resume_and_init_from_draw_no_random_weights(tmp_path, builtin_corpus, monkeypatch):

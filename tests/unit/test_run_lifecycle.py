@@ -6,25 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+from run_configs import ONE_LAYER, snapshot
 
 import megalite.training.loop as loop
 from megalite.cli import main
 from megalite.config import load_config
 
-TINY = [
-    "model.n_layers=1",
-    "model.hidden=32",
-    "model.n_heads=2",
-    "model.vocab_size=500",
-    "model.seq_len=16",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=2",
-    "train.steps=3",
-    "train.eval_interval=1000",  # more than steps: never evaluates
-    "train.eval_steps=1",
-    "optim.warmup_steps=2",
-    "logging.progress=false",
-]
+TINY = [*ONE_LAYER, "train.steps=3", "train.eval_steps=1", "optim.warmup_steps=2"]
 
 
 def train(capsys, out_dir: Path, *extra: str) -> tuple[int, list[str], str]:
@@ -32,13 +20,6 @@ def train(capsys, out_dir: Path, *extra: str) -> tuple[int, list[str], str]:
     code = main(["train", *TINY, f"train.out_dir={out_dir}", *extra])
     out, err = capsys.readouterr()
     return code, out.splitlines(), err
-
-
-def snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    """Every path under root with its size and mtime (ns)."""
-    return {
-        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
-    }
 
 
 def test_a_run_ends_with_one_summary_line_and_a_second_start_does_nothing(

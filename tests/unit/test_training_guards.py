@@ -4,21 +4,12 @@ Biases without an API key logs offline instead of failing or hanging."""
 import math
 
 import pytest
+from run_configs import ONE_LAYER
 
 import megalite.training.loop as loop
 from megalite.config import load_config
 
-TINY = [
-    "model.n_layers=1",
-    "model.hidden=32",
-    "model.n_heads=2",
-    "model.vocab_size=500",
-    "model.seq_len=16",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=2",
-    "train.eval_interval=1000",
-    "logging.progress=false",
-]
+TINY = ONE_LAYER
 
 
 def test_nan_loss_stops_training_clearly(builtin_corpus, tmp_path, monkeypatch):
