@@ -6,6 +6,7 @@ top-level CLI, which prints it and exits non-zero.
 """
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -19,8 +20,16 @@ def _add_input(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         type=Path,
         required=True,
-        metavar="FILE",
-        help="text files (each one document) or .jsonl files with a 'text' field",
+        metavar="PATH",
+        help="files or directories (searched recursively): text (each file one document), "
+        ".jsonl / .json, .parquet, .arrow or datasets.save_to_disk directories; .gz and .zst "
+        "are decompressed",
+    )
+    parser.add_argument(
+        "--glob", default="*", help="in directories, read only names matching this (e.g. '*.jsonl')"
+    )
+    parser.add_argument(
+        "--text-field", default="text", help="the JSON field or Parquet/Arrow column of the text"
     )
 
 
@@ -59,13 +68,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a .model file from `megalite data tokenizer`",
     )
     prep.add_argument("--out", type=Path, required=True, metavar="PREFIX")
+    prep.add_argument(
+        "--workers",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="tokenizer processes (default: up to 4, one per core)",
+    )
     prep.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     prep.set_defaults(func=run_prepare)
 
 
 def run_tokenizer(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    model = train_tokenizer(args.input, args.out, args.vocab_size)
+    model = train_tokenizer(args.input, args.out, args.vocab_size, args.text_field, args.glob)
     print(f"wrote {model} ({args.vocab_size} pieces) in {time.perf_counter() - start:.1f}s")
     return 0
 
@@ -73,7 +88,13 @@ def run_tokenizer(args: argparse.Namespace) -> int:
 def run_prepare(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     meta = prepare_corpus(
-        args.input, Tokenizer(args.tokenizer), args.out, progress=not args.no_progress
+        args.input,
+        Tokenizer(args.tokenizer),
+        args.out,
+        progress=not args.no_progress,
+        text_field=args.text_field,
+        glob=args.glob,
+        workers=args.workers,
     )
     print(
         f"wrote {corpus_paths(args.out)[0]}: {meta['n_tokens']:,} {meta['dtype']} tokens in "

@@ -7,16 +7,21 @@ A prepared corpus with prefix P is three files:
   tokens, so document d is `tokens[idx[d]:idx[d + 1]]` (its EOS included).
 - `P.json`: metadata; written last, so its presence means the other two are complete.
 
-Every file is written under a temporary name and renamed into place, so a crash or a concurrent
-reader never sees half a corpus. Tokens are streamed to disk batch by batch; only the document
-offsets stay in memory (8 bytes per document).
+Every file is written under a temporary name and renamed into place, so a crash, a corrupt input
+or a concurrent reader never sees half a corpus, and a corpus prepared before stays intact.
+Tokens are streamed to disk batch by batch; only the document offsets stay in memory (8 bytes
+per document). Batches are tokenized by a pool of worker processes, a bounded number in flight,
+and written in input order, so the output does not depend on the number of workers.
 """
 
 import json
+import multiprocessing as mp
 import os
 import uuid
 from array import array
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -24,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from megalite.data.errors import DataError
-from megalite.data.sources import check_inputs, read_chunks
+from megalite.data.sources import TEXT_FIELD, expand_inputs, input_bytes, read_chunks
 from megalite.data.tokenizer import Tokenizer
 
 FORMAT = "megalite-tokens"
@@ -43,13 +48,18 @@ def corpus_paths(prefix: Path) -> tuple[Path, Path, Path]:
 
 
 def prepare_corpus(
-    inputs: Sequence[Path], tokenizer: Tokenizer, out_prefix: Path, progress: bool = True
+    inputs: Sequence[Path],
+    tokenizer: Tokenizer,
+    out_prefix: Path,
+    progress: bool = True,
+    text_field: str = TEXT_FIELD,
+    glob: str = "*",
+    workers: int = 1,
 ) -> dict:
-    """Tokenize text/.jsonl `inputs` (see `megalite.data.sources`) into the files above.
-
-    Empty documents are skipped: they would only add a lone EOS. Returns the metadata.
-    """
-    paths = check_inputs(inputs)
+    """Tokenize `inputs` (files or directories, see `megalite.data.sources`) into the files
+    above with `workers` processes. Empty documents are skipped: they would only add a lone EOS.
+    Returns the metadata."""
+    paths = expand_inputs(inputs, glob)
     out_prefix = Path(out_prefix)
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
     finals = corpus_paths(out_prefix)
@@ -57,7 +67,7 @@ def prepare_corpus(
     dtype = token_dtype(tokenizer.vocab_size)
     try:
         with open(tmps[0], "wb") as out:
-            starts = _write_tokens(paths, tokenizer, out, dtype, progress)
+            starts = _write_tokens(paths, text_field, tokenizer, out, dtype, progress, workers)
         n_tokens = starts[-1]
         if n_tokens == 0:
             raise DataError(f"no text in {', '.join(map(str, paths))}; nothing to prepare")
@@ -83,43 +93,85 @@ def prepare_corpus(
     return meta
 
 
+def _batches(paths: list[Path], text_field: str, bar: tqdm) -> Iterator[list[tuple[str, bool]]]:
+    """(text, ends_document) pieces of every input, grouped into batches of BATCH_CHARS."""
+    batch: list[tuple[str, bool]] = []
+    chars = 0
+    for path in paths:
+        for text, ends, n_bytes in read_chunks(path, text_field):
+            batch.append((text, ends))
+            chars += len(text)
+            if chars >= BATCH_CHARS:
+                yield batch
+                batch, chars = [], 0
+            bar.update(n_bytes)
+    if batch:
+        yield batch
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _start_worker(model_path: Path) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = Tokenizer(model_path, threads=1)  # processes, not threads, run in parallel
+
+
+def _encode_in_worker(texts: list[str]) -> list[list[int]]:
+    return _worker_tokenizer.encode_batch(texts)
+
+
+def _encoded(
+    batches: Iterator[list[tuple[str, bool]]], tokenizer: Tokenizer, workers: int
+) -> Iterator[tuple[list[tuple[str, bool]], list[list[int]]]]:
+    """(batch, its token ids) in input order; with workers > 1 tokenized by a process pool
+    with at most 2 batches per worker in flight, so memory stays bounded."""
+    if workers <= 1:
+        for batch in batches:
+            yield batch, tokenizer.encode_batch([text for text, _ in batch])
+        return
+    context = mp.get_context("spawn")  # a clean process: no inherited threads or locks
+    with ProcessPoolExecutor(workers, context, _start_worker, (tokenizer.path,)) as pool:
+        in_flight: deque[tuple[list, Future]] = deque()
+        for batch in batches:
+            in_flight.append((batch, pool.submit(_encode_in_worker, [t for t, _ in batch])))
+            if len(in_flight) >= 2 * workers:
+                done, future = in_flight.popleft()
+                yield done, future.result()
+        while in_flight:
+            done, future = in_flight.popleft()
+            yield done, future.result()
+
+
 def _write_tokens(
-    paths: list[Path], tokenizer: Tokenizer, out: BinaryIO, dtype: np.dtype, progress: bool
+    paths: list[Path],
+    text_field: str,
+    tokenizer: Tokenizer,
+    out: BinaryIO,
+    dtype: np.dtype,
+    progress: bool,
+    workers: int,
 ) -> array:
     """Stream every document's tokens + EOS into `out`; return the document start offsets."""
     starts = array("q")
     n_tokens = 0
     doc_open = False  # the current document has tokens and still needs its EOS
-    pending: list[tuple[str, bool]] = []
-    pending_chars = 0
-
-    def flush() -> None:
-        nonlocal n_tokens, doc_open, pending_chars
-        buf: list[int] = []
-        for (_, ends), ids in zip(pending, tokenizer.encode_batch([t for t, _ in pending])):
-            if ids and not doc_open:
-                starts.append(n_tokens + len(buf))
-                doc_open = True
-            buf.extend(ids)
-            if ends and doc_open:
-                buf.append(tokenizer.eos_id)
-                doc_open = False
-        out.write(np.asarray(buf, dtype=dtype).tobytes())
-        n_tokens += len(buf)
-        pending.clear()
-        pending_chars = 0
-
-    total = sum(p.stat().st_size for p in paths)
+    total = sum(input_bytes(p) for p in paths)
     with tqdm(
         total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress
     ) as bar:
-        for path in paths:
-            for text, ends, n_bytes in read_chunks(path):
-                pending.append((text, ends))
-                pending_chars += len(text)
-                if pending_chars >= BATCH_CHARS:
-                    flush()
-                bar.update(n_bytes)
-        flush()
+        for batch, encoded in _encoded(_batches(paths, text_field, bar), tokenizer, workers):
+            buf: list[int] = []
+            for (_, ends), ids in zip(batch, encoded):
+                if ids and not doc_open:
+                    starts.append(n_tokens + len(buf))
+                    doc_open = True
+                buf.extend(ids)
+                if ends and doc_open:
+                    buf.append(tokenizer.eos_id)
+                    doc_open = False
+            out.write(np.asarray(buf, dtype=dtype).tobytes())
+            n_tokens += len(buf)
+            bar.set_postfix(docs=f"{len(starts):,}", tokens=f"{n_tokens:,}", refresh=False)
     starts.append(n_tokens)
     return starts

@@ -1,81 +1,268 @@
 """Reading input files as documents, shared by tokenizer training and corpus preparation.
 
-Two formats:
-- `.jsonl`: one JSON object per line; its "text" field is one document.
+Inputs are files or directories; a directory is searched recursively (hidden files skipped),
+keeping the names that match a glob. Formats, by suffix (after an optional `.gz` or `.zst`):
+- `.jsonl`: one JSON object per line; its text field ("text" unless told) is one document.
+- `.json`: an array of such objects (or one object): parsed whole, so keep these small.
+- `.parquet`: the text column, read one record batch at a time (pyarrow).
+- `.arrow` (Arrow IPC stream or file) and `datasets.save_to_disk` directories: likewise.
 - anything else: plain UTF-8 text, and the whole file is ONE document. Blank lines in prose
   separate paragraphs, not documents, so splitting on them would put end-of-document tokens in
-  the middle of texts; corpora with many documents should be written as JSONL.
+  the middle of texts; corpora with many documents should be JSONL, Parquet or Arrow.
 
-Text files are streamed in chunks of whole lines, so a multi-gigabyte file never has to fit in
-memory: the tokenizer never merges across a newline, so encoding line-aligned chunks gives the
-same tokens as encoding the file at once.
+Everything streams, so memory does not grow with the corpus: text files are read in chunks of
+whole lines (the tokenizer never merges across a newline, so encoding line-aligned chunks gives
+the same tokens as encoding the file at once), the other formats a document or a batch at a
+time. A file that cannot be read (corrupt compression or Parquet, bad JSON) is one DataError
+naming it.
 """
 
+import fnmatch
+import gzip
+import io
 import json
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import BinaryIO
+
+from zstandard import ZstdDecompressor, ZstdError
 
 from megalite.data.errors import DataError
 
 CHUNK_BYTES = 1 << 20
+TEXT_FIELD = "text"
+ARROW_BATCH_ROWS = 1024
+COMPRESSIONS = (".gz", ".zst")
 
 
-def check_inputs(paths: Sequence[Path]) -> list[Path]:
-    """Fail early, naming every missing input, before any slow work starts."""
-    paths = [Path(p) for p in paths]
+def expand_inputs(inputs: Sequence[Path], glob: str = "*") -> list[Path]:
+    """Files and directories -> the input files (and `save_to_disk` directories) in a stable
+    order. Fails early, naming every missing input, before any slow work starts."""
+    paths = [Path(p) for p in inputs]
     if not paths:
-        raise DataError("no input files given; pass one or more text or .jsonl files")
-    missing = [str(p) for p in paths if not p.is_file()]
+        raise DataError("no input given; pass files or directories of text, JSONL or Parquet")
+    missing = [str(p) for p in paths if not p.exists()]
     if missing:
-        raise DataError(f"input file(s) not found: {', '.join(missing)}")
-    return paths
+        raise DataError(f"input not found: {', '.join(missing)}")
+    found: list[Path] = []
+    for path in paths:
+        if path.is_file() or _is_saved_dataset(path):
+            found.append(path)
+            continue
+        matches = _inputs_under(path, glob)
+        if not matches:
+            raise DataError(f"directory {path} holds no input files matching --glob {glob!r}")
+        found += matches
+    return found
 
 
-def read_chunks(path: Path) -> Iterator[tuple[str, bool, int]]:
-    """Yield (text, ends_document, bytes_read) for `path`, in file order."""
-    if path.suffix == ".jsonl":
-        yield from _jsonl_chunks(path)
-    else:
-        yield from _text_chunks(path)
+def _inputs_under(root: Path, glob: str) -> list[Path]:
+    """Files below `root` whose name matches `glob`, and saved datasets (read whole)."""
+    found = []
+    for path in sorted(root.rglob("*")):
+        parts = path.relative_to(root).parts
+        if any(part.startswith(".") for part in parts):
+            continue
+        if any(_is_saved_dataset(root.joinpath(*parts[:i])) for i in range(1, len(parts))):
+            continue  # a file of a saved dataset, which is read as one input
+        if _is_saved_dataset(path) or (path.is_file() and fnmatch.fnmatch(path.name, glob)):
+            found.append(path)
+    return found
 
 
-def read_lines(paths: Sequence[Path]) -> Iterator[str]:
+def input_bytes(path: Path) -> int:
+    """On-disk size of one input, for progress in MB/s."""
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.glob("*.arrow"))
+    return path.stat().st_size
+
+
+def read_chunks(path: Path, text_field: str = TEXT_FIELD) -> Iterator[tuple[str, bool, int]]:
+    """Yield (text, ends_document, on-disk bytes consumed) for `path`, in file order."""
+    try:
+        if _is_saved_dataset(path):
+            for arrow in _saved_dataset_files(path):
+                yield from _arrow_chunks(arrow, text_field)
+            return
+        kind = _format(path)
+        if kind == ".parquet":
+            yield from _parquet_chunks(path, text_field)
+        elif kind == ".arrow":
+            yield from _arrow_chunks(path, text_field)
+        else:
+            with _open_stream(path) as (stream, raw):
+                reader = {".jsonl": _jsonl_chunks, ".json": _json_chunks}.get(kind, _text_chunks)
+                yield from reader(stream, raw, path, text_field)
+    except DataError:
+        raise
+    except (OSError, EOFError, zlib.error, ValueError, ZstdError) as exc:
+        raise DataError(
+            f"cannot read {path}: {exc}; is the file complete and not corrupt?"
+        ) from None
+
+
+def read_lines(paths: Sequence[Path], text_field: str = TEXT_FIELD) -> Iterator[str]:
     """Every line of every document (without newlines): what the tokenizer trains on."""
     for path in paths:
-        for text, _, _ in read_chunks(path):
+        for text, _, _ in read_chunks(path, text_field):
             yield from text.split("\n")  # exactly where `Tokenizer.encode` splits
 
 
-def _text_chunks(path: Path) -> Iterator[tuple[str, bool, int]]:
-    with open(path, "rb") as f:
-        lines = f.readlines(CHUNK_BYTES)
-        if not lines:
-            yield "", True, 0
-        while lines:
-            raw = b"".join(lines)
-            lines = f.readlines(CHUNK_BYTES)
-            yield _decode(raw, path), not lines, len(raw)
+def _format(path: Path) -> str:
+    suffixes = path.suffixes
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        suffixes = suffixes[:-1]
+    return suffixes[-1] if suffixes else ""
 
 
-def _jsonl_chunks(path: Path) -> Iterator[tuple[str, bool, int]]:
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                yield "", False, len(line)
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{path}:{lineno}: not valid JSON ({e.msg}); expected one "
-                    'object per line like {"text": "..."}'
-                ) from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise DataError(
-                    f'{path}:{lineno}: expected an object with a string "text" '
-                    "field, one document per line"
-                )
-            yield record["text"], True, len(line)
+def _is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and (path / "state.json").is_file()
+
+
+class _open_stream:
+    """The decompressed byte stream of a file and the raw file under it (for progress)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> tuple[BinaryIO, BinaryIO]:
+        self.raw = open(self.path, "rb")
+        if self.path.suffix == ".gz":
+            return gzip.GzipFile(fileobj=self.raw), self.raw
+        if self.path.suffix == ".zst":
+            return io.BufferedReader(_ZstdStream(self.raw), CHUNK_BYTES), self.raw
+        return self.raw, self.raw
+
+    def __exit__(self, *exc) -> None:
+        self.raw.close()
+
+
+class _ZstdStream(io.RawIOBase):
+    """The decompressed bytes of a .zst file (one or more frames). zstandard's own stream reader
+    ends quietly where a truncated file ends; this one raises, so a cut-short download is an
+    error rather than a shorter corpus."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw, self.frame, self.pending = raw, ZstdDecompressor().decompressobj(), b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.pending:
+            data = self.raw.read(CHUNK_BYTES)
+            if not data:
+                if not self.frame.eof:
+                    raise ZstdError("the file ends in the middle of a zstd frame")
+                return 0
+            while data:
+                if self.frame.eof:  # the next frame starts
+                    self.frame = ZstdDecompressor().decompressobj()
+                self.pending += self.frame.decompress(data)
+                data = self.frame.unused_data if self.frame.eof else b""
+        n = min(len(buffer), len(self.pending))
+        buffer[:n], self.pending = self.pending[:n], self.pending[n:]
+        return n
+
+
+def _text_chunks(stream, raw, path: Path, _field: str) -> Iterator[tuple[str, bool, int]]:
+    done = 0
+    lines = stream.readlines(CHUNK_BYTES)
+    if not lines:
+        yield "", True, 0
+    while lines:
+        raw_text = b"".join(lines)
+        lines = stream.readlines(CHUNK_BYTES)
+        position = raw.tell()
+        yield _decode(raw_text, path), not lines, position - done
+        done = position
+
+
+def _jsonl_chunks(stream, raw, path: Path, field: str) -> Iterator[tuple[str, bool, int]]:
+    done = 0
+    for lineno, line in enumerate(stream, start=1):
+        position = raw.tell()
+        consumed, done = position - done, position
+        if not line.strip():
+            yield "", False, consumed
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f"{path}:{lineno}: not valid JSON ({e.msg}); expected one object per line like "
+                f'{{"{field}": "..."}}'
+            ) from None
+        yield _text_of(record, field, f"{path}:{lineno}"), True, consumed
+
+
+def _json_chunks(stream, raw, path: Path, field: str) -> Iterator[tuple[str, bool, int]]:
+    try:
+        records = json.loads(stream.read())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    records = records if isinstance(records, list) else [records]
+    for index, record in enumerate(records):
+        last = index == len(records) - 1
+        yield _text_of(record, field, f"{path}[{index}]"), True, raw.tell() if last else 0
+
+
+def _text_of(record, field: str, where: str) -> str:
+    if not isinstance(record, dict) or not isinstance(record.get(field), str):
+        raise DataError(
+            f'{where}: expected an object with a string "{field}" field (one document each); '
+            "name another field with --text-field"
+        )
+    return record[field]
+
+
+def _require_column(names: list[str], path: Path, field: str) -> None:
+    if field not in names:
+        raise DataError(
+            f"{path} has no column {field!r} (columns: {', '.join(names)}); name the text "
+            "column with --text-field"
+        )
+
+
+def _batch_documents(batches, path: Path, field: str) -> Iterator[tuple[str, bool, int]]:
+    """Documents of Arrow record batches; the file's bytes are counted at its first batch."""
+    size = path.stat().st_size
+    for batch in batches:
+        texts = batch.column(field).to_pylist()
+        for i, text in enumerate(texts):
+            yield ("" if text is None else str(text)), True, size if i == len(texts) - 1 else 0
+        size = 0
+
+
+def _parquet_chunks(path: Path, field: str) -> Iterator[tuple[str, bool, int]]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    _require_column(parquet.schema_arrow.names, path, field)
+    yield from _batch_documents(
+        parquet.iter_batches(batch_size=ARROW_BATCH_ROWS, columns=[field]), path, field
+    )
+
+
+def _arrow_chunks(path: Path, field: str) -> Iterator[tuple[str, bool, int]]:
+    import pyarrow as pa
+
+    source = pa.memory_map(str(path))
+    try:
+        reader = pa.ipc.open_stream(source)
+        batches = iter(reader)
+    except pa.ArrowInvalid:  # the random-access file format rather than a stream
+        reader = pa.ipc.open_file(source)
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    _require_column(reader.schema.names, path, field)
+    yield from _batch_documents(batches, path, field)
+
+
+def _saved_dataset_files(path: Path) -> list[Path]:
+    """The Arrow files of a `datasets.save_to_disk` directory, in its own order."""
+    state = json.loads((path / "state.json").read_text())
+    return [path / entry["filename"] for entry in state.get("_data_files", [])]
 
 
 def _decode(raw: bytes, path: Path) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from megalite.data.errors import DataError
-from megalite.data.sources import check_inputs, read_lines
+from megalite.data.sources import TEXT_FIELD, expand_inputs, read_lines
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 NUM_THREADS = 4
@@ -48,18 +48,24 @@ TRAINER_OPTIONS = {
 SHUFFLE_SEED = 0
 
 
-def train_tokenizer(text_files: Sequence[Path], out_prefix: Path, vocab_size: int) -> Path:
+def train_tokenizer(
+    inputs: Sequence[Path],
+    out_prefix: Path,
+    vocab_size: int,
+    text_field: str = TEXT_FIELD,
+    glob: str = "*",
+) -> Path:
     """Train a BPE model with exactly `vocab_size` pieces; write `<out_prefix>.model` atomically.
 
-    Inputs are text or .jsonl files, read as in `megalite.data.sources`. Returns the model path.
+    Inputs are files or directories, read as in `megalite.data.sources`. Returns the model path.
     """
-    paths = check_inputs(text_files)
+    paths = expand_inputs(inputs, glob)
     out = Path(f"{out_prefix}.model")
     model = io.BytesIO()
     spm.set_random_generator_seed(SHUFFLE_SEED)
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=read_lines(paths),
+            sentence_iterator=read_lines(paths, text_field),
             model_writer=model,
             vocab_size=vocab_size,
             **TRAINER_OPTIONS,
@@ -85,8 +91,9 @@ def train_tokenizer(text_files: Sequence[Path], out_prefix: Path, vocab_size: in
 class Tokenizer:
     """A trained sentencepiece model: text <-> token ids."""
 
-    def __init__(self, model_path: Path) -> None:
+    def __init__(self, model_path: Path, threads: int = NUM_THREADS) -> None:
         self.path = Path(model_path)
+        self.threads = threads
         hint = "make one with `megalite data tokenizer --input FILE... --vocab-size N --out PREFIX`"
         if not self.path.is_file():
             raise DataError(f"tokenizer model not found: {self.path}; {hint}")
@@ -129,11 +136,11 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """`encode` of each text; one threaded call for all their lines."""
         if self._newline_id is None:
-            return self._sp.encode(list(texts), num_threads=NUM_THREADS)
+            return self._sp.encode(list(texts), num_threads=self.threads)
         line_lists = [text.split("\n") for text in texts]
         encoded = iter(
             self._sp.encode(
-                [line for lines in line_lists for line in lines], num_threads=NUM_THREADS
+                [line for lines in line_lists for line in lines], num_threads=self.threads
             )
         )
         out = []
