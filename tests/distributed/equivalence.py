@@ -10,10 +10,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from multiproc import run_ranks
 
 from megalite.checkpoint.sharded import OPTIMIZER_KINDS, read_manifest, read_tensor
 from megalite.config import load_config
+from megalite.launch import run_ranks
 from megalite.training.loop import train
 
 TINY = (

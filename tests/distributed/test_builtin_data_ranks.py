@@ -4,10 +4,10 @@ ranks wait, rather than by every rank at once."""
 from pathlib import Path
 
 from equivalence import TINY
-from multiproc import run_ranks
 
 from megalite.config import load_config
 from megalite.data import builtin
+from megalite.launch import run_ranks
 from megalite.training.loop import open_data
 
 

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 from equivalence import TINY
-from multiproc import run_ranks
 
 from megalite import comm
 from megalite.checkpoint.sharded import (
@@ -16,6 +15,7 @@ from megalite.checkpoint.sharded import (
     save_checkpoint,
 )
 from megalite.config import load_config
+from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
 from megalite.training.setup import build_run
 

@@ -4,10 +4,10 @@ collectives and p2p messages, and names the first call on which a group disagree
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_ranks
 
 from megalite import comm
 from megalite.comm_trace import CollectiveMismatch, check_traces
+from megalite.launch import run_ranks
 
 
 def _rank_sized_all_reduce() -> None:

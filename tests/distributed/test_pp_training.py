@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from equivalence import TINY, assert_equivalent, run_layout
-from multiproc import run_ranks
 
 from megalite import comm
 from megalite.config import load_config
+from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
 from megalite.pipeline.executor import PipelineExecutor
 from megalite.pipeline.schedule import Op, build_schedule

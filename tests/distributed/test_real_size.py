@@ -5,7 +5,7 @@ At toy sizes every rank's share of the vocabulary fits in one head chunk, so ran
 never shows; here the head runs several chunks and a ragged last one, padded vocabulary rows sit
 on the last tp rank, and the 3D layout of the README runs on 8 ranks. Each case trains 2 steps
 and compares per-step loss and gradient norm with the single process of the same config
-(1e-5 relative); the collective trace of `multiproc.run_ranks` checks every collective.
+(1e-5 relative); the collective trace of `megalite.launch.run_ranks` checks every collective.
 
 Grid (world size, what it covers):
     2  gpt   tp 2            the README's first command; 2 head chunks per micro-batch

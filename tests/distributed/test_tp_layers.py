@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from equivalence import relative_error
 from megalite.models import GPT, BuildContext, Llama
 from megalite.models.common import dropout
-from multiproc import run_ranks
 
 from megalite import comm
 from megalite.config import load_config
+from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
 from megalite.tensor_parallel import (
     ColumnParallelLinear,

@@ -3,10 +3,10 @@ tp in {2, 4}, SP on and off, 10 steps."""
 
 import pytest
 from equivalence import TINY, assert_equivalent, run_layout
-from multiproc import run_ranks
 
 from megalite.config import load_config
 from megalite.errors import MegaliteError
+from megalite.launch import run_ranks
 from megalite.training.loop import train
 
 GPT = ("model.arch=gpt",)

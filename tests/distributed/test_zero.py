@@ -5,10 +5,10 @@ memory per rank, and the overlap of the gradient reduce-scatter with backward.""
 import pytest
 import torch
 from equivalence import TINY, assert_equivalent
-from multiproc import run_ranks
 
 from megalite import comm
 from megalite.config import load_config
+from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
 from megalite.training.setup import build_run
 from megalite.training.step import train_step
