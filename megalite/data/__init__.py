@@ -11,6 +11,7 @@ import importlib
 from typing import Any
 
 _WHERE = {
+    "BlendedDataset": "dataset",
     "DataError": "errors",
     "GlobalBatchSampler": "sampler",
     "TokenDataset": "dataset",
@@ -18,6 +19,7 @@ _WHERE = {
     "builtin_corpus_text": "builtin",
     "builtin_data": "builtin",
     "corpus_paths": "prepare",
+    "parse_source": "blend",
     "prepare_corpus": "prepare",
     "token_dtype": "prepare",
     "train_tokenizer": "tokenizer",

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megalite.data.blend import Interleave
 from megalite.data.errors import DataError
 from megalite.data.prepare import FORMAT, FORMAT_VERSION, corpus_paths, token_dtype
 
@@ -80,6 +81,48 @@ class TokenDataset:
             raise IndexError(f"window index out of range [0, {self._num_windows}): {indices}")
         offsets = starts[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         return torch.from_numpy(self.tokens[offsets].astype(np.int64))  # [n, seq_len + 1]
+
+
+class BlendedDataset:
+    """The windows of one split of one or more corpora, addressed as (corpus, window) pairs:
+    what `GlobalBatchSampler` yields. One corpus is the blend of weight 1."""
+
+    def __init__(self, datasets: Sequence[TokenDataset], weights: Sequence[float]) -> None:
+        self.datasets, self.weights = list(datasets), list(weights)
+        self.interleave = Interleave(self.weights)
+        first = self.datasets[0]
+        for other in self.datasets[1:]:
+            if (other.meta["vocab_size"], other.meta["eos_id"]) != (
+                first.meta["vocab_size"],
+                first.meta["eos_id"],
+            ):
+                raise DataError(
+                    f"a blend needs one tokenizer, but {other.prefix} and {first.prefix} were "
+                    "prepared with different ones; prepare both with the same --tokenizer"
+                )
+        self.tokenizer_path = first.tokenizer_path
+
+    @property
+    def sizes(self) -> list[int]:
+        return [len(d) for d in self.datasets]
+
+    def get_batch(self, pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """Windows of (corpus, window index) pairs as a LongTensor [len(pairs), seq_len + 1]."""
+        corpus = np.array([c for c, _ in pairs], dtype=np.int64)
+        windows = np.array([w for _, w in pairs], dtype=np.int64)
+        out = torch.empty((len(pairs), self.datasets[0].seq_len + 1), dtype=torch.int64)
+        for c, dataset in enumerate(self.datasets):
+            here = np.flatnonzero(corpus == c)
+            if here.size:
+                out[torch.from_numpy(here)] = dataset.get_batch(windows[here])
+        return out
+
+    def evaluation_batch(self, k: int, size: int) -> torch.Tensor:
+        """Evaluation batch k: the blend's positions [k * size, (k + 1) * size) in order, each
+        corpus read from its first window on, so every evaluation sees the same windows."""
+        corpus, draws = self.interleave(np.arange(k * size, (k + 1) * size))
+        sizes = np.array(self.sizes, dtype=np.int64)
+        return self.get_batch(list(zip(corpus.tolist(), (draws % sizes[corpus]).tolist())))
 
 
 def _fix(prefix: Path) -> str:

@@ -1,70 +1,100 @@
 """The order in which training windows are visited, identical on every rank and every layout.
 
-Think of one endless stream of window indices: epoch 0's permutation, then epoch 1's, and so
-on, each drawn from a generator seeded by (seed, epoch). Global batch k is items
-[k * G, (k + 1) * G) of that stream, so a batch may straddle an epoch boundary and nothing is
-dropped. The stream depends only on (seed, num_windows) and the batches only on G as well:
-never on the tensor/pipeline/data-parallel layout, which is what lets any layout reproduce the
-single-process loss curve. Resuming needs one number, the count of batches already consumed.
+Think of one endless stream of window indices per corpus: epoch 0's permutation, then epoch
+1's, and so on, each drawn from a generator seeded by (seed, corpus, epoch). With one corpus,
+global batch k is items [k * G, (k + 1) * G) of that stream, so a batch may straddle an epoch
+boundary and nothing is dropped. A blend of corpora (`megalite.data.blend`) interleaves their
+streams in fixed proportions. Either way the batches depend only on the seed, the corpora's
+sizes and weights, and G: never on the tensor/pipeline/data-parallel layout, which is what lets
+any layout reproduce the single-process loss curve. Resuming needs one number, the count of
+batches already consumed.
 """
 
 import hashlib
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from megalite.data.blend import Interleave
 from megalite.data.errors import DataError
 
 
-def _epoch_seed(seed: int, epoch: int) -> int:
-    """A 63-bit generator seed from (seed, epoch); hashing keeps distinct pairs apart."""
-    digest = hashlib.sha256(f"megalite-sampler:{seed}:{epoch}".encode()).digest()
+def _epoch_seed(seed: int, corpus: int, epoch: int) -> int:
+    """A 63-bit generator seed from (seed, corpus, epoch); hashing keeps distinct ones apart.
+    The first corpus keeps the key it had before blends existed, so its order is unchanged."""
+    key = f"{seed}:{epoch}" if corpus == 0 else f"{seed}:corpus{corpus}:{epoch}"
+    digest = hashlib.sha256(f"megalite-sampler:{key}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-class GlobalBatchSampler:
-    """An infinite sequence of global batches (lists of window indices)."""
+class CorpusOrder:
+    """One corpus's endless stream of window indices: a fresh permutation every epoch."""
 
-    def __init__(self, num_windows: int, global_batch_size: int, seed: int) -> None:
-        if num_windows < 1 or global_batch_size < 1:
-            raise ValueError(
-                f"need num_windows >= 1 and global_batch_size >= 1, got "
-                f"{num_windows}, {global_batch_size}"
-            )
-        self.num_windows = num_windows
-        self.global_batch_size = global_batch_size
-        self.seed = seed
-        self.consumed_batches = 0
+    def __init__(self, num_windows: int, seed: int, corpus: int = 0) -> None:
+        self.num_windows, self.seed, self.corpus = num_windows, seed, corpus
         self._perm_epoch = -1
         self._perm = torch.empty(0, dtype=torch.int64)
 
-    @property
-    def epoch(self) -> int:
-        """The epoch the next batch starts in."""
-        return self.consumed_batches * self.global_batch_size // self.num_windows
+    def windows(self, draws: np.ndarray) -> np.ndarray:
+        """The window index of each draw number (position in this corpus's stream)."""
+        epochs, offsets = np.divmod(draws, self.num_windows)
+        out = np.empty_like(draws)
+        for epoch in np.unique(epochs).tolist():
+            here = epochs == epoch
+            out[here] = self._permutation(epoch)[offsets[here]]
+        return out
 
-    def next_batch(self) -> list[int]:
-        """The next global batch of `global_batch_size` window indices."""
-        position = self.consumed_batches * self.global_batch_size
-        batch: list[int] = []
-        while len(batch) < self.global_batch_size:
-            epoch, offset = divmod(position + len(batch), self.num_windows)
-            take = min(self.global_batch_size - len(batch), self.num_windows - offset)
-            batch.extend(self._permutation(epoch)[offset : offset + take].tolist())
-        self.consumed_batches += 1
-        return batch
-
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        """Epoch `epoch`'s order, kept as a tensor (a list of 10M ints would take ~400 MB)."""
+    def _permutation(self, epoch: int) -> np.ndarray:
+        """Epoch `epoch`'s order, kept as an array (a list of 10M ints would take ~400 MB)."""
         if epoch != self._perm_epoch:
-            generator = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
-            self._perm = torch.randperm(self.num_windows, generator=generator)
+            generator = torch.Generator().manual_seed(_epoch_seed(self.seed, self.corpus, epoch))
+            self._perm = torch.randperm(self.num_windows, generator=generator).numpy()
             self._perm_epoch = epoch
         return self._perm
+
+
+class GlobalBatchSampler:
+    """An infinite sequence of global batches of (corpus, window index) pairs."""
+
+    def __init__(
+        self,
+        num_windows: int | Sequence[int],
+        global_batch_size: int,
+        seed: int,
+        weights: Sequence[float] | None = None,
+    ) -> None:
+        sizes = [num_windows] if isinstance(num_windows, int) else list(num_windows)
+        weights = [1.0] * len(sizes) if weights is None else list(weights)
+        if min(sizes, default=0) < 1 or global_batch_size < 1 or len(weights) != len(sizes):
+            raise ValueError(
+                f"need corpora of >= 1 window with one weight each and global_batch_size >= 1, "
+                f"got {sizes}, {weights}, {global_batch_size}"
+            )
+        self.num_windows, self.weights = sizes, weights
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.consumed_batches = 0
+        self.interleave = Interleave(weights)
+        self.orders = [CorpusOrder(n, seed, corpus) for corpus, n in enumerate(sizes)]
+
+    def next_batch(self) -> list[tuple[int, int]]:
+        """The next global batch: `global_batch_size` (corpus, window index) pairs."""
+        start = self.consumed_batches * self.global_batch_size
+        corpus, draws = self.interleave(np.arange(start, start + self.global_batch_size))
+        windows = np.empty_like(draws)
+        for c, order in enumerate(self.orders):
+            here = corpus == c
+            if here.any():
+                windows[here] = order.windows(draws[here])
+        self.consumed_batches += 1
+        return list(zip(corpus.tolist(), windows.tolist()))
 
     def state_dict(self) -> dict:
         return {
             "consumed_batches": self.consumed_batches,
             "num_windows": self.num_windows,
+            "weights": self.weights,
             "global_batch_size": self.global_batch_size,
             "seed": self.seed,
         }
@@ -75,7 +105,10 @@ class GlobalBatchSampler:
         A different seed, batch size or dataset size would silently change which data the
         resumed run sees, so that is an error rather than a best effort.
         """
-        for key in ("num_windows", "global_batch_size", "seed"):
+        state = {"weights": [1.0], **state}  # checkpoints from before blends: one corpus
+        if isinstance(state["num_windows"], int):
+            state["num_windows"] = [state["num_windows"]]
+        for key in ("num_windows", "weights", "global_batch_size", "seed"):
             if state[key] != getattr(self, key):
                 raise DataError(
                     f"cannot resume the data order: the checkpoint was made with {key}="

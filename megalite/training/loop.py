@@ -21,7 +21,13 @@ from megalite.checkpoint.sharded import (
     save_checkpoint,
 )
 from megalite.config import Config, config_to_dict, save_config
-from megalite.data import GlobalBatchSampler, TokenDataset, builtin_data
+from megalite.data import (
+    BlendedDataset,
+    GlobalBatchSampler,
+    TokenDataset,
+    builtin_data,
+    parse_source,
+)
 from megalite.errors import MegaliteError
 from megalite.optimizer.lr_schedule import learning_rate
 from megalite.parallel_state import (
@@ -42,28 +48,42 @@ class TrainingError(MegaliteError):
 
 @dataclass
 class Data:
-    train: TokenDataset
-    val: TokenDataset
+    train: BlendedDataset
+    val: BlendedDataset
     tokenizer_path: Path
 
 
 def open_data(cfg: Config, cache_dir: Path | None = None) -> Data:
     """The builtin corpus (tokenized to the model's vocabulary on first use, by the first process
-    of each node while the others wait) or prepared data. Collective."""
+    of each node while the others wait), or prepared data: one prefix or a weighted blend of
+    several (`data.source="0.7 a 0.3 b"`). Collective."""
     d, seq = cfg.data, cfg.model.seq_len
     if d.source == "builtin":
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one process per node builds the cache
             builtin_data(cfg.model.vocab_size, cache_dir)
         comm.barrier()
         prefix, tokenizer = builtin_data(cfg.model.vocab_size, cache_dir)
+        blend = [(1.0, prefix)]
     else:
-        prefix, tokenizer = Path(d.source), None
+        blend, tokenizer = parse_source(d.source), d.tokenizer
+    weights = [weight for weight, _ in blend]
     kwargs = dict(val_fraction=d.val_fraction, vocab_size=cfg.model.vocab_size)
-    train = TokenDataset(prefix, seq, "train", **kwargs)
-    val = TokenDataset(prefix, seq, "val", **kwargs)
-    if tokenizer is None:
-        tokenizer = Path(d.tokenizer) if d.tokenizer else train.tokenizer_path
-    return Data(train, val, Path(tokenizer))
+    splits = {
+        split: BlendedDataset([TokenDataset(p, seq, split, **kwargs) for _, p in blend], weights)
+        for split in ("train", "val")
+    }
+    return Data(splits["train"], splits["val"], Path(tokenizer or splits["train"].tokenizer_path))
+
+
+def describe_blend(train: BlendedDataset) -> str | None:
+    """'data blend: 0.7000 a (N windows), ...' with the proportions actually drawn."""
+    if len(train.datasets) == 1:
+        return None
+    parts = [
+        f"{weight:.4f} {dataset.prefix} ({len(dataset):,} windows)"
+        for weight, dataset in zip(train.interleave.weights, train.datasets)
+    ]
+    return "data blend: " + ", ".join(parts)
 
 
 def rank_slice(batch: torch.Tensor, ps: ParallelState) -> torch.Tensor:
@@ -72,13 +92,13 @@ def rank_slice(batch: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     return batch[ps.dp_rank * share : (ps.dp_rank + 1) * share].to(ps.device)
 
 
-def evaluate(run: Run, val: TokenDataset) -> float:
+def evaluate(run: Run, val: BlendedDataset) -> float:
     """Mean token loss over the first eval_steps global batches of the held-out split."""
     t = run.cfg.train
     losses = []
     for k in range(t.eval_steps):
-        indices = [(k * t.global_batch_size + i) % len(val) for i in range(t.global_batch_size)]
-        losses.append(eval_loss(run, rank_slice(val.get_batch(indices), run.ps)))
+        batch = val.evaluation_batch(k, t.global_batch_size)
+        losses.append(eval_loss(run, rank_slice(batch, run.ps)))
     return sum(losses) / len(losses)
 
 
@@ -166,7 +186,7 @@ def train(cfg: Config) -> dict[str, float]:
     check_shared_directory(ckpt_root, ps)  # every rank writes its own checkpoint files there
     torch.manual_seed(t.seed)  # dropout on tp-replicated activations: same on all ranks
     data = open_data(cfg)
-    sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, t.seed)
+    sampler = GlobalBatchSampler(data.train.sizes, t.global_batch_size, t.seed, data.train.weights)
     init_from = cfg.checkpoint.init_from
     run = build_run(
         cfg,
@@ -179,6 +199,8 @@ def train(cfg: Config) -> dict[str, float]:
         start_step = restore(run, resume_from, sampler)
     if ps.rank == 0:
         save_config(cfg, out_dir / "config.yaml")
+        if blend := describe_blend(data.train):
+            print(blend)
     logger = MetricsLogger(cfg, out_dir, ps.rank == 0, start_step)
     tokens_per_step = t.global_batch_size * cfg.model.seq_len
     flops_per_step = flops_per_token(cfg.model) * tokens_per_step

@@ -1,5 +1,7 @@
 """The global batch order: deterministic, seed-dependent only, and exactly resumable."""
 
+import json
+
 import pytest
 import torch
 
@@ -7,7 +9,10 @@ from megalite.data import DataError, GlobalBatchSampler
 
 
 def take(sampler: GlobalBatchSampler, n: int) -> list[list[int]]:
-    return [sampler.next_batch() for _ in range(n)]
+    """The window indices of the next n batches of a one-corpus sampler."""
+    batches = [sampler.next_batch() for _ in range(n)]
+    assert all(corpus == 0 for batch in batches for corpus, _ in batch)
+    return [[window for _, window in batch] for batch in batches]
 
 
 def test_epochs_are_permutations_and_batches_tile_the_stream():
@@ -22,10 +27,9 @@ def test_epochs_are_permutations_and_batches_tile_the_stream():
 
 
 def test_batches_larger_than_the_dataset_span_several_epochs():
-    sampler = GlobalBatchSampler(3, 7, seed=5)
-    batch = sampler.next_batch()
+    (batch,) = take(GlobalBatchSampler(3, 7, seed=5), 1)
     assert len(batch) == 7 and sorted(batch[:6]) == [0, 0, 1, 1, 2, 2]
-    assert sampler.epoch == 2
+    assert batch[6] in (0, 1, 2)  # the first window of the third epoch
 
 
 def test_order_depends_only_on_seed_batch_size_and_num_windows():
@@ -39,14 +43,26 @@ def test_order_depends_only_on_seed_batch_size_and_num_windows():
     assert [i for b in take(GlobalBatchSampler(100, 16, seed=1), 15) for i in b] == stream
 
 
-def test_epoch_property_and_plain_state():
+def test_plain_state():
     sampler = GlobalBatchSampler(10, 4, seed=0)
-    assert sampler.epoch == 0
     take(sampler, 3)
-    assert sampler.epoch == 1
     state = sampler.state_dict()
-    assert state == {"consumed_batches": 3, "num_windows": 10, "global_batch_size": 4, "seed": 0}
-    assert all(type(v) is int for v in state.values())
+    assert state == {
+        "consumed_batches": 3,
+        "num_windows": [10],
+        "weights": [1.0],
+        "global_batch_size": 4,
+        "seed": 0,
+    }
+    assert json.loads(json.dumps(state)) == state  # stored in the checkpoint's JSON manifest
+
+
+def test_state_from_before_blends_resumes():
+    """Checkpoints written before blends stored one corpus's size as a plain number."""
+    old = {"consumed_batches": 2, "num_windows": 10, "global_batch_size": 4, "seed": 0}
+    resumed = GlobalBatchSampler(10, 4, seed=0)
+    resumed.load_state_dict(old)
+    assert take(resumed, 2) == take(GlobalBatchSampler(10, 4, seed=0), 4)[2:]
 
 
 @pytest.mark.parametrize("consumed", [3, 5, 8, 12], ids=["mid-epoch", "straddle", "at-end", "e2"])
@@ -57,7 +73,6 @@ def test_resume_gives_exactly_the_following_batches(consumed):
     take(first, consumed)
     resumed = GlobalBatchSampler(n, g, seed=7)
     resumed.load_state_dict(first.state_dict())
-    assert resumed.epoch == first.epoch
     assert take(resumed, 10) == full[consumed:]
 
 
