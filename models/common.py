@@ -1,5 +1,6 @@
-"""Pieces shared by GPT and Llama: norms, rotary embeddings, attention, MLPs, the transformer
-layer and `CausalLM`, the pipeline chunk both models are built from.
+"""The parallel building blocks GPT and Llama share: norms, rotary embeddings, attention with
+its heads split over tp ranks, dropout that knows the sharding, and `CausalLM`, the pipeline
+chunk both models are. Each model file shows its own block and forward pass.
 
 Shapes: activations are (batch, seq, hidden); under sequence parallelism (SP) the tensors that
 flow between layers are sequence shards (batch, seq/tp, hidden), and attention and the MLP see
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from megalite.kernels import bias_gelu, flash_attention, swiglu
+from megalite.kernels import flash_attention
 from torch import nn
 
 from megalite.config import ModelConfig
@@ -59,6 +60,18 @@ def dropout(
         with ctx.tp_random.fork():
             return F.dropout(x, p, True)
     return F.dropout(x, p, True)
+
+
+class ResidualDropout(nn.Module):
+    """Dropout on the residual stream (the activations between blocks, sequence shards under
+    SP), so its masks differ over tp ranks exactly when SP splits the stream."""
+
+    def __init__(self, ctx: BuildContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dropout(x, self.ctx.cfg.dropout, self.training, self.ctx, self.ctx.sequence_parallel)
 
 
 class LayerNorm(nn.Module):
@@ -189,107 +202,29 @@ class Attention(nn.Module):
         return dropped(q, k, v)
 
 
-class GeluMLP(nn.Module):
-    """GPT-2 MLP: column-parallel up, fused bias + tanh-GELU, row-parallel down."""
-
-    def __init__(self, ctx: BuildContext) -> None:
-        super().__init__()
-        cfg, sp = ctx.cfg, ctx.sequence_parallel
-        init = normal_init(cfg.init_std)
-        self.fc = ColumnParallelLinear(
-            cfg.hidden, cfg.ffn_hidden, ctx.ps, bias=True, init=init, sequence_parallel=sp
-        )
-        self.proj = RowParallelLinear(
-            cfg.ffn_hidden,
-            cfg.hidden,
-            ctx.ps,
-            bias=True,
-            init=ctx.out_proj_init,
-            sequence_parallel=sp,
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(bias_gelu(self.fc(x, add_bias=False), self.fc.bias))
-
-
-class SwiGLUMLP(nn.Module):
-    """Llama MLP: gate and up column-parallel (one input gather), silu(gate) * up, down
-    row-parallel."""
-
-    def __init__(self, ctx: BuildContext) -> None:
-        super().__init__()
-        cfg, ps, sp = ctx.cfg, ctx.ps, ctx.sequence_parallel
-        self.ctx = ctx
-        init = normal_init(cfg.init_std)
-        up = dict(bias=False, init=init, sequence_parallel=sp, gather_input=False)
-        self.gate = ColumnParallelLinear(cfg.hidden, cfg.ffn_hidden, ps, **up)
-        self.up = ColumnParallelLinear(cfg.hidden, cfg.ffn_hidden, ps, **up)
-        self.down = RowParallelLinear(
-            cfg.ffn_hidden,
-            cfg.hidden,
-            ps,
-            bias=False,
-            init=ctx.out_proj_init,
-            sequence_parallel=sp,
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = tp_input(x, self.ctx.ps, self.ctx.sequence_parallel)
-        return self.down(swiglu(self.gate(x), self.up(x)))
-
-
-class TransformerLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
-
-    def __init__(self, ctx: BuildContext, attn_norm, attn, mlp_norm, mlp) -> None:
-        super().__init__()
-        self.ctx = ctx
-        self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        p, split = self.ctx.cfg.dropout, self.ctx.sequence_parallel
-        x = x + dropout(self.attn(self.attn_norm(x)), p, self.training, self.ctx, split)
-        return x + dropout(self.mlp(self.mlp_norm(x)), p, self.training, self.ctx, split)
-
-
 class CausalLM(nn.Module):
-    """One pipeline chunk of a decoder-only language model (the whole model when pp = 1):
-    the embedding if it is the first chunk, a run of layers keyed by their global index, and the
-    final norm + LM head + loss if it is the last chunk.
+    """One pipeline chunk of a decoder-only language model (the whole model when pp = 1): the
+    embedding if it is the first chunk, a run of blocks keyed by their global index (`layers`),
+    and the final norm + LM head + loss if it is the last chunk. Subclasses build those pieces
+    and write the forward pass; the pipeline decides which pieces a rank holds, and nothing here
+    knows about schedules."""
 
-    Subclasses build, in forward order, the embedding (`embed`), `self.layers =
-    self.make_layers(...)`, `final_norm` and `lm_head`; the pipeline decides which pieces a rank
-    holds, and nothing here knows about schedules.
-    """
+    layers: nn.ModuleDict
 
     def __init__(self, ctx: BuildContext, has_embedding: bool, has_head: bool) -> None:
         super().__init__()
         self.ctx, self.has_embedding, self.has_head = ctx, has_embedding, has_head
 
-    def make_layers(self, layer_ids: range) -> nn.ModuleDict:
-        """Layers keyed by their global index, so names never depend on the pipeline layout."""
-        return nn.ModuleDict({str(i): self.make_layer() for i in layer_ids})
-
-    def make_layer(self) -> TransformerLayer:
-        raise NotImplementedError
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """inputs: token ids (b, s) on the first chunk, else hidden states from the previous
-        chunk. Returns hidden states, or on the last chunk the sum of the token losses (an
-        fp32 scalar) given targets, or full logits (b, s, vocab) without."""
-        x = self.embed(inputs) if self.has_embedding else inputs
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks in order. Under `train.recompute=full` the first `recompute_layers` of
+        them (all by default) keep only their input for backward and run again there."""
         limit = self.ctx.recompute_layers
         for n, layer in enumerate(self.layers.values()):
             if self.ctx.recompute == "full" and self.training and (limit is None or n < limit):
                 x = recompute(layer, x, tp_random=self.ctx.tp_random)
             else:
                 x = layer(x)
-        if not self.has_head:
-            return x
-        return self.lm_head(self.final_norm(x), targets)
+        return x
 
     def sequence_positions(self, seq_len: int) -> torch.Tensor:
         """Positions of this rank's tokens: all of them, or its sequence shard under SP."""

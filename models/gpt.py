@@ -1,22 +1,29 @@
 """GPT-2 (Radford et al. 2019): learned positions, pre-LayerNorm blocks, tanh-GELU MLP, biases
-everywhere, and an LM head tied to the token embedding. It reads like nanoGPT; the layers it is
-built from are tensor-parallel, so the same file runs at any tp."""
+everywhere, and an LM head tied to the token embedding.
+
+It reads like nanoGPT, top to bottom: the MLP, the block, the model and its forward pass. The
+layers it is built from are tensor-parallel (see `common.py` for attention and the norms), so
+the same file runs at any tp; under sequence parallelism (SP) the residual stream between
+blocks is a sequence shard (b, s/tp, h) instead of (b, s, h).
+"""
 
 from __future__ import annotations
 
 import torch
+from megalite.kernels import bias_gelu
 from megalite.models.common import (
     Attention,
     BuildContext,
     CausalLM,
-    GeluMLP,
     LayerNorm,
-    TransformerLayer,
-    dropout,
+    ResidualDropout,
 )
+from torch import nn
 
 from megalite.tensor_parallel import (
+    ColumnParallelLinear,
     ParamMeta,
+    RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelOutput,
     make_param,
@@ -24,7 +31,53 @@ from megalite.tensor_parallel import (
 )
 
 
+class MLP(nn.Module):
+    """h -> ffn_hidden -> h: column-parallel up (each rank its ffn_hidden/tp columns), fused
+    bias + tanh-GELU, row-parallel down (partial sums combined over tp)."""
+
+    def __init__(self, ctx: BuildContext) -> None:
+        super().__init__()
+        cfg, sp = ctx.cfg, ctx.sequence_parallel
+        init = normal_init(cfg.init_std)
+        self.fc = ColumnParallelLinear(
+            cfg.hidden, cfg.ffn_hidden, ctx.ps, bias=True, init=init, sequence_parallel=sp
+        )
+        self.proj = RowParallelLinear(
+            cfg.ffn_hidden,
+            cfg.hidden,
+            ctx.ps,
+            bias=True,
+            init=ctx.out_proj_init,
+            sequence_parallel=sp,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc(x, add_bias=False)  # (b, s, ffn/tp): the full sequence, gathered under SP
+        x = bias_gelu(x, self.fc.bias)  # one fused kernel for bias + GELU
+        return self.proj(x)  # (b, s, h), or (b, s/tp, h) under SP
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, ctx: BuildContext) -> None:
+        super().__init__()
+        self.attn_norm = LayerNorm(ctx.cfg.hidden, ctx)
+        self.attn = Attention(ctx, bias=True, rotary=False)
+        self.mlp_norm = LayerNorm(ctx.cfg.hidden, ctx)
+        self.mlp = MLP(ctx)
+        self.drop = ResidualDropout(ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x)))  # (b, s, h), or (b, s/tp, h) under SP
+        x = x + self.drop(self.mlp(self.mlp_norm(x)))
+        return x
+
+
 class GPT(CausalLM):
+    """One pipeline chunk of GPT-2 (the whole model when pp = 1): `wte` + `wpe` on the first
+    chunk, blocks `layers.<global index>`, `final_norm` + `lm_head` on the last."""
+
     def __init__(
         self, ctx: BuildContext, layer_ids: range, has_embedding: bool = True, has_head: bool = True
     ) -> None:
@@ -39,24 +92,26 @@ class GPT(CausalLM):
             meta = ParamMeta((cfg.max_positions, cfg.hidden), init, tp_grad_reduce=sp)
             self.wpe = make_param((cfg.max_positions, cfg.hidden), meta, ps)
             self.wte.weight.meta.pp_tied = not has_head  # the head is on the last stage
-        self.layers = self.make_layers(layer_ids)
+            self.drop = ResidualDropout(ctx)
+        # Keyed by global index, so parameter names never depend on the pipeline layout.
+        self.layers = nn.ModuleDict({str(i): Block(ctx) for i in layer_ids})
         if has_head:
             self.final_norm = LayerNorm(cfg.hidden, ctx)
             # Tied to wte; on a later pipeline stage, a copy kept equal to it (see ParamMeta).
             tied = dict(tied=self.wte) if has_embedding else dict(tied_name="wte.weight")
             self.lm_head = VocabParallelOutput(cfg.vocab_size, cfg.hidden, ps, **vocab, **tied)
 
-    def make_layer(self) -> TransformerLayer:
-        ctx = self.ctx
-        return TransformerLayer(
-            ctx,
-            attn_norm=LayerNorm(ctx.cfg.hidden, ctx),
-            attn=Attention(ctx, bias=True, rotary=False),
-            mlp_norm=LayerNorm(ctx.cfg.hidden, ctx),
-            mlp=GeluMLP(ctx),
-        )
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.wte(ids)  # (b, s, h), or (b, s/tp, h) under SP
-        x = x + self.wpe[self.sequence_positions(ids.shape[1])]
-        return dropout(x, self.ctx.cfg.dropout, self.training, self.ctx, self.ctx.sequence_parallel)
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs: token ids (b, s) on the first chunk, else the previous chunk's hidden states.
+        Returns hidden states, or on the last chunk the summed token loss (an fp32 scalar) given
+        targets, or the full logits (b, s, vocab) without."""
+        if self.has_embedding:
+            x = self.wte(inputs)  # (b, s, h), or (b, s/tp, h) under SP
+            x = x + self.wpe[self.sequence_positions(inputs.shape[1])]
+            x = self.drop(x)
+        else:
+            x = inputs  # from the previous pipeline stage
+        x = self.run_layers(x)  # the blocks
+        if not self.has_head:
+            return x
+        return self.lm_head(self.final_norm(x), targets)

@@ -1,24 +1,82 @@
 """Llama (Touvron et al. 2023): RMSNorm, rotary position embeddings (Hugging Face rotate_half
-layout), SwiGLU MLP, grouped-query attention, no biases, an untied LM head. Built from the same
-tensor-parallel pieces as GPT."""
+layout), SwiGLU MLP, grouped-query attention, no biases, an untied LM head.
+
+Built from the same tensor-parallel pieces as GPT (`common.py`) and read the same way, top to
+bottom: the MLP, the block, the model and its forward pass. Under sequence parallelism (SP) the
+residual stream between blocks is a sequence shard (b, s/tp, h) instead of (b, s, h).
+"""
 
 from __future__ import annotations
 
 import torch
+from megalite.kernels import swiglu
 from megalite.models.common import (
     Attention,
     BuildContext,
     CausalLM,
+    ResidualDropout,
     RMSNorm,
-    SwiGLUMLP,
-    TransformerLayer,
-    dropout,
+)
+from torch import nn
+
+from megalite.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelOutput,
+    normal_init,
+    tp_input,
 )
 
-from megalite.tensor_parallel import VocabParallelEmbedding, VocabParallelOutput, normal_init
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up column-parallel (each rank its
+    ffn_hidden/tp columns), down row-parallel (partial sums combined over tp)."""
+
+    def __init__(self, ctx: BuildContext) -> None:
+        super().__init__()
+        cfg, ps, sp = ctx.cfg, ctx.ps, ctx.sequence_parallel
+        self.ctx = ctx
+        init = normal_init(cfg.init_std)
+        up = dict(bias=False, init=init, sequence_parallel=sp, gather_input=False)
+        self.gate = ColumnParallelLinear(cfg.hidden, cfg.ffn_hidden, ps, **up)
+        self.up = ColumnParallelLinear(cfg.hidden, cfg.ffn_hidden, ps, **up)
+        self.down = RowParallelLinear(
+            cfg.ffn_hidden,
+            cfg.hidden,
+            ps,
+            bias=False,
+            init=ctx.out_proj_init,
+            sequence_parallel=sp,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = tp_input(x, self.ctx.ps, self.ctx.sequence_parallel)  # (b, s, h): one gather, two uses
+        x = swiglu(self.gate(x), self.up(x))  # (b, s, ffn/tp), one fused kernel
+        return self.down(x)  # (b, s, h), or (b, s/tp, h) under SP
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(rmsnorm(x)), then x + mlp(rmsnorm(x))."""
+
+    def __init__(self, ctx: BuildContext) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(ctx.cfg.hidden, ctx)
+        self.attn = Attention(ctx, bias=False, rotary=True)
+        self.mlp_norm = RMSNorm(ctx.cfg.hidden, ctx)
+        self.mlp = MLP(ctx)
+        self.drop = ResidualDropout(ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x)))  # (b, s, h), or (b, s/tp, h) under SP
+        x = x + self.drop(self.mlp(self.mlp_norm(x)))
+        return x
 
 
 class Llama(CausalLM):
+    """One pipeline chunk of Llama (the whole model when pp = 1): `tok_embeddings` on the first
+    chunk, blocks `layers.<global index>`, `final_norm` + `lm_head` on the last."""
+
     def __init__(
         self, ctx: BuildContext, layer_ids: range, has_embedding: bool = True, has_head: bool = True
     ) -> None:
@@ -31,21 +89,22 @@ class Llama(CausalLM):
         )
         if has_embedding:
             self.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, ps, **vocab)
-        self.layers = self.make_layers(layer_ids)
+            self.drop = ResidualDropout(ctx)
+        # Keyed by global index, so parameter names never depend on the pipeline layout.
+        self.layers = nn.ModuleDict({str(i): Block(ctx) for i in layer_ids})
         if has_head:
             self.final_norm = RMSNorm(cfg.hidden, ctx)
             self.lm_head = VocabParallelOutput(cfg.vocab_size, cfg.hidden, ps, **vocab)
 
-    def make_layer(self) -> TransformerLayer:
-        ctx = self.ctx
-        return TransformerLayer(
-            ctx,
-            attn_norm=RMSNorm(ctx.cfg.hidden, ctx),
-            attn=Attention(ctx, bias=False, rotary=True),
-            mlp_norm=RMSNorm(ctx.cfg.hidden, ctx),
-            mlp=SwiGLUMLP(ctx),
-        )
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(ids)  # (b, s, h), or (b, s/tp, h) under SP
-        return dropout(x, self.ctx.cfg.dropout, self.training, self.ctx, self.ctx.sequence_parallel)
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs: token ids (b, s) on the first chunk, else the previous chunk's hidden states.
+        Returns hidden states, or on the last chunk the summed token loss (an fp32 scalar) given
+        targets, or the full logits (b, s, vocab) without."""
+        if self.has_embedding:
+            x = self.drop(self.tok_embeddings(inputs))  # (b, s, h), or (b, s/tp, h) under SP
+        else:
+            x = inputs  # from the previous pipeline stage
+        x = self.run_layers(x)  # the blocks; positions enter through rotary q and k
+        if not self.has_head:
+            return x
+        return self.lm_head(self.final_norm(x), targets)
