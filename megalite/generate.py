@@ -16,10 +16,9 @@ from megalite.checkpoint.sharded import (
 )
 from megalite.config import build_config
 from megalite.data import Tokenizer
-from megalite.models import CausalLM
+from megalite.models import CausalLM, build_chunks
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import TPRandom
-from megalite.training.setup import build_chunks
 
 
 def load_for_inference(path: Path, device: str = "cpu") -> tuple[CausalLM, Tokenizer]:

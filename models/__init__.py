@@ -1,9 +1,9 @@
-"""GPT and Llama, built from megalite's tensor-parallel layers (shipped as megalite.models)."""
+"""GPT and Llama, built from megalite's tensor-parallel layers (shipped as megalite.models);
+`build_chunks` is the one way the rest of megalite builds them."""
 
 from megalite.models.common import BuildContext, CausalLM
+from megalite.models.factory import ARCHITECTURES, build_chunks
 from megalite.models.gpt import GPT
 from megalite.models.llama import Llama
 
-ARCHITECTURES: dict[str, type[CausalLM]] = {"gpt": GPT, "llama": Llama}
-
-__all__ = ["ARCHITECTURES", "GPT", "BuildContext", "CausalLM", "Llama"]
+__all__ = ["ARCHITECTURES", "GPT", "BuildContext", "CausalLM", "Llama", "build_chunks"]

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from megalite.checkpoint.sharded import TOKENIZER, CheckpointError, resolve_checkpoint
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import Tokenizer
+from megalite.generate import load_for_inference
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -188,8 +189,6 @@ def export_hf(checkpoint: Path, out: Path) -> Path:
     `AutoTokenizer`). Written to a temporary directory first and renamed into place, so `out`
     is either complete or absent."""
     from transformers import AutoModelForCausalLM
-
-    from megalite.generate import load_for_inference
 
     out = Path(out)
     if out.exists():

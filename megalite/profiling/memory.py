@@ -12,8 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from megalite.config import Config
+from megalite.models import build_chunks
+from megalite.parallel_state import ParallelState
 from megalite.pipeline.schedule import build_schedule
 from megalite.pipeline.simulate import simulate
+from megalite.tensor_parallel import TPRandom
 from megalite.tensor_parallel.random import checkpoint_input_logs
 
 
@@ -133,22 +136,9 @@ def estimate(cfg: Config, world_size: int, params_per_rank: int) -> dict[str, fl
 def first_stage_params(cfg: Config, world_size: int) -> int:
     """Parameters held by tp rank 0 of the first pipeline stage, counted on the meta device
     (no memory, no process group: the model is only built to be measured)."""
-    from megalite.models import ARCHITECTURES, BuildContext
-    from megalite.parallel_state import ParallelState
-    from megalite.pipeline.partition import chunk_layers
-    from megalite.tensor_parallel import TPRandom
-
     p = cfg.parallel
     dp = world_size // (p.tp * p.pp)
     ps = ParallelState(0, world_size, p.tp, p.pp, dp, 0, 0, 0, torch.device("meta"))
-    cpu = ParallelState.single()  # the dropout stream is never used: nothing runs
-    ctx = BuildContext(cfg.model, ps, TPRandom(0, cpu), sequence_parallel=p.sp)
-    total = 0
-    for stage, layers in chunk_layers(
-        cfg.model.n_layers, p.pp, p.vpp, 0, p.embedding_layer_weight, p.head_layer_weight
-    ):
-        chunk = ARCHITECTURES[cfg.model.arch](
-            ctx, layers, has_embedding=stage == 0, has_head=stage == p.pp * p.vpp - 1
-        )
-        total += sum(param.numel() for param in chunk.parameters())
-    return total
+    tp_random = TPRandom(0, ParallelState.single())  # the dropout stream: never used, nothing runs
+    chunks = build_chunks(cfg, ps, tp_random, random_init=False)
+    return sum(param.numel() for chunk in chunks for param in chunk.parameters())

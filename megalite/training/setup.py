@@ -1,5 +1,6 @@
-"""Build everything one rank trains with from the config: its model chunks, gradient buffers,
-optimizer, loss scaler and pipeline executor. The same function serves every layout."""
+"""Build everything one rank trains with from the config: its model chunks (from the model
+factory, `megalite.models.build_chunks`), gradient buffers, optimizer, loss scaler and pipeline
+executor. The same function serves every layout."""
 
 from __future__ import annotations
 
@@ -11,15 +12,14 @@ from torch import nn
 
 from megalite.checkpoint.initial import load_initial_weights
 from megalite.config import Config
-from megalite.models import ARCHITECTURES, BuildContext, CausalLM
+from megalite.models import CausalLM, build_chunks
 from megalite.optimizer.grad_buffer import GradBuffer, build_grad_buffers
 from megalite.optimizer.loss_scale import LossScaler
 from megalite.optimizer.zero1 import DistributedOptimizer
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.executor import PipelineExecutor
-from megalite.pipeline.partition import chunk_layers
 from megalite.pipeline.schedule import Action, Op, build_schedule
-from megalite.tensor_parallel import TPRandom, init_parameters
+from megalite.tensor_parallel import TPRandom
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -29,40 +29,6 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     if precision == "auto":
         return "bf16" if device.type == "cuda" else "fp32"
     return precision
-
-
-def build_chunks(
-    cfg: Config, ps: ParallelState, tp_random: TPRandom, random_init: bool = True
-) -> list[CausalLM]:
-    """This rank's model chunks (virtual stages pp_rank, pp_rank + pp, ...), initialised from
-    per-parameter seeds so that every layout starts from the same global weights; with
-    random_init=False left uninitialised for a checkpoint to fill."""
-    p = cfg.parallel
-    ctx = BuildContext(
-        cfg.model,
-        ps,
-        tp_random,
-        sequence_parallel=p.sp,
-        recompute=cfg.train.recompute,
-        recompute_layers=cfg.train.recompute_layers,
-    )
-    n_stages = ps.pp_size * p.vpp
-    chunks = []
-    for stage, layers in chunk_layers(
-        cfg.model.n_layers,
-        ps.pp_size,
-        p.vpp,
-        ps.pp_rank,
-        p.embedding_layer_weight,
-        p.head_layer_weight,
-    ):
-        chunk = ARCHITECTURES[cfg.model.arch](
-            ctx, layers, has_embedding=stage == 0, has_head=stage == n_stages - 1
-        )
-        if random_init:
-            init_parameters(chunk, cfg.train.seed, ps)
-        chunks.append(chunk)
-    return chunks
 
 
 @dataclass

@@ -4,11 +4,11 @@ reference path's loss and gradients, for GPT (flash attention, fused bias-GELU) 
 
 import pytest
 import torch
+from megalite.models import build_chunks
 
 from megalite.config import load_config
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import TPRandom
-from megalite.training.setup import build_chunks
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 MODELS = {

@@ -4,12 +4,12 @@ and 4 with pp 2 (GPT's tied head on the last stage, Llama's GQA K/V replicated w
 n_kv_heads < tp, padded vocabulary rows); it draws no more than its shard; and a run that
 resumes or starts from `checkpoint.init_from` draws nothing."""
 
+import megalite.models.factory as factory
 import pytest
 import torch
 from megalite.models import ARCHITECTURES, BuildContext
 from run_configs import TWO_LAYERS
 
-import megalite.training.setup as setup
 from megalite.config import load_config
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import ParamMeta, TPRandom, init_parameters, normal_init
@@ -144,7 +144,7 @@ def test_resume_and_init_from_draw_no_random_weights(tmp_path, builtin_corpus, m
         calls.append(1)
         init_parameters(*args, **kwargs)
 
-    monkeypatch.setattr(setup, "init_parameters", counting_init)
+    monkeypatch.setattr(factory, "init_parameters", counting_init)
     train(_run_config(tmp_path / "run"))
     assert calls  # a fresh run draws its weights
     calls.clear()

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from megalite.models import build_chunks
 
 from megalite.config import OptimConfig, load_config
 from megalite.optimizer.clip import clip_coefficient
@@ -13,7 +14,7 @@ from megalite.optimizer.loss_scale import LossScaler
 from megalite.optimizer.lr_schedule import learning_rate
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import TPRandom
-from megalite.training.setup import build_chunks, build_run
+from megalite.training.setup import build_run
 from megalite.training.step import train_step
 
 VOCAB, SEQ, SEED = 500, 32, 1234

@@ -1,0 +1,51 @@
+"""The one way to build a model: training, generation, Hugging Face export and import, and the
+memory estimator all build their chunks here, so a model is the same object wherever it comes
+from (same modules, same global parameter names, same initial weights)."""
+
+from __future__ import annotations
+
+from megalite.models.common import BuildContext, CausalLM
+from megalite.models.gpt import GPT
+from megalite.models.llama import Llama
+
+from megalite.config import Config
+from megalite.parallel_state import ParallelState
+from megalite.pipeline.partition import chunk_layers
+from megalite.tensor_parallel import TPRandom, init_parameters
+
+ARCHITECTURES: dict[str, type[CausalLM]] = {"gpt": GPT, "llama": Llama}
+
+
+def build_chunks(
+    cfg: Config, ps: ParallelState, tp_random: TPRandom, random_init: bool = True
+) -> list[CausalLM]:
+    """This rank's model chunks (virtual stages pp_rank, pp_rank + pp, ...), initialised from
+    per-parameter seeds so that every layout starts from the same global weights; with
+    random_init=False left uninitialised for a checkpoint to fill (or, on the meta device, only
+    to be measured)."""
+    p = cfg.parallel
+    ctx = BuildContext(
+        cfg.model,
+        ps,
+        tp_random,
+        sequence_parallel=p.sp,
+        recompute=cfg.train.recompute,
+        recompute_layers=cfg.train.recompute_layers,
+    )
+    n_stages = ps.pp_size * p.vpp
+    chunks = []
+    for stage, layers in chunk_layers(
+        cfg.model.n_layers,
+        ps.pp_size,
+        p.vpp,
+        ps.pp_rank,
+        p.embedding_layer_weight,
+        p.head_layer_weight,
+    ):
+        chunk = ARCHITECTURES[cfg.model.arch](
+            ctx, layers, has_embedding=stage == 0, has_head=stage == n_stages - 1
+        )
+        if random_init:
+            init_parameters(chunk, cfg.train.seed, ps)
+        chunks.append(chunk)
+    return chunks

@@ -1,0 +1,108 @@
+"""Imports flow one way (models <- checkpoint <- training <- cli): no module of megalite imports,
+even from inside a function, a module that imports it back, and reading or writing a Hugging
+Face checkpoint does not pull in the trainer."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+# megalite.models and megalite.kernels live in the top-level folders models/ and kernels/.
+PACKAGES = ("megalite", "megalite.models", "megalite.kernels")
+
+
+def _module_files() -> dict[str, Path]:
+    """Every megalite module name -> its source file, found without importing it."""
+    files: dict[str, Path] = {}
+    for package in PACKAGES:
+        (root,) = importlib.util.find_spec(package).submodule_search_locations
+        for path in Path(root).rglob("*.py"):
+            parts = [package, *path.relative_to(root).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            files[".".join(parts)] = path
+    return files
+
+
+def _imported(module: str, path: Path, known: set[str]) -> set[str]:
+    """The megalite modules `module` imports anywhere in its file (function-level and
+    TYPE_CHECKING imports included): `from a import b` counts as a.b if that is a module."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, `level - 1` packages up
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # longest prefix that is a module
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                found.add(target)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = _module_files()
+    return {module: _imported(module, path, set(files)) for module, path in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None."""
+    done: set[str] = set()
+    stack: list[str] = []
+    on_stack: set[str] = set()
+
+    def visit(module: str) -> list[str] | None:
+        stack.append(module)
+        on_stack.add(module)
+        for target in sorted(graph[module]):
+            if target in on_stack:
+                return stack[stack.index(target) :] + [target]
+            if target not in done and (cycle := visit(target)):
+                return cycle
+        stack.pop()
+        on_stack.remove(module)
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        if module not in done and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def test_the_graph_sees_the_models_and_function_level_imports():
+    graph = import_graph()
+    assert "megalite.models.factory" in graph["megalite.models"]
+    assert "megalite.training.loop" in graph["megalite.cli"]  # imported inside a function
+    assert "megalite.kernels.dispatch" in graph["megalite.kernels"]  # relative import
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_find_cycle_names_the_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_hugging_face_conversion_imports_no_training_module():
+    code = (
+        "import sys, megalite.checkpoint.hf, megalite.checkpoint.initial\n"
+        "print(sorted(m for m in sys.modules if m.startswith('megalite.training')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
