@@ -40,11 +40,6 @@ def activation_bytes_per_layer(
     return s * b * h * (10 + 24 / t + attention / t)
 
 
-def static_bytes_per_param(dp: int, zero: int) -> float:
-    """16-bit param (2) + fp32 main grad (4) + fp32 master, m, v (12, sharded by ZeRO-1)."""
-    return 2 + 4 + 12 / (dp if zero else 1)
-
-
 @dataclass
 class SavedBytes:
     total: int = 0

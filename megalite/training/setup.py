@@ -42,8 +42,6 @@ class Run:
     optimizer: DistributedOptimizer
     scaler: LossScaler
     executor: PipelineExecutor
-    num_microbatches: int
-    precision: str
     tp_random: TPRandom
     names: dict[nn.Parameter, str] = field(default_factory=dict)
     _schedules: dict[tuple[int, bool], list[Action]] = field(default_factory=dict)
@@ -79,7 +77,7 @@ class Run:
 def build_run(
     cfg: Config,
     ps: ParallelState,
-    num_microbatches: int,
+    num_microbatches: int,  # unused since Run stopped keeping it: drop it with its callers
     init_from: Path | None = None,
     random_init: bool = True,
 ) -> Run:
@@ -120,8 +118,6 @@ def build_run(
         optimizer=DistributedOptimizer(buffers, names, cfg.optim, ps),
         scaler=LossScaler.for_precision(precision),
         executor=executor,
-        num_microbatches=num_microbatches,
-        precision=precision,
         tp_random=tp_random,
         names=names,
     )
