@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from megalite.data.prepare import corpus_paths, prepare_corpus
-from megalite.data.tokenizer import Tokenizer, train_tokenizer
+from megalite.data.tokenizer import KINDS, open_tokenizer, train_tokenizer
 
 
 def _add_input(parser: argparse.ArgumentParser) -> None:
@@ -40,8 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     tok = commands.add_parser(
         "tokenizer",
-        help="train a sentencepiece BPE tokenizer",
-        description="Train a byte-fallback BPE tokenizer; writes PREFIX.model.",
+        help="train a tokenizer",
+        description="Train a byte-fallback sentencepiece BPE tokenizer (writes PREFIX.model) or "
+        "a GPT-2-style byte-level BPE with Hugging Face tokenizers (writes PREFIX.json).",
     )
     _add_input(tok)
     tok.add_argument(
@@ -51,6 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="exact number of pieces (>= 256 bytes + characters + specials)",
     )
+    tok.add_argument("--kind", choices=KINDS, default="sentencepiece")
     tok.add_argument("--out", type=Path, required=True, metavar="PREFIX")
     tok.set_defaults(func=run_tokenizer)
 
@@ -64,8 +66,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--tokenizer",
         type=Path,
         required=True,
-        metavar="MODEL",
-        help="a .model file from `megalite data tokenizer`",
+        metavar="TOKENIZER",
+        help="a .model or .json file from `megalite data tokenizer`, or a Hugging Face "
+        "tokenizer.json or model directory (GPT-2, Llama 3, ...)",
     )
     prep.add_argument("--out", type=Path, required=True, metavar="PREFIX")
     prep.add_argument(
@@ -80,7 +83,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_tokenizer(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    model = train_tokenizer(args.input, args.out, args.vocab_size, args.text_field, args.glob)
+    model = train_tokenizer(
+        args.input, args.out, args.vocab_size, args.text_field, args.glob, args.kind
+    )
     print(f"wrote {model} ({args.vocab_size} pieces) in {time.perf_counter() - start:.1f}s")
     return 0
 
@@ -89,7 +94,7 @@ def run_prepare(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     meta = prepare_corpus(
         args.input,
-        Tokenizer(args.tokenizer),
+        open_tokenizer(args.tokenizer),
         args.out,
         progress=not args.no_progress,
         text_field=args.text_field,

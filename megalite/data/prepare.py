@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from megalite.data.errors import DataError
 from megalite.data.sources import TEXT_FIELD, expand_inputs, input_bytes, read_chunks
-from megalite.data.tokenizer import Tokenizer
+from megalite.data.tokenizer import HFTokenizer, Tokenizer, open_tokenizer
 
 FORMAT = "megalite-tokens"
 FORMAT_VERSION = 1
@@ -49,7 +49,7 @@ def corpus_paths(prefix: Path) -> tuple[Path, Path, Path]:
 
 def prepare_corpus(
     inputs: Sequence[Path],
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | HFTokenizer,
     out_prefix: Path,
     progress: bool = True,
     text_field: str = TEXT_FIELD,
@@ -109,12 +109,13 @@ def _batches(paths: list[Path], text_field: str, bar: tqdm) -> Iterator[list[tup
         yield batch
 
 
-_worker_tokenizer: Tokenizer | None = None
+_worker_tokenizer: Tokenizer | HFTokenizer | None = None
 
 
 def _start_worker(model_path: Path) -> None:
     global _worker_tokenizer
-    _worker_tokenizer = Tokenizer(model_path, threads=1)  # processes, not threads, run in parallel
+    # One thread each: the processes, not threads, run in parallel.
+    _worker_tokenizer = open_tokenizer(model_path, threads=1)
 
 
 def _encode_in_worker(texts: list[str]) -> list[list[int]]:
@@ -122,7 +123,7 @@ def _encode_in_worker(texts: list[str]) -> list[list[int]]:
 
 
 def _encoded(
-    batches: Iterator[list[tuple[str, bool]]], tokenizer: Tokenizer, workers: int
+    batches: Iterator[list[tuple[str, bool]]], tokenizer: Tokenizer | HFTokenizer, workers: int
 ) -> Iterator[tuple[list[tuple[str, bool]], list[list[int]]]]:
     """(batch, its token ids) in input order; with workers > 1 tokenized by a process pool
     with at most 2 batches per worker in flight, so memory stays bounded."""
@@ -146,7 +147,7 @@ def _encoded(
 def _write_tokens(
     paths: list[Path],
     text_field: str,
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | HFTokenizer,
     out: BinaryIO,
     dtype: np.dtype,
     progress: bool,

@@ -1,6 +1,12 @@
-"""A sentencepiece BPE tokenizer: training it, and a small wrapper that encodes and decodes.
+"""Tokenizers: training them, and small wrappers that encode and decode.
 
-Choices, and why:
+Two kinds, one interface (`open_tokenizer` picks by file):
+- sentencepiece BPE (`PREFIX.model`), megalite's own default, trained as below;
+- Hugging Face `tokenizers` (`tokenizer.json`, or a model directory holding one): GPT-2's
+  byte-level BPE, Llama 3's tiktoken-style BPE, or one trained here with `--kind byte-bpe`, so
+  a model can be continued with the tokenizer it was trained with.
+
+Choices for the sentencepiece kind, and why:
 - Byte fallback: any UTF-8 text encodes without <unk>, so decode(encode(text)) == text.
 - Identity normalisation, no whitespace collapsing: the text the model sees is the file's text.
 - "\\n" is a piece of its own and no dummy "▁" is prepended: sentencepiece trains on single
@@ -12,7 +18,9 @@ Choices, and why:
 """
 
 import io
+import json
 import os
+import shutil
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,19 +56,54 @@ TRAINER_OPTIONS = {
 SHUFFLE_SEED = 0
 
 
+KINDS = ("sentencepiece", "byte-bpe")
+BYTE_BPE_EOS = "<|endoftext|>"  # GPT-2's end-of-text token, also its BOS
+
+
 def train_tokenizer(
     inputs: Sequence[Path],
     out_prefix: Path,
     vocab_size: int,
     text_field: str = TEXT_FIELD,
     glob: str = "*",
+    kind: str = "sentencepiece",
 ) -> Path:
-    """Train a BPE model with exactly `vocab_size` pieces; write `<out_prefix>.model` atomically.
-
-    Inputs are files or directories, read as in `megalite.data.sources`. Returns the model path.
-    """
+    """Train a tokenizer of exactly `vocab_size` pieces on `inputs` (files or directories, read
+    as in `megalite.data.sources`): sentencepiece BPE to `<out_prefix>.model`, or GPT-2-style
+    byte-level BPE to `<out_prefix>.json`, written atomically. Returns the file."""
     paths = expand_inputs(inputs, glob)
-    out = Path(f"{out_prefix}.model")
+    if kind == "byte-bpe":
+        out, data = Path(f"{out_prefix}.json"), _train_byte_bpe(paths, vocab_size, text_field)
+    elif kind == "sentencepiece":
+        out, data = Path(f"{out_prefix}.model"), _train_sentencepiece(paths, vocab_size, text_field)
+    else:
+        raise DataError(f"unknown tokenizer kind {kind!r}: choose one of {', '.join(KINDS)}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.write_bytes(data)
+    os.replace(tmp, out)
+    return out
+
+
+def _train_byte_bpe(paths: list[Path], vocab_size: int, text_field: str) -> bytes:
+    """GPT-2's scheme: bytes mapped to printable characters, split on words, merged by BPE."""
+    from tokenizers import Tokenizer as HFTokenizerModel
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    model = HFTokenizerModel(models.BPE())
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BYTE_BPE_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    model.train_from_iterator(read_lines(paths, text_field), trainer=trainer)
+    return model.to_str().encode()
+
+
+def _train_sentencepiece(paths: list[Path], vocab_size: int, text_field: str) -> bytes:
     model = io.BytesIO()
     spm.set_random_generator_seed(SHUFFLE_SEED)
     try:
@@ -81,15 +124,15 @@ def train_tokenizer(
             f"cannot train a {vocab_size}-piece tokenizer on {', '.join(map(str, paths))}; "
             f"{fix} (sentencepiece said: {e})"
         ) from None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.write_bytes(model.getvalue())
-    os.replace(tmp, out)
-    return out
+    return model.getvalue()
 
 
 class Tokenizer:
     """A trained sentencepiece model: text <-> token ids."""
+
+    kind = "sentencepiece"
+    file_name = "tokenizer.model"
+    """What the file is called in a checkpoint and in a Hugging Face model directory."""
 
     def __init__(self, model_path: Path, threads: int = NUM_THREADS) -> None:
         self.path = Path(model_path)
@@ -154,3 +197,112 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+    def save_for_transformers(self, directory: Path) -> None:
+        """The model as `tokenizer.model`, with a config that lets `AutoTokenizer` encode exactly
+        as megalite does: no BOS/EOS added, no space prefixed, pieces taken as they are."""
+        shutil.copyfile(self.path, Path(directory) / self.file_name)
+        special = {"unk_token": self.unk_id, "bos_token": self.bos_id, "eos_token": self.eos_id}
+        config = {
+            "tokenizer_class": "LlamaTokenizer",
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "add_prefix_space": False,
+            "legacy": True,
+            **{name: self.piece(i) for name, i in special.items() if i >= 0},
+        }
+        (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+# Special tokens of well-known Hugging Face tokenizers, most specific first.
+_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` model (`tokenizer.json`): text <-> token ids.
+
+    Its end-of-document token is the `eos_token` of a `tokenizer_config.json` beside it, else the
+    first of GPT-2's, Llama 3's or Llama 2's that the vocabulary has. GPT-2 has no BOS of its
+    own and uses the same token, as it does.
+    """
+
+    kind = "huggingface"
+    file_name = "tokenizer.json"
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizerModel
+
+        self.path = Path(path)
+        try:
+            self._tok = HFTokenizerModel.from_file(str(self.path))
+        except Exception as e:  # the library raises plain Exceptions for malformed files
+            raise DataError(f"{self.path} is not a Hugging Face tokenizer.json ({e})") from None
+        config_file = self.path.with_name("tokenizer_config.json")
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.eos_id = self._special(config.get("eos_token"), _EOS_NAMES)
+        if self.eos_id < 0:
+            raise DataError(
+                f"{self.path} has no end-of-document token ({', '.join(_EOS_NAMES)}) and no "
+                "tokenizer_config.json naming its eos_token"
+            )
+        bos = self._special(config.get("bos_token"), _BOS_NAMES)
+        self.bos_id = bos if bos >= 0 else self.eos_id
+        self.unk_id = self._special(config.get("unk_token"), ("<unk>",))
+
+    def _special(self, configured, names: Sequence[str]) -> int:
+        if isinstance(configured, dict):  # {"content": "<s>", ...} in older configs
+            configured = configured.get("content")
+        for name in ([configured] if configured else []) + list(names):
+            token_id = self._tok.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        return -1
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def piece(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without the specials a post-processor might add."""
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text, in one parallel call."""
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def save_for_transformers(self, directory: Path) -> None:
+        """`tokenizer.json` with the config `AutoTokenizer` needs to load it as a fast tokenizer
+        that adds no special tokens of its own, as megalite encodes."""
+        shutil.copyfile(self.path, Path(directory) / self.file_name)
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "eos_token": self.piece(self.eos_id),
+            "bos_token": self.piece(self.bos_id),
+            **({"unk_token": self.piece(self.unk_id)} if self.unk_id >= 0 else {}),
+        }
+        (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def open_tokenizer(path: Path, threads: int = NUM_THREADS) -> Tokenizer | HFTokenizer:
+    """The tokenizer at `path`: a sentencepiece `.model`, a `tokenizer.json`, or a directory
+    holding either (a Hugging Face model directory, a megalite checkpoint)."""
+    path = Path(path)
+    if path.is_dir():
+        for name in (HFTokenizer.file_name, Tokenizer.file_name):
+            if (path / name).is_file():
+                return open_tokenizer(path / name, threads)
+        raise DataError(f"no tokenizer.json or tokenizer.model in {path}")
+    if path.suffix == ".json":
+        if not path.is_file():
+            raise DataError(f"tokenizer not found: {path}")
+        return HFTokenizer(path)
+    return Tokenizer(path, threads)
