@@ -1,5 +1,5 @@
-"""Where metrics go: `<out_dir>/metrics.jsonl` (one JSON object per row), the console progress
-bar, and Weights & Biases when asked for. Only rank 0 writes.
+"""A step's metrics row and where rows go: `<out_dir>/metrics.jsonl` (one JSON object per row),
+the console progress bar, and Weights & Biases when asked for. Only rank 0 writes.
 
 Rows are strict JSON: a value that is not a finite number (MFU on a GPU without a known peak,
 the gradient norm of a step skipped for fp16 overflow) is written as null, because `NaN` and
@@ -10,12 +10,58 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from megalite.config import Config, config_to_dict
+from megalite.optimizer.loss_scale import LossScaler
+from megalite.parallel_state import ParallelState
+from megalite.profiling.flops import flops_per_token, peak_flops
+from megalite.training.step import StepMetrics
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one step processes, for the rates in its row."""
+
+    tokens: int
+    flops: float
+    peak_flops: float
+    """Of the whole world; NaN for a GPU without a known peak, so MFU is logged null."""
+
+    @classmethod
+    def of(cls, cfg: Config, ps: ParallelState) -> StepCost:
+        tokens = cfg.train.global_batch_size * cfg.model.seq_len
+        return cls(
+            tokens, flops_per_token(cfg.model) * tokens, peak_flops(ps.device) * ps.world_size
+        )
+
+
+def metrics_row(
+    step: int,
+    metrics: StepMetrics,
+    lr: float,
+    elapsed_s: float,
+    cost: StepCost,
+    scaler: LossScaler,
+) -> dict[str, float]:
+    """The row of a finished step (`step` counts it), before evaluation adds its val loss."""
+    return {
+        "step": step,
+        "loss": metrics.loss,
+        "lr": lr,
+        "grad_norm": metrics.grad_norm,
+        "tokens_per_sec": cost.tokens / elapsed_s,
+        "step_time_s": elapsed_s,
+        "tflops": cost.flops / elapsed_s / 1e12,
+        "mfu": cost.flops / elapsed_s / cost.peak_flops,
+        "bubble_fraction": metrics.bubble_fraction,
+        "skipped_steps": scaler.skipped_steps,
+        "loss_scale": scaler.scale,
+    }
 
 
 class MetricsLogger:

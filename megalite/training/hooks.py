@@ -1,0 +1,133 @@
+"""What the training loop does after each step, as small pieces with one interface. A hook gets
+the step's `StepRecord` in `after_step`, may add to its metrics row, and is closed when the run
+reaches its last step. The loop calls its hooks in order; a new concern of the run (signals, a
+watchdog, a profiler window, asynchronous saves, a bad-step policy) is a new hook with its own
+test, not a branch in the loop."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from megalite.errors import MegaliteError
+from megalite.training.metrics import MetricsLogger, summary_line
+from megalite.training.step import StepMetrics
+
+
+class TrainingError(MegaliteError):
+    """Training cannot go on (for example the loss became NaN)."""
+
+
+@dataclass
+class StepRecord:
+    """One finished step, as the hooks see it."""
+
+    step: int
+    """Steps done, this one included."""
+    metrics: StepMetrics
+    lr: float
+    elapsed_s: float
+    row: dict[str, float]
+    """The step's metrics row (metrics.jsonl, wandb); hooks add to it, e.g. `val_loss`."""
+    checkpoint: Path | None = None
+    """Where this step was saved, when it was."""
+
+
+class Hook:
+    """Base of the loop's hooks: override what the hook needs."""
+
+    def after_step(self, record: StepRecord) -> None:
+        """Called on every rank after every step, in the order of the loop's list."""
+
+    def close(self) -> None:
+        """Called once the last step is done."""
+
+
+def due(step: int, interval: int, last: int) -> bool:
+    """Every `interval` steps (never when 0), and on the last step."""
+    return (interval > 0 and step % interval == 0) or step == last
+
+
+class NanGuard(Hook):
+    """Stop at the first loss that is not a number, naming the step and the usual remedies:
+    nothing after it (an evaluation, a checkpoint) would be worth having."""
+
+    def after_step(self, record: StepRecord) -> None:
+        loss = record.metrics.loss
+        if not math.isfinite(loss):
+            raise TrainingError(
+                f"loss became {loss} at step {record.step}: lower optim.lr, raise "
+                "optim.warmup_steps, or use train.precision=bf16/fp32 instead of fp16"
+            )
+
+
+class Evaluation(Hook):
+    """Held-out loss every `interval` steps and after the last one; an interval beyond the
+    run's length turns evaluation off. Collective: `evaluate` runs on every rank."""
+
+    def __init__(
+        self, evaluate: Callable[[], float], interval: int, steps: int, say: Callable[[str], None]
+    ) -> None:
+        self.evaluate, self.interval, self.steps, self.say = evaluate, interval, steps, say
+
+    def after_step(self, record: StepRecord) -> None:
+        if self.interval > self.steps or not due(record.step, self.interval, self.steps):
+            return
+        val_loss = record.row["val_loss"] = self.evaluate()
+        record.row["val_ppl"] = math.exp(min(val_loss, 50.0))
+        self.say(f"step {record.step}: val_loss {val_loss:.4f} ppl {record.row['val_ppl']:.1f}")
+
+
+class MetricsLogging(Hook):
+    """A metrics row every `interval` steps, after the last one and with every evaluation; the
+    progress bar after every step."""
+
+    def __init__(self, logger: MetricsLogger, interval: int, steps: int) -> None:
+        self.logger, self.interval, self.steps = logger, interval, steps
+
+    def after_step(self, record: StepRecord) -> None:
+        row = record.row
+        if due(record.step, self.interval, self.steps) or "val_loss" in row:
+            self.logger.log(row)
+        postfix = {"loss": f"{row['loss']:.4f}", "lr": f"{row['lr']:.2e}"}
+        self.logger.progress(record.step, {**postfix, "tok/s": f"{row['tokens_per_sec']:.0f}"})
+
+    def close(self) -> None:
+        self.logger.close()
+
+
+class Checkpointing(Hook):
+    """A checkpoint every `interval` steps (0: none on the way) and after the last one.
+    Collective: `save` runs on every rank and returns the checkpoint's directory."""
+
+    def __init__(self, save: Callable[[], Path], interval: int, steps: int) -> None:
+        self.save, self.interval, self.steps = save, interval, steps
+
+    def after_step(self, record: StepRecord) -> None:
+        if due(record.step, self.interval, self.steps):
+            record.checkpoint = self.save()
+
+
+class Summary(Hook):
+    """What the run's closing line reports: where it got, its last loss and val loss, its
+    throughput over the steps of this run, and its newest checkpoint."""
+
+    def __init__(self, start_step: int, tokens_per_step: int) -> None:
+        self.start_step, self.tokens_per_step = start_step, tokens_per_step
+        self.step, self.train_time_s = start_step, 0.0
+        self.loss, self.val_loss, self.checkpoint = math.nan, None, None
+
+    def after_step(self, record: StepRecord) -> None:
+        self.step, self.loss = record.step, record.row["loss"]
+        self.train_time_s += record.elapsed_s
+        self.val_loss = record.row.get("val_loss", self.val_loss)
+        self.checkpoint = record.checkpoint or self.checkpoint
+
+    def line(self) -> str:
+        steps_run = self.step - self.start_step
+        throughput = steps_run * self.tokens_per_step / self.train_time_s
+        return summary_line(
+            self.step, steps_run, self.loss, self.val_loss, throughput, self.checkpoint
+        )

@@ -1,0 +1,149 @@
+"""The training loop's hooks, one at a time and without a run: each gets made-up step records
+and must act on exactly the steps its policy names (evaluation, metrics rows, checkpoints), stop
+on a NaN loss with the documented message, and sum up the run for its closing line."""
+
+import math
+from pathlib import Path
+
+import pytest
+
+from megalite.optimizer.loss_scale import LossScaler
+from megalite.training.hooks import (
+    Checkpointing,
+    Evaluation,
+    MetricsLogging,
+    NanGuard,
+    StepRecord,
+    Summary,
+    TrainingError,
+    due,
+)
+from megalite.training.metrics import StepCost, metrics_row, summary_line
+from megalite.training.step import StepMetrics
+
+STEPS = 10
+
+
+def record(step: int, loss: float = 2.0, elapsed_s: float = 0.5) -> StepRecord:
+    metrics = StepMetrics(loss, grad_norm=1.0, skipped=False, bubble_fraction=0.0, peak_in_flight=1)
+    cost = StepCost(tokens=100, flops=1e12, peak_flops=2e12)
+    row = metrics_row(step, metrics, 1e-3, elapsed_s, cost, LossScaler())
+    return StepRecord(step, metrics, 1e-3, elapsed_s, row)
+
+
+def run_hook(hook, steps=range(1, STEPS + 1)) -> list[StepRecord]:
+    records = [record(step) for step in steps]
+    for r in records:
+        hook.after_step(r)
+    return records
+
+
+@pytest.mark.parametrize(
+    "interval, expected",
+    [(3, [3, 6, 9, 10]), (5, [5, 10]), (1, list(range(1, 11))), (0, [10]), (20, [10])],
+)
+def test_due_every_interval_and_on_the_last_step(interval, expected):
+    assert [step for step in range(1, STEPS + 1) if due(step, interval, STEPS)] == expected
+
+
+def test_metrics_row():
+    row = record(4, loss=3.0, elapsed_s=0.25).row
+    assert row == {
+        "step": 4,
+        "loss": 3.0,
+        "lr": 1e-3,
+        "grad_norm": 1.0,
+        "tokens_per_sec": 400.0,
+        "step_time_s": 0.25,
+        "tflops": 4.0,
+        "mfu": 2.0,
+        "bubble_fraction": 0.0,
+        "skipped_steps": 0,
+        "loss_scale": 1.0,
+    }
+    unknown_peak = StepCost(tokens=100, flops=1e12, peak_flops=math.nan)
+    assert math.isnan(
+        metrics_row(1, record(1).metrics, 1e-3, 1.0, unknown_peak, LossScaler())["mfu"]
+    )
+
+
+@pytest.mark.parametrize("loss", [math.nan, math.inf])
+def test_nan_guard_stops_at_the_first_loss_that_is_not_a_number(loss):
+    guard = NanGuard()
+    run_hook(guard, range(1, 3))
+    with pytest.raises(TrainingError, match=rf"loss became {loss} at step 3: lower optim.lr"):
+        guard.after_step(record(3, loss=loss))
+
+
+def test_evaluation_adds_val_loss_on_its_steps_and_says_so():
+    said, calls = [], []
+
+    def evaluate():
+        calls.append(1)
+        return 2.5
+
+    records = run_hook(Evaluation(evaluate, 4, STEPS, said.append))
+    assert [r.step for r in records if "val_loss" in r.row] == [4, 8, 10]
+    assert len(calls) == 3
+    assert records[3].row["val_loss"] == 2.5
+    assert records[3].row["val_ppl"] == pytest.approx(math.exp(2.5))
+    assert said == [f"step {s}: val_loss 2.5000 ppl 12.2" for s in (4, 8, 10)]
+
+
+def test_evaluation_interval_beyond_the_run_turns_it_off():
+    evaluation = Evaluation(lambda: pytest.fail("evaluated"), STEPS + 1, STEPS, print)
+    assert not any("val_loss" in r.row for r in run_hook(evaluation))
+
+
+class FakeLogger:
+    def __init__(self):
+        self.rows, self.progress_calls, self.closed = [], [], False
+
+    def log(self, row):
+        self.rows.append(row["step"])
+
+    def progress(self, step, postfix):
+        self.progress_calls.append((step, postfix))
+
+    def close(self):
+        self.closed = True
+
+
+def test_metrics_logging_cadence_progress_and_close():
+    logger = FakeLogger()
+    hook = MetricsLogging(logger, 4, STEPS)
+    records = [record(step) for step in range(1, STEPS + 1)]
+    records[4].row["val_loss"] = 2.0  # step 5 was evaluated: its row is logged too
+    for r in records:
+        hook.after_step(r)
+    assert logger.rows == [4, 5, 8, 10]
+    assert [step for step, _ in logger.progress_calls] == list(range(1, STEPS + 1))
+    assert logger.progress_calls[0][1] == {"loss": "2.0000", "lr": "1.00e-03", "tok/s": "200"}
+    assert not logger.closed
+    hook.close()
+    assert logger.closed
+
+
+@pytest.mark.parametrize("interval, saved", [(3, [3, 6, 9, 10]), (0, [10])])
+def test_checkpointing_saves_on_its_steps(interval, saved):
+    paths = []
+
+    def save():
+        paths.append(Path(f"step_{len(paths) + 1}"))
+        return paths[-1]
+
+    records = run_hook(Checkpointing(save, interval, STEPS))
+    assert [r.step for r in records if r.checkpoint is not None] == saved
+    assert [r.checkpoint for r in records if r.checkpoint is not None] == paths
+
+
+def test_summary_of_a_resumed_run():
+    summary = Summary(start_step=6, tokens_per_step=100)
+    records = [record(step, loss=3.0 - step / 10) for step in range(7, 11)]
+    records[0].row["val_loss"] = 2.5  # the last evaluation was at step 7
+    records[1].checkpoint = Path("ckpt/step_000008")  # and the newest checkpoint at step 8
+    for r in records:
+        summary.after_step(r)
+    expected = summary_line(10, 4, 2.0, 2.5, 4 * 100 / (4 * 0.5), Path("ckpt/step_000008"))
+    assert summary.line() == expected
+    assert summary.line().startswith("trained to step 10 (4 steps in this run): loss 2.0000")
