@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from megalite import comm_trace
+from megalite.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 420
@@ -121,11 +121,8 @@ def _argv(command: str, workspace: Path) -> tuple[list[str], Path, dict[str, str
     if words[0] == "python":
         return [sys.executable, *words[1:]], workspace, env
     assert words[0] == "torchrun", f"no way to run {words[0]} here"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env[comm_trace.ENV] = str(workspace / "torchrun-trace")
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--master-port={port}"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--master-port={free_port()}"]
     return [*launcher, *words[1:]], workspace, env
 
 

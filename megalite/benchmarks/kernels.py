@@ -1,0 +1,211 @@
+"""Benchmark megalite's fused kernels against PyTorch on a GPU, and print a table.
+
+Attention: forward and forward+backward TFLOP/s and peak memory of the Triton flash attention
+against ``torch.nn.functional.scaled_dot_product_attention`` (pinned to its flash backend when
+it accepts the inputs, else torch's own pick), over sequence lengths at a fixed number of
+tokens per step. FLOPs: 4*b*h*s*s*d forward, half of that when causal; backward 2.5x forward.
+Peak memory is the most allocated above the inputs during one forward+backward.
+
+MLP activations: GB/s of the fused bias-GELU and SwiGLU against eager PyTorch. Both columns
+count the bytes a fused kernel must move (read inputs, write outputs), so eager's extra
+temporaries show up as lower GB/s.
+
+    python tools/bench_kernels.py                  # needs CUDA
+    python tools/bench_kernels.py --cpu-smoke      # tiny sizes under the Triton interpreter:
+                                                   # checks that it runs, the times mean nothing
+    python -m megalite.benchmarks.kernels          # the same, from an installed megalite
+
+megalite.kernels is imported only inside the functions: `--cpu-smoke` sets TRITON_INTERPRET
+before the first import of triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch  # does not import triton, so TRITON_INTERPRET can still be set below
+import torch.nn.functional as F
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; `--cpu-smoke` replaces the sizes by tiny ones."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--tokens", type=int, default=16384, help="batch = max(1, tokens // seq)")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no GQA)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--mlp-tokens", type=int, default=8192)
+    p.add_argument("--ffn", type=int, default=16384, help="MLP hidden size for GELU / SwiGLU")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes, Triton interpreter")
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        args.seqlens, args.tokens, args.heads, args.head_dim = [48], 96, 2, 32
+        args.mlp_tokens, args.ffn = 40, 200
+    args.kv_heads = args.kv_heads or args.heads
+    return args
+
+
+def measure(fn: Callable[[], Any], device: torch.device) -> tuple[float, float]:
+    """(milliseconds per call, peak MiB above what was allocated before); NaNs on OOM."""
+    try:
+        if device.type != "cuda":  # the interpreter cannot run triton.testing.do_bench
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3, float("nan")
+        from triton.testing import do_bench
+
+        ms = do_bench(fn, warmup=25, rep=100)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return ms, (torch.cuda.max_memory_allocated() - base) / 2**20
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return float("nan"), float("nan")
+
+
+def sdpa_baseline(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[Callable[[], torch.Tensor], str]:
+    """SDPA on our (batch, seq, heads, head_dim) layout; returns (callable, backend name)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gqa = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
+
+    def attend(backends):
+        with sdpa_kernel(backends):
+            q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
+            out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, **gqa)
+            return out.transpose(1, 2)
+
+    try:
+        with torch.no_grad():
+            attend([SDPBackend.FLASH_ATTENTION])
+        return lambda: attend([SDPBackend.FLASH_ATTENTION]), "flash"
+    except RuntimeError:  # flash backend refuses (dtype, GQA, device): let torch pick
+        return lambda: attend(list(SDPBackend)), "auto"
+
+
+def attention_row(args: argparse.Namespace, seq: int, device: torch.device) -> str:
+    """One table row: TFLOP/s and peak memory of both attentions at sequence length `seq`."""
+    from megalite.kernels import flash_attention
+
+    batch = max(1, args.tokens // seq)
+    dtype = DTYPES[args.dtype]
+
+    def rand(heads):
+        shape = (batch, seq, heads, args.head_dim)
+        return torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+
+    q, k, v = rand(args.heads), rand(args.kv_heads), rand(args.kv_heads)
+    dout = torch.randn_like(q)
+    sdpa, backend = sdpa_baseline(q, k, v, args.causal)
+    fwd_flops = 4 * batch * args.heads * seq * seq * args.head_dim * (0.5 if args.causal else 1)
+    cells = []
+    for fwd in (lambda: flash_attention(q, k, v, causal=args.causal), sdpa):
+        with torch.no_grad():
+            fwd_ms, _ = measure(fwd, device)
+        both_ms, peak = measure(lambda f=fwd: torch.autograd.grad(f(), (q, k, v), dout), device)
+        cells.append((fwd_flops / fwd_ms / 1e9, 3.5 * fwd_flops / both_ms / 1e9, peak))
+    (tf, tb, tp), (sf, sb, sp) = cells
+    return (
+        f"{seq:<6} {batch:>5} | {tf:18.1f} {sf:5.1f} | {tb:22.1f} {sb:5.1f}"
+        f" | {tp:15.0f} {sp:7.0f} | {backend}"
+    )
+
+
+def activation_row(
+    name: str,
+    fused: Callable[..., torch.Tensor],
+    eager: Callable[..., torch.Tensor],
+    inputs: tuple[torch.Tensor, ...],
+    dout: torch.Tensor,
+    fwd_tensors: int,
+    both_tensors: int,
+    device: torch.device,
+) -> str:
+    """GB/s for fwd and fwd+bwd; *_tensors: how many input-sized tensors each must move."""
+    n_bytes = dout.numel() * dout.element_size()
+    rates = []
+    for fn in (fused, eager):
+        with torch.no_grad():
+            fwd_ms, _ = measure(lambda f=fn: f(*inputs), device)
+        both_ms, _ = measure(lambda f=fn: torch.autograd.grad(f(*inputs), inputs, dout), device)
+        rates += [fwd_tensors * n_bytes / fwd_ms / 1e6, both_tensors * n_bytes / both_ms / 1e6]
+    fused_fwd, fused_both, eager_fwd, eager_both = rates
+    return f"{name:<11} | {fused_fwd:14.0f} {eager_fwd:6.0f} | {fused_both:18.0f} {eager_both:6.0f}"
+
+
+def bench_attention(args: argparse.Namespace, device: torch.device) -> None:
+    """Print the attention table, one row per sequence length."""
+    print(
+        f"\nattention: {args.dtype}, causal={args.causal}, heads {args.heads}/{args.kv_heads} "
+        f"(q/kv), head_dim {args.head_dim}, {args.tokens} tokens per step"
+    )
+    header = "seq    batch | fwd TFLOP/s triton  sdpa | fwd+bwd TFLOP/s triton  sdpa"
+    print(header + " | peak MiB triton    sdpa | sdpa backend")
+    for seq in args.seqlens:
+        print(attention_row(args, seq, device))
+
+
+def bench_activations(args: argparse.Namespace, device: torch.device) -> None:
+    """Print the MLP activation table: bias-GELU and SwiGLU, fused against eager."""
+    from megalite.kernels.gelu import bias_gelu, bias_gelu_reference
+    from megalite.kernels.swiglu import swiglu, swiglu_reference
+
+    dtype = DTYPES[args.dtype]
+    shape = (args.mlp_tokens, args.ffn)
+    print(f"\nMLP activations: {args.dtype}, (tokens, ffn) = {shape}; GB/s of the bytes a fused")
+    print("kernel must move (fwd: inputs + output; bwd: dy + inputs + input grads)")
+    print("kernel      | fwd GB/s fused  eager | fwd+bwd GB/s fused  eager")
+
+    def rand(*s):
+        return torch.randn(s, device=device, dtype=dtype, requires_grad=True)
+
+    dout = torch.randn(shape, device=device, dtype=dtype)
+    gelu_inputs, swiglu_inputs = (rand(*shape), rand(shape[-1])), (rand(*shape), rand(*shape))
+    # bias-GELU moves x, y (fwd) and dy, x, dx (bwd); SwiGLU gate, up, y and dy, gate, up, 2 grads
+    print(
+        activation_row("bias-GELU", bias_gelu, bias_gelu_reference, gelu_inputs, dout, 2, 5, device)
+    )
+    print(activation_row("SwiGLU", swiglu, swiglu_reference, swiglu_inputs, dout, 3, 8, device))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both tables on CUDA (or the interpreter with --cpu-smoke); 1 without a device."""
+    args = parse_args(argv)
+    if args.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before megalite.kernels imports triton
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        print(
+            "bench_kernels: no CUDA device here, and the Triton kernels only run at speed on a "
+            "GPU. Run it on a GPU machine, or pass --cpu-smoke for a tiny run under the Triton "
+            "interpreter (it checks that everything runs; its timings mean nothing).",
+            file=sys.stderr,
+        )
+        return 1
+    os.environ["MEGALITE_KERNELS"] = "triton"  # measure the kernels, never a silent fallback
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
+    print(f"device: {name}, torch {torch.__version__}")
+    bench_attention(args, device)
+    bench_activations(args, device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Single-process training throughput: megalite against Hugging Face transformers.
+
+For each architecture (GPT-2 style and Llama style) this builds megalite's model and the
+matching Hugging Face model (`GPT2LMHeadModel` / `LlamaForCausalLM`, from a config, offline)
+of the same dimensions, and trains both in this process, fp32 on CPU, on the same batches with
+the same optimizer: AdamW (same lr, betas, eps, weight decay on matrices only), global-norm
+clipping at 1.0, a constant learning rate. Steps of the two are interleaved (and which goes
+first alternates) so that the noise of a shared machine hits both alike; the table reports
+medians over the steps after warm-up.
+
+    python tools/bench_single.py                    # both architectures
+    python tools/bench_single.py --arch llama --kv-heads 2 --threads 2
+    python -m megalite.benchmarks.single            # the same, from an installed megalite
+
+The batches are drawn from a fixed Zipf-like unigram distribution (seeded), so the loss has
+something to learn within a few steps and a reader can see both implementations train. They
+start from different initial weights, so their losses differ slightly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from megalite.benchmarks import harness
+from megalite.benchmarks.torch_gpt import ADAMW_IMPLEMENTATIONS, torch_adamw
+from megalite.checkpoint.hf import hf_config
+from megalite.config import Config
+from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel import padded_vocab_size
+from megalite.training.setup import build_run
+from megalite.training.step import train_step
+
+LABELS = {"gpt": "GPT-2", "llama": "Llama"}
+
+
+def options() -> argparse.ArgumentParser:
+    """This benchmark's command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", choices=("gpt", "llama", "both"), default="both")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=None, help="llama only (default: heads)")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per contender")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--hf-adamw",
+        choices=tuple(ADAMW_IMPLEMENTATIONS),
+        default="default",
+        help="torch.optim.AdamW implementation for the HF models (default: torch's choice)",
+    )
+    return parser
+
+
+def megalite_config(args: argparse.Namespace, arch: str) -> Config:
+    """The benchmark model as megalite's config: one micro-batch of the whole batch."""
+    overrides = [f"model.arch={arch}"]
+    if arch == "llama" and args.kv_heads is not None:
+        overrides.append(f"model.n_kv_heads={args.kv_heads}")
+    return harness.megalite_config(args, args.batch, args.batch, *overrides)
+
+
+def megalite_contender(cfg: Config, lr: float) -> harness.Contender:
+    training = build_run(cfg, ParallelState.single("cpu"), num_microbatches=1)
+    params = sum(p.numel() for p in training.named_parameters().values())
+
+    def step(tokens: torch.Tensor) -> dict[str, float]:
+        return {"loss": train_step(training, tokens, lr).loss}
+
+    return harness.Contender("megalite", step, info={"params": params})
+
+
+def hf_model(cfg: Config) -> torch.nn.Module:
+    """The Hugging Face model with megalite's dimensions (the config `megalite export-hf`
+    writes), SDPA attention, no dropout."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(cfg.model)
+    config.use_cache = False
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa", dtype=torch.float32
+    )
+    return model.train()
+
+
+def hf_contender(cfg: Config, lr: float, adamw: str) -> harness.Contender:
+    torch.manual_seed(cfg.train.seed)
+    model = hf_model(cfg)
+    optimizer = torch_adamw(model.parameters(), lr, adamw)
+    params = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+    vocab = cfg.model.vocab_size
+
+    def step(tokens: torch.Tensor) -> dict[str, float]:
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(input_ids=inputs, use_cache=False).logits  # (b, s, vocab)
+        loss = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        return {"loss": loss.item()}
+
+    return harness.Contender("transformers", step, info={"params": params})
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Measure in this process: one row per (architecture, implementation), with its step
+    times and the loss of every step."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    archs = ["gpt", "llama"] if args.arch == "both" else [args.arch]
+    batches = harness.make_batches(args, args.warmup + args.steps, args.batch)
+    rows = []
+    for arch in archs:
+        cfg = megalite_config(args, arch)
+        pair = [megalite_contender(cfg, args.lr), hf_contender(cfg, args.lr, args.hf_adamw)]
+        harness.measure(pair, batches, args.warmup)
+        rows += [
+            {"model": LABELS[arch], "implementation": c.name, "times": c.times, "losses": c.losses}
+            | c.info
+            for c in pair
+        ]
+    return rows
+
+
+def report(args: argparse.Namespace, rows: list[dict]) -> None:
+    """Print the table of `run`'s rows."""
+    tokens_per_step = args.batch * args.seq
+    header = (
+        f"{'model':<7} {'implementation':<14} {'params':>11} {'tokens/s':>10} {'step ms':>9} "
+        f"{'min ms':>8} {'ratio':>7} {'paired':>7} {'loss first -> last':>20}"
+    )
+    print(header)
+    print("-" * len(header))
+    reference = {r["model"]: r for r in rows if r["implementation"] == "transformers"}
+    for r in rows:
+        step_s = statistics.median(r["times"])
+        ratio = paired = "ref"
+        if r["implementation"] == "megalite" and r["model"] in reference:
+            hf_times = reference[r["model"]]["times"]
+            ratio = f"{statistics.median(hf_times) / step_s:.2f}x"
+            paired = f"{statistics.median(h / m for h, m in zip(hf_times, r['times'])):.2f}x"
+        losses = f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"
+        rate = tokens_per_step / step_s
+        print(
+            f"{r['model']:<7} {r['implementation']:<14} {r['params']:>11,} {rate:>10,.0f} "
+            f"{step_s * 1e3:>9.1f} {min(r['times']) * 1e3:>8.1f} {ratio:>7} {paired:>7} "
+            f"{losses:>20}"
+        )
+    print()
+    for note in notes(args, tokens_per_step):
+        print(note)
+
+
+def notes(args: argparse.Namespace, tokens_per_step: int) -> list[str]:
+    """How the table was measured and how to read it."""
+    round_to = Config().model.vocab_round_to
+    return [
+        f"fp32 CPU, {torch.get_num_threads()} threads; batch {args.batch} x seq {args.seq} = "
+        f"{tokens_per_step} tokens/step; tokens/s and step ms are medians over {args.steps} steps "
+        f"after {args.warmup} warm-up steps (min ms: fastest step); contenders interleaved.",
+        "ratio = megalite tokens/s / transformers tokens/s (>= 1.00x: megalite at least as fast);"
+        " paired = median over steps of the same ratio\nfor the two back-to-back steps on one "
+        "batch (robust to load that drifts during the run on a shared machine).",
+        f"megalite pads the vocabulary to a multiple of {round_to} rows "
+        f"({args.vocab} -> {padded_vocab_size(args.vocab, 1, round_to)}; the padded rows' logits "
+        "are never computed), so its params include the extra rows.",
+        "transformers: attn_implementation='sdpa' (its fastest CPU path), dropout 0, train mode, "
+        f"torch.optim.AdamW ({args.hf_adamw}); loss = F.cross_entropy, the mean over all tokens "
+        "(megalite: the same mean, from its LM head fused with the loss).",
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    harness.command_line(options(), run, report, argv)
+
+
+if __name__ == "__main__":
+    main()
