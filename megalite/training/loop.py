@@ -1,10 +1,12 @@
-"""The training run: topology, data, model, resume, then steps with logging, evaluation and
-checkpoints. Every rank runs this same function."""
+"""The training run, as every rank runs it: `train` below reads from the top. Join the world,
+find where the run stands, open the data, build (or resume) this rank's share of the run, then
+train. What follows each step (the NaN guard, evaluation, metrics, checkpoints, the closing
+summary) is a list of small hooks (`training/hooks.py`); everything a resume restores is one
+`RunState` (`checkpoint/state.py`), saved and loaded by the checkpoint module alone."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -13,13 +15,9 @@ from pathlib import Path
 import torch
 
 from megalite import comm
-from megalite.checkpoint.sharded import (
-    check_shared_directory,
-    checkpoint_step,
-    find_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from megalite.checkpoint.sharded import Checkpoint, find_checkpoint, load_checkpoint
+from megalite.checkpoint.state import RngStreams, RunState
+from megalite.checkpoint.writer import check_shared_directory, save_checkpoint
 from megalite.config import Config, config_to_dict, save_config
 from megalite.data import (
     BlendedDataset,
@@ -28,7 +26,6 @@ from megalite.data import (
     builtin_data,
     parse_source,
 )
-from megalite.errors import MegaliteError
 from megalite.optimizer.lr_schedule import learning_rate
 from megalite.parallel_state import (
     ParallelState,
@@ -36,14 +33,127 @@ from megalite.parallel_state import (
     choose_device,
     init_distributed,
 )
-from megalite.profiling.flops import flops_per_token, peak_flops
-from megalite.training.metrics import MetricsLogger, summary_line
+from megalite.training.hooks import (
+    Checkpointing,
+    Evaluation,
+    Hook,
+    MetricsLogging,
+    NanGuard,
+    StepRecord,
+    Summary,
+    TrainingError,
+)
+from megalite.training.metrics import MetricsLogger, StepCost, metrics_row
 from megalite.training.setup import Run, build_run
 from megalite.training.step import eval_loss, train_step
 
 
-class TrainingError(MegaliteError):
-    """Training cannot go on (for example the loss became NaN)."""
+def train(cfg: Config) -> dict[str, float]:
+    """Train to cfg.train.steps (resuming if a checkpoint says so) and print one summary line;
+    returns the last metrics row, empty when an earlier run already got there."""
+    t = cfg.train
+    ps, num_microbatches = setup_topology(cfg)
+    out_dir = Path(t.out_dir)
+    ckpt_root = out_dir / "checkpoints"
+    resume_from = resume_point(cfg, ckpt_root)
+    if resume_from is not None and already_trained(resume_from, cfg, ps):
+        return {}
+    check_shared_directory(ckpt_root, ps)  # every rank writes its own checkpoint files there
+    torch.manual_seed(t.seed)  # dropout on tp-replicated activations: same on all ranks
+    data = open_data(cfg)
+    run, state = start_run(cfg, ps, num_microbatches, data, resume_from)
+    if ps.rank == 0:
+        save_config(cfg, out_dir / "config.yaml")
+        if blend := describe_blend(data.train):
+            print(blend)
+    logger = MetricsLogger(cfg, out_dir, ps.rank == 0, state.step)
+    cost = StepCost.of(cfg, ps)
+    summary = Summary(state.step, cost.tokens)
+    hooks = [
+        NanGuard(),
+        Evaluation(lambda: evaluate(run, data.val), t.eval_interval, t.steps, logger.write),
+        MetricsLogging(logger, t.log_interval, t.steps),
+        Checkpointing(
+            lambda: save_checkpoint(ckpt_root, state, cfg.checkpoint.keep, data.tokenizer_path),
+            cfg.checkpoint.interval,
+            t.steps,
+        ),
+        summary,
+    ]
+    row = run_steps(run, state, data.train, cost, hooks)
+    for hook in hooks:
+        hook.close()
+    if ps.rank == 0:
+        print(summary.line())
+    return row
+
+
+def run_steps(
+    run: Run, state: RunState, train_data: BlendedDataset, cost: StepCost, hooks: list[Hook]
+) -> dict[str, float]:
+    """Train from `state.step` to the last step, handing each finished step to the hooks in
+    order; returns the last step's metrics row."""
+    cfg, steps = run.cfg, run.cfg.train.steps
+    row: dict[str, float] = {}
+    for step in range(state.step, steps):
+        lr = learning_rate(step, cfg.optim, steps)
+        batch = rank_slice(train_data.get_batch(state.sampler.next_batch()), run.ps)
+        start = time.perf_counter()
+        metrics = train_step(run, batch, lr)
+        elapsed = time.perf_counter() - start
+        state.step = step + 1
+        row = metrics_row(state.step, metrics, lr, elapsed, cost, run.scaler)
+        record = StepRecord(state.step, metrics, lr, elapsed, row)
+        for hook in hooks:
+            hook.after_step(record)
+    return row
+
+
+def setup_topology(cfg: Config) -> tuple[ParallelState, int]:
+    """Join the world and build the groups; returns the state and micro-batches per step.
+    The layout is checked against the launcher's world size before any process group exists."""
+    _, num_microbatches = cfg.layout_for_world(int(os.environ.get("WORLD_SIZE", 1)))
+    device = choose_device(cfg.train.device)
+    init_distributed(device)
+    return build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, device), num_microbatches
+
+
+def start_run(
+    cfg: Config,
+    ps: ParallelState,
+    num_microbatches: int,
+    data: Data,
+    resume_from: Path | None,
+) -> tuple[Run, RunState]:
+    """This rank's run and its resumable state: new (seeded weights, or those of
+    `checkpoint.init_from`) or restored from the checkpoint `resume_from`."""
+    t = cfg.train
+    sampler = GlobalBatchSampler(data.train.sizes, t.global_batch_size, t.seed, data.train.weights)
+    init_from = cfg.checkpoint.init_from
+    run = build_run(
+        cfg,
+        ps,
+        num_microbatches,
+        init_from=Path(init_from) if init_from and not resume_from else None,
+        random_init=resume_from is None,  # the checkpoint overwrites every weight
+    )
+    state = run_state(run, sampler)
+    if resume_from is not None:
+        load_checkpoint(resume_from, state, announce=lambda ckpt: announce_resume(ckpt, cfg, ps))
+    return run, state
+
+
+def run_state(run: Run, sampler: GlobalBatchSampler) -> RunState:
+    """The resumable state of `run` at its start: what a checkpoint saves and a resume fills."""
+    return RunState(
+        ps=run.ps,
+        params=run.named_parameters(),
+        optimizer=run.optimizer,
+        rng=RngStreams(run.tp_random),
+        sampler=sampler,
+        scaler=run.scaler,
+        config=config_to_dict(run.cfg),
+    )
 
 
 @dataclass
@@ -102,15 +212,6 @@ def evaluate(run: Run, val: BlendedDataset) -> float:
     return sum(losses) / len(losses)
 
 
-def setup_topology(cfg: Config) -> tuple[ParallelState, int]:
-    """Join the world and build the groups; returns the state and micro-batches per step.
-    The layout is checked against the launcher's world size before any process group exists."""
-    _, num_microbatches = cfg.layout_for_world(int(os.environ.get("WORLD_SIZE", 1)))
-    device = choose_device(cfg.train.device)
-    init_distributed(device)
-    return build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, device), num_microbatches
-
-
 # Settings that shape the learning-rate schedule or the batch: a resume that changes them does
 # not continue the run it resumes, so it says what changed.
 RESUME_SENSITIVE = (
@@ -155,116 +256,25 @@ def resume_point(cfg: Config, ckpt_root: Path) -> Path | None:
     return resume_from
 
 
-def restore(run: Run, path: Path, sampler: GlobalBatchSampler) -> int:
-    """Continue from the checkpoint at `path`, saying what changed since; returns its step."""
-    state = load_checkpoint(path, run)
-    if run.ps.rank == 0:
-        print(f"resumed from {path} at step {state['step']}")
-        changes = config_changes(state.get("config", {}), run.cfg)
-        if changes:
-            print(f"changed since the checkpoint: {', '.join(changes)}")
-    sampler.load_state_dict(state["sampler"])
-    run.scaler.load_state_dict(state["scaler"])
-    return state["step"]
-
-
-def train(cfg: Config) -> dict[str, float]:
-    """Train to cfg.train.steps (resuming if a checkpoint says so) and print one summary line;
-    returns the last metrics row, empty when an earlier run already got there."""
-    ps, num_microbatches = setup_topology(cfg)
-    t = cfg.train
-    out_dir, start_step = Path(t.out_dir), 0
-    ckpt_root = out_dir / "checkpoints"
-    resume_from = resume_point(cfg, ckpt_root)
-    if resume_from is not None and (saved_step := checkpoint_step(resume_from)) >= t.steps:
-        if ps.rank == 0:
-            print(
-                f"already trained to step {saved_step} (out_dir {out_dir}); "
-                "raise train.steps to continue"
-            )
-        return {}
-    check_shared_directory(ckpt_root, ps)  # every rank writes its own checkpoint files there
-    torch.manual_seed(t.seed)  # dropout on tp-replicated activations: same on all ranks
-    data = open_data(cfg)
-    sampler = GlobalBatchSampler(data.train.sizes, t.global_batch_size, t.seed, data.train.weights)
-    init_from = cfg.checkpoint.init_from
-    run = build_run(
-        cfg,
-        ps,
-        num_microbatches,
-        Path(init_from) if init_from and not resume_from else None,
-        random_init=resume_from is None,  # the checkpoint overwrites every weight
-    )
-    if resume_from is not None:
-        start_step = restore(run, resume_from, sampler)
+def already_trained(resume_from: Path, cfg: Config, ps: ParallelState) -> bool:
+    """Whether the checkpoint a run would continue from already reached train.steps (rank 0
+    says so). Read from its manifest alone, without hashing files: loading does that."""
+    saved_step = Checkpoint(resume_from, verify_files=False).step
+    if saved_step < cfg.train.steps:
+        return False
     if ps.rank == 0:
-        save_config(cfg, out_dir / "config.yaml")
-        if blend := describe_blend(data.train):
-            print(blend)
-    logger = MetricsLogger(cfg, out_dir, ps.rank == 0, start_step)
-    tokens_per_step = t.global_batch_size * cfg.model.seq_len
-    flops_per_step = flops_per_token(cfg.model) * tokens_per_step
-    peak = peak_flops(ps.device) * ps.world_size  # NaN for an unknown GPU: MFU is logged null
-    row: dict[str, float] = {}
-    val_loss, train_time, saved = None, 0.0, None
-
-    def checkpoint(step: int) -> Path:
-        state = {
-            "step": step,
-            "sampler": sampler.state_dict(),
-            "scaler": run.scaler.state_dict(),
-            "config": config_to_dict(cfg),
-        }
-        return save_checkpoint(
-            ckpt_root, step, run, state, cfg.checkpoint.keep, data.tokenizer_path
+        print(
+            f"already trained to step {saved_step} (out_dir {Path(cfg.train.out_dir)}); "
+            "raise train.steps to continue"
         )
+    return True
 
-    for step in range(start_step, t.steps):
-        lr = learning_rate(step, cfg.optim, t.steps)
-        batch = rank_slice(data.train.get_batch(sampler.next_batch()), ps)
-        start = time.perf_counter()
-        metrics = train_step(run, batch, lr)
-        elapsed = time.perf_counter() - start
-        train_time += elapsed
-        if not math.isfinite(metrics.loss):
-            raise TrainingError(
-                f"loss became {metrics.loss} at step {step + 1}: lower optim.lr, raise "
-                "optim.warmup_steps, or use train.precision=bf16/fp32 instead of fp16"
-            )
-        done = step + 1
-        row = {
-            "step": done,
-            "loss": metrics.loss,
-            "lr": lr,
-            "grad_norm": metrics.grad_norm,
-            "tokens_per_sec": tokens_per_step / elapsed,
-            "step_time_s": elapsed,
-            "tflops": flops_per_step / elapsed / 1e12,
-            "mfu": flops_per_step / elapsed / peak,
-            "bubble_fraction": metrics.bubble_fraction,
-            "skipped_steps": run.scaler.skipped_steps,
-            "loss_scale": run.scaler.scale,
-        }
-        if t.eval_interval <= t.steps and (done % t.eval_interval == 0 or done == t.steps):
-            val_loss = row["val_loss"] = evaluate(run, data.val)
-            row["val_ppl"] = math.exp(min(val_loss, 50.0))
-            logger.write(f"step {done}: val_loss {val_loss:.4f} ppl {row['val_ppl']:.1f}")
-        if done % t.log_interval == 0 or done == t.steps or "val_loss" in row:
-            logger.log(row)
-        logger.progress(
-            done,
-            {
-                "loss": f"{metrics.loss:.4f}",
-                "lr": f"{lr:.2e}",
-                "tok/s": f"{row['tokens_per_sec']:.0f}",
-            },
-        )
-        interval = cfg.checkpoint.interval
-        if (interval and done % interval == 0) or done == t.steps:
-            saved = checkpoint(done)
-    logger.close()
-    if ps.rank == 0:
-        steps_run = t.steps - start_step
-        throughput = steps_run * tokens_per_step / train_time
-        print(summary_line(t.steps, steps_run, row["loss"], val_loss, throughput, saved))
-    return row
+
+def announce_resume(ckpt: Checkpoint, cfg: Config, ps: ParallelState) -> None:
+    """Rank 0 says where the run continues from, and what changed since that shapes it."""
+    if ps.rank != 0:
+        return
+    print(f"resumed from {ckpt.path} at step {ckpt.step}")
+    changes = config_changes(ckpt.config, cfg)
+    if changes:
+        print(f"changed since the checkpoint: {', '.join(changes)}")

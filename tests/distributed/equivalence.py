@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from megalite.checkpoint.sharded import OPTIMIZER_KINDS, read_manifest, read_tensor
+from megalite.checkpoint.sharded import Checkpoint, resolve_checkpoint
 from megalite.config import load_config
 from megalite.launch import run_ranks
 from megalite.training.loop import train
@@ -46,13 +46,8 @@ def run_layout(
     run_ranks(world_size, _train, config, overrides, str(out_dir))
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [(row["loss"], row["grad_norm"]) for row in rows]
-    checkpoint = out_dir / "checkpoints" / (out_dir / "checkpoints" / "latest").read_text()
-    manifest = read_manifest(checkpoint)
-    weights = {
-        name: read_tensor(checkpoint, manifest, name)
-        for name in manifest["tensors"]
-        if not name.endswith(OPTIMIZER_KINDS)
-    }
+    checkpoint = Checkpoint(resolve_checkpoint(out_dir))  # the newest: the final weights
+    weights = {name: checkpoint.tensor(name) for name in checkpoint.weight_names()}
     return losses, weights
 
 

@@ -8,15 +8,13 @@ import torch
 from equivalence import TINY
 
 from megalite import comm
-from megalite.checkpoint.sharded import (
-    CheckpointError,
-    check_shared_directory,
-    owned_tensors,
-    save_checkpoint,
-)
+from megalite.checkpoint.sharded import CheckpointError
+from megalite.checkpoint.writer import check_shared_directory, owned_tensors, save_checkpoint
 from megalite.config import load_config
+from megalite.data import GlobalBatchSampler
 from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
+from megalite.training.loop import run_state
 from megalite.training.setup import build_run
 
 LAYOUT = ("parallel.tp=2", "parallel.zero=1", "model.arch=llama", "model.n_kv_heads=2")
@@ -26,7 +24,9 @@ def _save(root: str):
     cfg = load_config(None, [*TINY, *LAYOUT])
     ps = build_parallel_state(2, 1, torch.device("cpu"))
     run = build_run(cfg, ps, num_microbatches=1)
-    files, _ = owned_tensors(run)
+    state = run_state(run, GlobalBatchSampler(100, cfg.train.global_batch_size, cfg.train.seed))
+    state.step = 1
+    files, _ = owned_tensors(state)
     written = {
         kind: sum(
             t.numel() * t.element_size()
@@ -45,7 +45,7 @@ def _save(root: str):
     ]
     elements = sum(p.numel() for p in saved)
     with comm.record_collectives() as log:
-        save_checkpoint(Path(root), 1, run, {"step": 1}, keep=1)
+        save_checkpoint(Path(root), state, keep=1)
     return ps.tp_rank, ps.dp_rank, written, elements, [r.op for r in log]
 
 

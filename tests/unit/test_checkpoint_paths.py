@@ -6,12 +6,7 @@ import json
 
 import pytest
 
-from megalite.checkpoint.sharded import (
-    FORMAT,
-    CheckpointError,
-    checkpoint_step,
-    resolve_checkpoint,
-)
+from megalite.checkpoint.sharded import FORMAT, Checkpoint, CheckpointError, resolve_checkpoint
 from megalite.cli import main
 
 
@@ -34,7 +29,7 @@ def test_every_way_of_naming_a_run_finds_its_latest_checkpoint(tmp_path):
     for given in (tmp_path / "run", root, root / "latest", newest):
         assert resolve_checkpoint(given) == newest, given
     assert resolve_checkpoint(root / "step_000005") == root / "step_000005"  # asked for by name
-    assert checkpoint_step(newest) == 10
+    assert Checkpoint(newest, verify_files=False).step == 10
 
 
 def test_without_a_usable_latest_the_highest_complete_step_is_taken(tmp_path):
@@ -78,7 +73,7 @@ def test_a_manifest_without_a_step_is_refused(tmp_path):
     manifest = json.loads((step / "manifest.json").read_text())
     (step / "manifest.json").write_text(json.dumps({**manifest, "step": None}))
     with pytest.raises(CheckpointError, match=r"corrupt manifest.json \(no step\)"):
-        checkpoint_step(step)
+        _ = Checkpoint(step, verify_files=False).step
     (step / "manifest.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="corrupt manifest.json"):
-        checkpoint_step(step)
+        Checkpoint(step, verify_files=False)

@@ -1,0 +1,182 @@
+"""Writing a run's state as a checkpoint in the layout `sharded.py` describes: every rank writes
+the tensors it holds into a temporary directory, rank 0 merges the per-rank indexes into the
+manifest and publishes the directory with a rename, then points `latest` at it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as safetensors_bytes
+from torch import nn
+
+from megalite import comm
+from megalite.checkpoint.sharded import (
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    TOKENIZER,
+    CheckpointError,
+    rng_file,
+    state_name,
+    step_dir,
+)
+from megalite.checkpoint.state import RunState
+from megalite.parallel_state import ParallelState
+
+
+def _write_atomic(path: Path, data: bytes) -> str:
+    """Write bytes under a temporary name, fsync, rename; returns the sha256."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _entry(meta, pieces: int) -> dict[str, Any]:
+    return {
+        "global_shape": list(meta.global_shape),
+        "real_rows": meta.init_rows,
+        "split_dim": meta.tp_split_dim,
+        "pieces": pieces,
+        "segments": [],
+    }
+
+
+def _saved_name(param: nn.Parameter, name: str, ps: ParallelState) -> str | None:
+    """The name `param` is saved under by this rank, or None: a tied copy is saved by its
+    original, a tp-replicated tensor by tp rank 0."""
+    meta = param.meta
+    if meta.tied_name is not None or (meta.tp_split_dim is None and ps.tp_rank > 0):
+        return None
+    return name
+
+
+def owned_tensors(state: RunState) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict]]:
+    """What this rank writes, by file: its tp piece of every parameter (dp rank 0) and the
+    optimizer state of the elements it owns, copied to host memory; and the manifest entries
+    saying where each segment lies. No collective: every rank already holds what it writes."""
+    ps, optimizer = state.ps, state.optimizer
+    model_file = f"model_tp{ps.tp_rank:02d}_pp{ps.pp_rank:02d}.safetensors"
+    optim_file = f"optim_tp{ps.tp_rank:02d}_pp{ps.pp_rank:02d}_dp{ps.dp_rank:02d}.safetensors"
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    entries: dict[str, dict] = {}
+
+    def add(key: str, param, file: str, lo: int, tensor: torch.Tensor) -> None:
+        split = param.meta.tp_split_dim is not None
+        piece, pieces = (ps.tp_rank, ps.tp_size) if split else (0, 1)
+        entry = entries.setdefault(key.split("@")[0], _entry(param.meta, pieces))
+        entry["segments"].append([piece, lo, lo + tensor.numel(), file, key])
+        files.setdefault(file, {})[key] = tensor.detach().cpu()
+
+    if ps.dp_rank == 0:
+        for name, param in state.params.items():
+            if _saved_name(param, name, ps) is not None:
+                add(name, param, model_file, 0, param)
+    if optimizer.sharded or ps.dp_rank == 0:
+        names = {param: name for name, param in state.params.items()}
+        for param, lo, _, views in optimizer.owned_pieces():
+            name = _saved_name(param, names[param], ps)
+            if name is not None:
+                for kind, view in views.items():
+                    add(f"{state_name(name, kind)}@{lo}", param, optim_file, lo, view)
+    return files, entries
+
+
+def check_shared_directory(directory: Path, ps: ParallelState) -> None:
+    """Collective. Every rank writes its own files into a checkpoint, and rank 0 publishes it:
+    that needs `directory` on a filesystem every node sees. Each rank leaves a marker named by a
+    token that rank 0 draws for this launch and checks that it sees all of them; on a node-local
+    disk every rank misses some, so every rank stops with the same clear error."""
+    if ps.world_size == 1:
+        return
+    token = torch.zeros((), dtype=torch.int64, device=ps.device)
+    if ps.rank == 0:
+        token.fill_(int.from_bytes(os.urandom(6), "little"))
+    comm.all_reduce(token, ps.world_group)  # a broadcast: the other ranks add zero
+    probe = Path(directory) / f".shared-check-{token.item():x}"
+    probe.mkdir(parents=True, exist_ok=True)
+    (probe / f"rank{ps.rank}").touch()
+    comm.barrier()
+    seen = sum((probe / f"rank{r}").is_file() for r in range(ps.world_size))
+    comm.barrier()
+    if ps.rank == 0 or seen < ps.world_size:
+        shutil.rmtree(probe, ignore_errors=True)
+    comm.barrier()  # gone for every rank once this returns
+    if seen < ps.world_size:
+        raise CheckpointError(
+            f"{directory} is not shared by all ranks: rank {ps.rank} sees {seen} of "
+            f"{ps.world_size} ranks' files there. Put train.out_dir on a filesystem that every "
+            "node mounts (NFS, Lustre, ...)"
+        )
+
+
+def save_checkpoint(root: Path, state: RunState, keep: int, tokenizer: Path | None = None) -> Path:
+    """Collective: every rank calls it after the same step. Saves `state` as the checkpoint of
+    step `state.step` under `root`, keeps the newest `keep`, and returns its directory. The
+    tokenizer model is copied in so a checkpoint alone is enough to generate text."""
+    ps = state.ps
+    final = step_dir(root, state.step)
+    tmp_dir = final.with_suffix(".tmp")
+    if ps.rank == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    comm.barrier()
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    files, entries = owned_tensors(state)
+    index: dict[str, Any] = {"files": {}, "tensors": entries}
+    files[rng_file(ps.rank)] = state.rng.state_dict()
+    for file, tensors in files.items():
+        index["files"][file] = _write_atomic(tmp_dir / file, safetensors_bytes(tensors))
+    if ps.rank == 0 and tokenizer is not None:
+        index["files"][TOKENIZER] = _write_atomic(tmp_dir / TOKENIZER, Path(tokenizer).read_bytes())
+    _write_atomic(tmp_dir / f"index_rank{ps.rank:05d}.json", json.dumps(index).encode())
+    comm.barrier()
+    if ps.rank == 0:
+        _write_manifest(tmp_dir, state)
+        _publish(root, final, tmp_dir, keep)
+    comm.barrier()
+    return final
+
+
+def _write_manifest(tmp_dir: Path, state: RunState) -> None:
+    """Rank 0: merge the per-rank indexes into the manifest."""
+    ps = state.ps
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "step": state.step,
+        "layout": {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size},
+        "world_size": ps.world_size,
+        "optimizer_step": state.optimizer.step_count,
+        "trainer": state.trainer_state(),
+        "files": {},
+        "tensors": {},
+    }
+    for index_file in sorted(tmp_dir.glob("index_rank*.json")):
+        index = json.loads(index_file.read_text())
+        manifest["files"].update(index["files"])
+        for name, entry in index["tensors"].items():
+            merged = manifest["tensors"].setdefault(name, {**entry, "segments": []})
+            merged["segments"] += entry["segments"]
+        index_file.unlink()
+    for entry in manifest["tensors"].values():
+        entry["segments"].sort()
+    _write_atomic(tmp_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+def _publish(root: Path, final: Path, tmp_dir: Path, keep: int) -> None:
+    """Rank 0: rename the complete checkpoint into place, point `latest` at it, drop the oldest
+    beyond `keep`."""
+    if final.exists():
+        shutil.rmtree(final)
+    tmp_dir.rename(final)
+    _write_atomic(root / LATEST, final.name.encode())
+    for old in sorted(root.glob("step_*[0-9]"))[:-keep]:
+        shutil.rmtree(old)

@@ -1,0 +1,110 @@
+"""A run's state and its one save / load pair, in one process: everything a resume needs comes
+back (weights, optimizer state and step count, RNG streams, data position, loss scaler, step),
+the resume can speak before a refused data order stops it, and `Checkpoint` reads a saved run
+for the modules that only need its config, tokenizer or weights."""
+
+import pytest
+import torch
+from run_configs import ONE_LAYER
+
+from megalite.checkpoint.sharded import Checkpoint, CheckpointError, load_checkpoint
+from megalite.checkpoint.writer import save_checkpoint
+from megalite.config import config_to_dict, load_config
+from megalite.data import DataError, GlobalBatchSampler
+from megalite.optimizer.zero1 import STATE_KINDS
+from megalite.parallel_state import ParallelState
+from megalite.training.loop import run_state
+from megalite.training.setup import build_run
+from megalite.training.step import train_step
+
+WINDOWS = 50
+
+
+def fresh_state(global_batch_size: int = 2):
+    cfg = load_config(None, [*ONE_LAYER, f"train.global_batch_size={global_batch_size}"])
+    run = build_run(cfg, ParallelState.single(), 1)
+    sampler = GlobalBatchSampler(WINDOWS, global_batch_size, cfg.train.seed)
+    return run, run_state(run, sampler)
+
+
+def optimizer_state(state) -> list[torch.Tensor]:
+    return [view.clone() for *_, views in state.optimizer.owned_pieces() for view in views.values()]
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A run state two steps in, with a loss scaler that has seen overflows, saved."""
+    run, state = fresh_state()
+    for _ in range(2):
+        state.sampler.next_batch()
+        train_step(run, torch.randint(0, 500, (2, 17)), 1e-3)
+    state.step = 2
+    state.scaler.scale, state.scaler.skipped_steps = 1024.0, 3
+    tokenizer = tmp_path / "tok.model"
+    tokenizer.write_bytes(b"\nsentencepiece")
+    path = save_checkpoint(tmp_path / "checkpoints", state, keep=1, tokenizer=tokenizer)
+    return path, state, torch.get_rng_state(), state.rng.tp_random.state.clone()
+
+
+def test_a_loaded_state_is_the_saved_one(saved):
+    path, before, torch_rng, tp_rng = saved
+    run, state = fresh_state()
+    with torch.no_grad():
+        for param in state.params.values():
+            param.normal_()  # anything but the saved values
+    torch.manual_seed(12345)
+    state.rng.tp_random.state = torch.Generator().manual_seed(1).get_state()
+
+    ckpt = load_checkpoint(path, state)
+    assert ckpt.step == state.step == 2
+    for name, param in before.params.items():
+        assert torch.equal(state.params[name], param), name
+    assert state.optimizer.step_count == 2
+    for loaded, original in zip(optimizer_state(state), optimizer_state(before), strict=True):
+        assert torch.equal(loaded, original)
+    assert torch.equal(torch.get_rng_state(), torch_rng)
+    assert torch.equal(state.rng.tp_random.state, tp_rng)
+    assert state.sampler.state_dict() == before.sampler.state_dict()
+    assert state.scaler.state_dict() == before.scaler.state_dict()
+    assert state.sampler.next_batch() == before.sampler.next_batch()  # the same data from here
+
+
+def test_a_resume_speaks_before_a_refused_data_order_stops_it(saved):
+    path, before, _, _ = saved
+    _, state = fresh_state(global_batch_size=4)
+    heard = []
+
+    def announce(ckpt):
+        weights_in = torch.equal(state.params["wte.weight"], before.params["wte.weight"])
+        heard.append((ckpt.step, ckpt.config["train"]["global_batch_size"], weights_in))
+
+    with pytest.raises(DataError, match="cannot resume the data order"):
+        load_checkpoint(path, state, announce)
+    assert heard == [(2, 2, True)]
+    assert state.step == 0
+
+
+def test_checkpoint_read_api(saved):
+    path, before, _, _ = saved
+    ckpt = Checkpoint(path)
+    assert ckpt.step == 2
+    assert ckpt.config == config_to_dict(load_config(None, [*ONE_LAYER]))
+    ckpt.config["train"]["steps"] = -1  # a copy, free to change
+    assert ckpt.config["train"]["steps"] != -1
+    assert ckpt.tokenizer.read_bytes() == b"\nsentencepiece"
+    names = ckpt.weight_names()
+    assert "wte.weight" in names and not any(n.endswith(STATE_KINDS) for n in names)
+    assert set(names) <= set(before.params)
+    assert torch.equal(ckpt.tensor("wte.weight"), before.params["wte.weight"][:500])
+
+    _, state = fresh_state()
+    ckpt.load_parameters(state.params, state.ps)
+    for name, param in before.params.items():
+        assert torch.equal(state.params[name], param), name
+
+
+def test_a_checkpoint_without_a_tokenizer_says_so(tmp_path):
+    _, state = fresh_state()
+    path = save_checkpoint(tmp_path, state, keep=1)
+    with pytest.raises(CheckpointError, match=r"step_000000 carries no tokenizer.model"):
+        _ = Checkpoint(path).tokenizer
