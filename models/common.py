@@ -31,6 +31,7 @@ from megalite.tensor_parallel import (
     recompute,
     tp_input,
 )
+from megalite.tensor_parallel.layers import InitFn
 
 
 @dataclass
@@ -45,7 +46,7 @@ class BuildContext:
     recompute_layers: int | None = None
 
     @property
-    def out_proj_init(self):
+    def out_proj_init(self) -> InitFn:
         """GPT-2's scaled init for projections that write into the residual stream."""
         return normal_init(self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers))
 
