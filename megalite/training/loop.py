@@ -59,6 +59,7 @@ def train(cfg: Config) -> dict[str, float]:
     if resume_from is not None and already_trained(resume_from, cfg, ps):
         return {}
     check_shared_directory(ckpt_root, ps)  # every rank writes its own checkpoint files there
+    cost = StepCost.of(cfg, ps)  # first: measuring a CPU's peak draws random numbers
     torch.manual_seed(t.seed)  # dropout on tp-replicated activations: same on all ranks
     data = open_data(cfg)
     run, state = start_run(cfg, ps, num_microbatches, data, resume_from)
@@ -67,7 +68,6 @@ def train(cfg: Config) -> dict[str, float]:
         if blend := describe_blend(data.train):
             print(blend)
     logger = MetricsLogger(cfg, out_dir, ps.rank == 0, state.step)
-    cost = StepCost.of(cfg, ps)
     summary = Summary(state.step, cost.tokens)
     hooks = [
         NanGuard(),

@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from megalite.checkpoint.sharded import CheckpointError, read_manifest
 from megalite.config import load_config
+from megalite.profiling.flops import peak_flops
 from megalite.training.loop import TrainingError, train
 
 STEPS, INTERVAL, KEEP = 6, 2, 2
@@ -128,6 +129,20 @@ def test_auto_resume_continues_the_run(run_copy):
         "step_000006",
         "step_000008",
     ]
+
+
+def test_a_resume_with_dropout_repeats_the_uninterrupted_run(tmp_path, builtin_corpus):
+    """Dropout draws from the RNG streams a resume restores: nothing a run does as it starts
+    (measuring the CPU's peak FLOP/s draws random numbers) may draw from them after that."""
+    out_dir = tmp_path / "run"
+    peak_flops.cache_clear()  # every start measures it afresh, as a new process does
+    train(tiny_config(out_dir, "model.dropout=0.2"))
+    uninterrupted = {r["step"]: r["loss"] for r in metrics(out_dir)}
+    peak_flops.cache_clear()
+    step_4 = out_dir / "checkpoints" / "step_000004"
+    train(tiny_config(out_dir, "model.dropout=0.2", f"checkpoint.resume={step_4}"))
+    resumed = {r["step"]: r["loss"] for r in metrics(out_dir)[STEPS:]}
+    assert resumed == {5: uninterrupted[5], 6: uninterrupted[6]}
 
 
 def test_corrupt_newest_checkpoint_is_refused_and_earlier_one_still_loads(run_copy, trained):
