@@ -4,7 +4,9 @@ dotted command-line overrides (`train.steps=50 parallel.tp=2`).
 Loading is strict so that a typo never silently trains the wrong model: an unknown key names
 the closest valid ones, every value is type-checked, and ranges and cross-field constraints are
 checked in `__post_init__` before any work starts. Constraints that need the world size (tp * pp
-dividing it) are checked by `Config.layout_for_world`.
+dividing it, and the pipeline schedule's rules on the micro-batch count that follows) are checked
+by `Config.layout_for_world`. The pipeline schedule's rules belong to `pipeline.schedule` (which
+imports no torch, so config errors still come before torch is imported); this module runs them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import difflib
 import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ from typing import Any
 import yaml
 
 from megalite.errors import MegaliteError
+from megalite.pipeline.schedule import ScheduleError, check_chunks, check_microbatches
 
 
 class ConfigError(MegaliteError):
@@ -30,6 +34,26 @@ class ConfigError(MegaliteError):
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _schedule_rule(check: Callable[..., Any], *args: Any) -> Any:
+    """Run one of `pipeline.schedule`'s checks, its error as a config error."""
+    try:
+        return check(*args)
+    except ScheduleError as error:
+        raise ConfigError(str(error)) from None
+
+
+def data_parallel_size(world_size: int, tp: int, pp: int) -> int:
+    """dp = world size / (tp * pp): the one place it is derived, with the error that names the
+    fix when tp * pp does not divide the world."""
+    model_parallel = tp * pp
+    _require(
+        world_size % model_parallel == 0,
+        f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}: launch a "
+        f"multiple of {model_parallel} processes or change parallel.tp / parallel.pp",
+    )
+    return world_size // model_parallel
 
 
 @dataclass
@@ -131,16 +155,16 @@ class ParallelConfig:
     """Gradient bucket size (MB of fp32) for the overlapped data-parallel reduction."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "vpp"):
+        for name in ("tp", "pp"):
             _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1")
         _require(self.zero in (0, 1), f"parallel.zero must be 0 or 1, got {self.zero}")
+        _schedule_rule(check_chunks, self.schedule, self.pp, self.vpp)
+        # The schedule also builds gpipe with virtual stages (evaluation runs their forwards);
+        # training offers virtual stages only interleaved.
         _require(
-            self.schedule in ("gpipe", "1f1b", "interleaved"),
-            f"parallel.schedule must be gpipe, 1f1b or interleaved, got {self.schedule!r}",
-        )
-        _require(
-            self.vpp == 1 or self.schedule == "interleaved",
-            f"parallel.vpp={self.vpp} needs parallel.schedule=interleaved",
+            self.vpp == 1 or self.schedule != "gpipe",
+            f"parallel.vpp={self.vpp} needs parallel.schedule=interleaved: training runs gpipe "
+            "with one chunk per rank",
         )
         _require(self.bucket_mb > 0, "parallel.bucket_mb must be > 0")
 
@@ -307,20 +331,16 @@ class Config:
     def layout_for_world(self, world_size: int) -> tuple[int, int]:
         """Return (dp, micro-batches per step) for this world size, or fail clearly."""
         p, t = self.parallel, self.train
-        model_parallel = p.tp * p.pp
-        _require(
-            world_size % model_parallel == 0,
-            f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}: launch a "
-            f"multiple of {model_parallel} processes or change parallel.tp / parallel.pp",
-        )
-        dp = world_size // model_parallel
+        dp = data_parallel_size(world_size, p.tp, p.pp)
         per_step = t.micro_batch_size * dp
         _require(
             t.global_batch_size % per_step == 0,
             f"train.global_batch_size={t.global_batch_size} must be a multiple of "
             f"micro_batch_size*dp = {t.micro_batch_size}*{dp}",
         )
-        return dp, t.global_batch_size // per_step
+        m = t.global_batch_size // per_step
+        _schedule_rule(check_microbatches, p.schedule, p.pp, m, p.vpp, p.microbatch_group_size)
+        return dp, m
 
 
 # ----------------------------------------------------------------------------- loading

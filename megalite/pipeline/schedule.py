@@ -27,6 +27,7 @@ from typing import NamedTuple
 from megalite.errors import MegaliteError
 
 KINDS = ("gpipe", "1f1b", "interleaved")
+"""The schedules there are: the values of `parallel.schedule`."""
 
 
 class ScheduleError(MegaliteError, ValueError):
@@ -119,7 +120,10 @@ def build_schedule(
         P + (P - 1) / vpp micro-batches' worth of activations (N = P < m). With vpp = 1 this is
         exactly 1f1b.
     """
-    n = _check_layout(kind, pp_size, pp_rank, num_microbatches, vpp, group_size)
+    if pp_size < 1 or not 0 <= pp_rank < pp_size:
+        raise ScheduleError(f"pp rank {pp_rank} is not in 0..pp-1 (pp={pp_size})")
+    check_chunks(kind, pp_size, vpp)
+    n = check_microbatches(kind, pp_size, num_microbatches, vpp, group_size)
     return list(_every_rank(kind, pp_size, num_microbatches, vpp, n)[pp_rank])
 
 
@@ -151,20 +155,17 @@ def interleaved_warmup(pp_size: int, pp_rank: int, vpp: int, group_size: int) ->
     return (pp_size - pp_rank - 1) * 2 + (vpp - 1) * group_size
 
 
-def _check_layout(
-    kind: str, pp_size: int, pp_rank: int, m: int, vpp: int, group_size: int | None
-) -> int:
-    """Reject impossible layouts with one message naming the rule and a fix; return N."""
+def check_chunks(kind: str, pp_size: int, vpp: int) -> None:
+    """Reject a schedule name, or a chunk count that no micro-batch count can fix, with one
+    message naming the rule and a fix. Config validation runs this when a config loads (this
+    module imports no torch, so the error comes at once)."""
     if kind not in KINDS:
-        raise ScheduleError(f"unknown pipeline schedule {kind!r}: choose one of {', '.join(KINDS)}")
-    if pp_size < 1 or not 0 <= pp_rank < pp_size:
-        raise ScheduleError(f"pp rank {pp_rank} is not in 0..pp-1 (pp={pp_size})")
-    if m < 1:
+        names = f"{', '.join(KINDS[:-1])} or {KINDS[-1]}"
         raise ScheduleError(
-            f"a pipeline needs num_microbatches >= 1 (got m={m}): raise train.global_batch_size"
+            f"parallel.schedule must be {names}, got {kind!r}: unknown pipeline schedule"
         )
     if vpp < 1:
-        raise ScheduleError(f"vpp must be >= 1 (got vpp={vpp}): set parallel.vpp to 1 or more")
+        raise ScheduleError(f"parallel.vpp must be >= 1 (got vpp={vpp}): set it to 1 or more")
     if vpp > 1 and pp_size == 1:
         raise ScheduleError(
             f"virtual stages need a pipeline (got pp=1, vpp={vpp}): set parallel.vpp=1 or "
@@ -172,8 +173,20 @@ def _check_layout(
         )
     if kind == "1f1b" and vpp != 1:
         raise ScheduleError(
-            f"1f1b runs one chunk per rank (got vpp={vpp}): use parallel.schedule=interleaved "
-            "or set parallel.vpp=1"
+            f"parallel.vpp={vpp} needs parallel.schedule=interleaved: 1f1b runs one chunk per "
+            "rank (or set parallel.vpp=1)"
+        )
+
+
+def check_microbatches(
+    kind: str, pp_size: int, m: int, vpp: int = 1, group_size: int | None = None
+) -> int:
+    """Reject a micro-batch count m or group size the schedule cannot run (after
+    `check_chunks`); return the group size N. `Config.layout_for_world` runs this once the
+    world size gives m, so these errors too come before any work."""
+    if m < 1:
+        raise ScheduleError(
+            f"a pipeline needs num_microbatches >= 1 (got m={m}): raise train.global_batch_size"
         )
     if kind != "interleaved" or vpp == 1:
         return m  # one group: chunk-major order over all micro-batches
