@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megalite.config import data_parallel_size
 from megalite.errors import MegaliteError
 
 
@@ -43,12 +44,7 @@ def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
 
 def rank_grid(world_size: int, tp: int, pp: int) -> RankGrid:
     """All groups for a world of `world_size` ranks split as tp x dp x pp."""
-    if world_size % (tp * pp):
-        raise MegaliteError(
-            f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}: "
-            "launch a multiple of tp*pp processes or change parallel.tp / parallel.pp"
-        )
-    dp = world_size // (tp * pp)
+    dp = data_parallel_size(world_size, tp, pp)
 
     def ranks(tp_ranks, dp_ranks, pp_ranks) -> list[int]:
         return [rank_of(t, d, p, tp, dp) for p in pp_ranks for d in dp_ranks for t in tp_ranks]
@@ -85,14 +81,6 @@ class ParallelState:
     world_group: Any = None
     pp_ranks: tuple[int, ...] = (0,)
     """Global ranks of this rank's pipeline, indexed by pp_rank (for p2p)."""
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
@@ -139,7 +127,7 @@ def build_parallel_state(tp: int, pp: int, device: torch.device) -> ParallelStat
         return ParallelState.single(device)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     grid = rank_grid(world_size, tp, pp)
-    dp = world_size // (tp * pp)
+    dp = data_parallel_size(world_size, tp, pp)
     tp_rank, dp_rank, pp_rank = rank_coords(rank, tp, dp)
 
     def mine(groups: list[list[int]]) -> Any:
