@@ -22,7 +22,6 @@ from megalite.tensor_parallel.mappings import (
     gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
-    scatter_to_sequence_region,
 )
 from megalite.tensor_parallel.random import TPRandom, init_parameters, recompute
 
@@ -45,7 +44,6 @@ __all__ = [
     "recompute",
     "reduce_from_tp_region",
     "reduce_scatter_to_sequence_region",
-    "scatter_to_sequence_region",
     "tp_input",
     "tp_output",
     "vocab_parallel_head_loss",

@@ -58,19 +58,6 @@ class _GatherFromTPRegion(torch.autograd.Function):
         return comm.split(grad, ctx.group, dim=-1), None
 
 
-class _ScatterToSequenceRegion(torch.autograd.Function):
-    """forward: keep this rank's slice of the sequence; backward: all-gather along the sequence."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return comm.split(x, group, dim=SEQ_DIM)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_gather(grad, ctx.group, dim=SEQ_DIM), None
-
-
 class _GatherFromSequenceRegion(torch.autograd.Function):
     """forward: all-gather along the sequence; backward: reduce-scatter along the sequence
     (the gathered activation feeds tensor-parallel layers whose grads are partial sums)."""
@@ -108,10 +95,6 @@ def reduce_from_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 def gather_from_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x if comm.size(group) == 1 else _GatherFromTPRegion.apply(x, group)
-
-
-def scatter_to_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return x if comm.size(group) == 1 else _ScatterToSequenceRegion.apply(x, group)
 
 
 def gather_from_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:
