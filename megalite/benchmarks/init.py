@@ -35,10 +35,10 @@ import torch
 
 from megalite.benchmarks.table import print_table
 from megalite.config import load_config
+from megalite.models import build_chunks
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import TPRandom, init_parameters
 from megalite.tensor_parallel.random import param_seed
-from megalite.training.setup import build_chunks
 
 LAYOUTS = [
     "configs/gpt2-1.3b.yaml:tp=2,pp=1,vpp=1",  # the config's own layout
