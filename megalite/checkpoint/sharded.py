@@ -44,7 +44,6 @@ from megalite.parallel_state import ParallelState
 
 FORMAT = "megalite-checkpoint-v2"
 READABLE_FORMATS = ("megalite-checkpoint-v1", FORMAT)
-OPTIMIZER_KINDS = STATE_KINDS
 TOKENIZER = "tokenizer.model"
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -65,7 +64,7 @@ def rng_file(rank: int) -> str:
 
 def state_name(param_name: str, kind: str) -> str:
     """The global name one optimizer state of a parameter is stored under (`kind` in
-    OPTIMIZER_KINDS), e.g. `wte.weight.exp_avg`."""
+    STATE_KINDS), e.g. `wte.weight.exp_avg`."""
     return f"{param_name}.{kind}"
 
 
@@ -204,7 +203,7 @@ def _read_piece(path: Path, manifest: dict, name: str, entry: dict, piece: int) 
     return torch.cat(parts).view(shape) if len(parts) > 1 else parts[0].view(shape)
 
 
-def read_tensor(path: Path, manifest: dict, name: str) -> torch.Tensor:
+def _read_tensor(path: Path, manifest: dict, name: str) -> torch.Tensor:
     """The full global tensor `name`, glued from its tp pieces, without the padding rows beyond
     the real vocabulary (whose count depends on the tp it was saved with)."""
     entry = manifest["tensors"].get(name)
@@ -232,7 +231,7 @@ def _local_piece(
     if same_cut:  # saved with this tp: read only our own piece
         piece = ps.tp_rank if meta.tp_split_dim is not None else 0
         return _read_piece(path, manifest, name, entry, piece)
-    return local_piece(read_tensor(path, manifest, name), name, param, ps)
+    return local_piece(_read_tensor(path, manifest, name), name, param, ps)
 
 
 def local_piece(
@@ -304,11 +303,11 @@ class Checkpoint:
 
     def weight_names(self) -> list[str]:
         """Global names of the saved model weights (a tied copy is saved once, as its original)."""
-        return [name for name in self._manifest["tensors"] if not name.endswith(OPTIMIZER_KINDS)]
+        return [name for name in self._manifest["tensors"] if not name.endswith(STATE_KINDS)]
 
     def tensor(self, name: str) -> torch.Tensor:
-        """The full global tensor `name` (see `read_tensor`)."""
-        return read_tensor(self.path, self._manifest, name)
+        """The full global tensor `name`, without vocabulary padding rows."""
+        return _read_tensor(self.path, self._manifest, name)
 
 
 @torch.no_grad()
@@ -320,7 +319,7 @@ def load_checkpoint(
     scaler. `announce` runs in between, so that a resume whose data order is refused has already
     said what changed. No collective; each rank verifies only the files it reads."""
     ckpt = Checkpoint(path, verify_files=False)
-    manifest, ps = ckpt._manifest, state.ps
+    path, manifest, ps = ckpt.path, ckpt._manifest, state.ps
     ckpt.load_parameters(state.params, ps)
     names = {param: name for name, param in state.params.items()}
 

@@ -22,6 +22,7 @@ from megalite.checkpoint.sharded import (
     MANIFEST,
     TOKENIZER,
     CheckpointError,
+    layout_of,
     rng_file,
     state_name,
     step_dir,
@@ -152,7 +153,7 @@ def _write_manifest(tmp_dir: Path, state: RunState) -> None:
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "step": state.step,
-        "layout": {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size},
+        "layout": layout_of(ps),
         "world_size": ps.world_size,
         "optimizer_step": state.optimizer.step_count,
         "trainer": state.trainer_state(),
