@@ -43,7 +43,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _export_hf(args: argparse.Namespace) -> int:
     from megalite.checkpoint.hf import export_hf
 
-    out = export_hf(Path(args.checkpoint), Path(args.out))
+    out = export_hf(Path(args.checkpoint), Path(args.out), args.dtype)
     print(f"wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
     return 0
 
@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     export.add_argument("--out", required=True, help="the directory to create")
+    export.add_argument(
+        "--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="of the written weights"
+    )
     export.set_defaults(func=_export_hf)
 
     data_commands.register(commands)

@@ -7,36 +7,8 @@ from pathlib import Path
 
 import torch
 
-from megalite.checkpoint.sharded import (
-    TOKENIZER,
-    CheckpointError,
-    load_parameters,
-    read_manifest,
-    resolve_checkpoint,
-)
-from megalite.config import build_config
-from megalite.data import Tokenizer
-from megalite.models import CausalLM, build_chunks
-from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel import TPRandom
-
-
-def load_for_inference(path: Path, device: str = "cpu") -> tuple[CausalLM, Tokenizer]:
-    """The whole model as one chunk (tp = pp = 1) with the weights of the checkpoint `path`
-    names (a step directory, or a run's newest: see `resolve_checkpoint`), and its tokenizer."""
-    path = resolve_checkpoint(Path(path))
-    manifest = read_manifest(path)
-    raw = manifest["trainer"]["config"]
-    raw["parallel"] = {}  # one process: no tp/pp/sp
-    raw["train"]["recompute"] = "none"
-    cfg = build_config(raw)
-    ps = ParallelState.single(device)
-    # The checkpoint fills every weight: no random init to throw away.
-    (model,) = build_chunks(cfg, ps, TPRandom(cfg.train.seed, ps), random_init=False)
-    load_parameters(path, manifest, dict(model.named_parameters()), ps)
-    if TOKENIZER not in manifest["files"]:
-        raise CheckpointError(f"checkpoint {path} carries no tokenizer.model")
-    return model.eval(), Tokenizer(path / TOKENIZER)
+from megalite.checkpoint.sharded import Checkpoint, resolve_checkpoint
+from megalite.models import CausalLM
 
 
 @torch.no_grad()
@@ -69,7 +41,8 @@ def generate(
 def sample_text(
     path: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, seed: int
 ) -> str:
-    model, tokenizer = load_for_inference(path)
+    checkpoint = Checkpoint(resolve_checkpoint(Path(path)))
+    model, tokenizer = checkpoint.model(), checkpoint.tokenizer
     ids = torch.tensor([tokenizer.encode(prompt) or [tokenizer.bos_id]])
     generator = torch.Generator().manual_seed(seed)
     out = generate(model, ids, max_new_tokens, temperature, top_k, generator)

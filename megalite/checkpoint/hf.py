@@ -22,10 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from megalite.checkpoint.sharded import TOKENIZER, CheckpointError, resolve_checkpoint
+from megalite.checkpoint.sharded import Checkpoint, CheckpointError, resolve_checkpoint
 from megalite.config import ModelConfig
-from megalite.data.tokenizer import Tokenizer
-from megalite.generate import load_for_inference
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -164,53 +162,39 @@ def hf_config(m: ModelConfig) -> PretrainedConfig:
     )
 
 
-def tokenizer_config(tokenizer: Tokenizer) -> dict:
-    """What lets `AutoTokenizer` load megalite's sentencepiece model and encode exactly as it
-    does: no BOS/EOS added, no space prefixed, pieces taken as they are (`legacy`)."""
-    special = {
-        "unk_token": tokenizer.unk_id,
-        "bos_token": tokenizer.bos_id,
-        "eos_token": tokenizer.eos_id,
-    }
-    return {
-        "tokenizer_class": "LlamaTokenizer",
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "add_prefix_space": False,
-        "legacy": True,
-        **{name: tokenizer.piece(i) for name, i in special.items() if i >= 0},
-    }
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def export_hf(checkpoint: Path, out: Path) -> Path:
+def export_hf(checkpoint: Path, out: Path, dtype: str = "fp32") -> Path:
     """Write the model of `checkpoint` (a step directory, or a run's newest: see
     `resolve_checkpoint`) to `out` (which must not exist yet) as a Hugging Face model
-    directory, with its tokenizer (`tokenizer.model` + `tokenizer_config.json`, for
-    `AutoTokenizer`). Written to a temporary directory first and renamed into place, so `out`
-    is either complete or absent."""
+    directory with weights in `dtype` (fp32, bf16 or fp16), and its tokenizer as `AutoTokenizer`
+    loads it. Written to a temporary directory first and renamed into place, so `out` is either
+    complete or absent."""
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
     if out.exists():
         raise CheckpointError(f"{out} already exists: choose another --out, or remove it first")
-    checkpoint = resolve_checkpoint(Path(checkpoint))
-    model, tokenizer = load_for_inference(checkpoint)
+    if dtype not in DTYPES:
+        raise CheckpointError(f"unknown --dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    saved = Checkpoint(resolve_checkpoint(Path(checkpoint)))
+    model, tokenizer = saved.model(), saved.tokenizer
     m = model.ctx.cfg
     params = {
         name: p.detach()[: m.vocab_size] if p.meta.init_rows is not None else p.detach()
         for name, p in model.named_parameters()
     }
-    state = to_hf_state(params, m)
     config = hf_config(m)
     config.bos_token_id = tokenizer.bos_id if tokenizer.bos_id >= 0 else None
     config.eos_token_id = tokenizer.eos_id
     hf = AutoModelForCausalLM.from_config(config)
-    hf.load_state_dict(state, strict=True)
+    hf.load_state_dict(to_hf_state(params, m), strict=True)
+    hf.to(DTYPES[dtype])
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     hf.save_pretrained(tmp, safe_serialization=True)
-    shutil.copyfile(checkpoint / TOKENIZER, tmp / TOKENIZER)
-    (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tokenizer), indent=2))
+    tokenizer.save_for_transformers(tmp)
     tmp.rename(out)
     return out
 

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from megalite.checkpoint.hf import read_hf
-from megalite.checkpoint.sharded import CheckpointError, load_parameters, local_piece, read_manifest
+from megalite.checkpoint.sharded import Checkpoint, CheckpointError, local_piece
 from megalite.config import ModelConfig, build_config
+from megalite.data.tokenizer import HFTokenizer, Tokenizer
 from megalite.parallel_state import ParallelState
 
 # The model settings that decide which tensors a checkpoint holds and their shapes.
@@ -53,9 +54,9 @@ def load_initial_weights(
     if not path.is_dir():
         raise CheckpointError(f"checkpoint.init_from={path}: no such directory")
     if (path / "manifest.json").is_file():
-        manifest = read_manifest(path)
-        check_saved_model(path, manifest["trainer"]["config"]["model"], model)
-        load_parameters(path, manifest, params, ps)
+        saved = Checkpoint(path)
+        check_saved_model(path, saved.config["model"], model)
+        saved.load_parameters(params, ps)
     elif (path / "config.json").is_file():
         sources = {name: param.meta.tied_name or name for name, param in params.items()}
         tensors = read_hf(path, model, set(sources.values()))  # only what this rank holds
@@ -66,3 +67,12 @@ def load_initial_weights(
             f"checkpoint.init_from={path}: neither a megalite checkpoint (no manifest.json) nor "
             "a Hugging Face model directory (no config.json)"
         )
+
+
+def tokenizer_of(path: Path) -> Path | None:
+    """The tokenizer a `checkpoint.init_from` directory brings, if any: a Hugging Face model
+    directory's tokenizer.json / tokenizer.model, or the one a megalite checkpoint saved."""
+    for name in (HFTokenizer.file_name, Tokenizer.file_name):
+        if (path / name).is_file():
+            return path / name
+    return None

@@ -38,13 +38,16 @@ from safetensors import safe_open
 from torch import nn
 
 from megalite.checkpoint.state import RunState
+from megalite.config import build_config
+from megalite.data.tokenizer import HFTokenizer, Tokenizer, open_tokenizer
 from megalite.errors import MegaliteError
+from megalite.models import CausalLM, build_chunks
 from megalite.optimizer.zero1 import STATE_KINDS
 from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel import TPRandom
 
 FORMAT = "megalite-checkpoint-v2"
 READABLE_FORMATS = ("megalite-checkpoint-v1", FORMAT)
-TOKENIZER = "tokenizer.model"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 
@@ -274,6 +277,7 @@ class Checkpoint:
     def __init__(self, path: Path, verify_files: bool = True) -> None:
         self.path = Path(path)
         self._manifest = read_manifest(self.path, verify_files)
+        self._files: dict[str, str] = self._manifest["files"]
 
     @property
     def step(self) -> int:
@@ -290,11 +294,28 @@ class Checkpoint:
         return copy.deepcopy(self._manifest["trainer"].get("config", {}))
 
     @property
-    def tokenizer(self) -> Path:
-        """The tokenizer model saved with it."""
-        if TOKENIZER not in self._manifest["files"]:
-            raise CheckpointError(f"checkpoint {self.path} carries no {TOKENIZER}")
-        return self.path / TOKENIZER
+    def tokenizer(self) -> Tokenizer | HFTokenizer:
+        """The tokenizer saved with it (sentencepiece model or tokenizer.json), verified."""
+        saved = [n for n in (HFTokenizer.file_name, Tokenizer.file_name) if n in self._files]
+        if not saved:
+            raise CheckpointError(f"checkpoint {self.path} carries no tokenizer")
+        for name in self._files:
+            if name.startswith("tokenizer"):
+                _verify(self.path, self._manifest, name)
+        return open_tokenizer(self.path / saved[0])
+
+    def model(self, device: str = "cpu") -> CausalLM:
+        """The whole model as one chunk (tp = pp = 1) with these weights, in eval mode: what
+        generation and Hugging Face export run, whatever layout trained it."""
+        raw = self.config
+        raw["parallel"] = {}  # one process: no tp/pp/sp
+        raw["train"]["recompute"] = "none"
+        cfg = build_config(raw)
+        ps = ParallelState.single(device)
+        # The checkpoint fills every weight: no random init to throw away.
+        (model,) = build_chunks(cfg, ps, TPRandom(cfg.train.seed, ps), random_init=False)
+        self.load_parameters(dict(model.named_parameters()), ps)
+        return model.eval()
 
     def load_parameters(self, params: dict[str, nn.Parameter], ps: ParallelState) -> None:
         """Fill local parameters (global name -> this rank's piece in layout `ps`) with their

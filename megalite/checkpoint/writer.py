@@ -20,7 +20,6 @@ from megalite.checkpoint.sharded import (
     FORMAT,
     LATEST,
     MANIFEST,
-    TOKENIZER,
     CheckpointError,
     layout_of,
     rng_file,
@@ -28,6 +27,7 @@ from megalite.checkpoint.sharded import (
     step_dir,
 )
 from megalite.checkpoint.state import RunState
+from megalite.data.tokenizer import tokenizer_files
 from megalite.parallel_state import ParallelState
 
 
@@ -123,7 +123,8 @@ def check_shared_directory(directory: Path, ps: ParallelState) -> None:
 def save_checkpoint(root: Path, state: RunState, keep: int, tokenizer: Path | None = None) -> Path:
     """Collective: every rank calls it after the same step. Saves `state` as the checkpoint of
     step `state.step` under `root`, keeps the newest `keep`, and returns its directory. The
-    tokenizer model is copied in so a checkpoint alone is enough to generate text."""
+    tokenizer (sentencepiece model or tokenizer.json) is copied in, so a checkpoint alone is
+    enough to generate text."""
     ps = state.ps
     final = step_dir(root, state.step)
     tmp_dir = final.with_suffix(".tmp")
@@ -137,7 +138,8 @@ def save_checkpoint(root: Path, state: RunState, keep: int, tokenizer: Path | No
     for file, tensors in files.items():
         index["files"][file] = _write_atomic(tmp_dir / file, safetensors_bytes(tensors))
     if ps.rank == 0 and tokenizer is not None:
-        index["files"][TOKENIZER] = _write_atomic(tmp_dir / TOKENIZER, Path(tokenizer).read_bytes())
+        for name, source in tokenizer_files(tokenizer).items():
+            index["files"][name] = _write_atomic(tmp_dir / name, source.read_bytes())
     _write_atomic(tmp_dir / f"index_rank{ps.rank:05d}.json", json.dumps(index).encode())
     comm.barrier()
     if ps.rank == 0:

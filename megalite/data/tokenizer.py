@@ -292,6 +292,16 @@ class HFTokenizer:
         (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
+def tokenizer_files(path: Path) -> dict[str, Path]:
+    """The files that make up the tokenizer at `path`, by the name a checkpoint or a Hugging
+    Face model directory gives them."""
+    path = open_tokenizer(path).path  # a directory: the file inside it
+    if path.suffix != ".json":
+        return {Tokenizer.file_name: path}
+    config = path.with_name("tokenizer_config.json")
+    return {HFTokenizer.file_name: path, **({config.name: config} if config.is_file() else {})}
+
+
 def open_tokenizer(path: Path, threads: int = NUM_THREADS) -> Tokenizer | HFTokenizer:
     """The tokenizer at `path`: a sentencepiece `.model`, a `tokenizer.json`, or a directory
     holding either (a Hugging Face model directory, a megalite checkpoint)."""
@@ -306,3 +316,11 @@ def open_tokenizer(path: Path, threads: int = NUM_THREADS) -> Tokenizer | HFToke
             raise DataError(f"tokenizer not found: {path}")
         return HFTokenizer(path)
     return Tokenizer(path, threads)
+
+
+PROBE = "In the beginning God created\n\nthe heaven  and the earth: 1611, é ü 漢字 🙂"
+
+
+def same_tokenizer(a: Tokenizer | HFTokenizer, b: Tokenizer | HFTokenizer) -> bool:
+    """Whether two tokenizers give the same ids (vocabulary, end of document, a probe text)."""
+    return (a.vocab_size, a.eos_id, a.encode(PROBE)) == (b.vocab_size, b.eos_id, b.encode(PROBE))

@@ -15,17 +15,21 @@ from pathlib import Path
 import torch
 
 from megalite import comm
+from megalite.checkpoint.initial import tokenizer_of
 from megalite.checkpoint.sharded import Checkpoint, find_checkpoint, load_checkpoint
 from megalite.checkpoint.state import RngStreams, RunState
 from megalite.checkpoint.writer import check_shared_directory, save_checkpoint
 from megalite.config import Config, config_to_dict, save_config
 from megalite.data import (
     BlendedDataset,
+    DataError,
     GlobalBatchSampler,
     TokenDataset,
     builtin_data,
+    open_tokenizer,
     parse_source,
 )
+from megalite.data.tokenizer import same_tokenizer
 from megalite.optimizer.lr_schedule import learning_rate
 from megalite.parallel_state import (
     ParallelState,
@@ -182,7 +186,24 @@ def open_data(cfg: Config, cache_dir: Path | None = None) -> Data:
         split: BlendedDataset([TokenDataset(p, seq, split, **kwargs) for _, p in blend], weights)
         for split in ("train", "val")
     }
-    return Data(splits["train"], splits["val"], Path(tokenizer or splits["train"].tokenizer_path))
+    tokenizer = Path(tokenizer or splits["train"].tokenizer_path)
+    return Data(splits["train"], splits["val"], _init_from_tokenizer(cfg, tokenizer) or tokenizer)
+
+
+def _init_from_tokenizer(cfg: Config, data_tokenizer: Path) -> Path | None:
+    """A run that starts from another model's weights keeps that model's tokenizer (it is what
+    the embeddings were trained for), and the data must have been prepared with it."""
+    init_from = cfg.checkpoint.init_from
+    theirs = tokenizer_of(Path(init_from)) if init_from and not cfg.data.tokenizer else None
+    if theirs is None:
+        return None
+    if not same_tokenizer(open_tokenizer(theirs), open_tokenizer(data_tokenizer)):
+        raise DataError(
+            f"checkpoint.init_from={init_from} brings its own tokenizer, but the data was "
+            f"prepared with {data_tokenizer}, which encodes differently: prepare the data with "
+            f"`megalite data prepare --tokenizer {init_from} ...`"
+        )
+    return theirs
 
 
 def describe_blend(train: BlendedDataset) -> str | None:

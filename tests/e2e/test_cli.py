@@ -226,7 +226,7 @@ def test_export_hf_gives_the_same_logits_in_transformers(runs, arch, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megalite.generate import load_for_inference
+    from megalite.checkpoint.sharded import Checkpoint
 
     out_dir, result = runs[arch]
     ok(result)
@@ -238,7 +238,8 @@ def test_export_hf_gives_the_same_logits_in_transformers(runs, arch, tmp_path):
         p.name for p in hf_dir.iterdir()
     }
 
-    ours, tokenizer = load_for_inference(checkpoint)
+    saved = Checkpoint(checkpoint)
+    ours, tokenizer = saved.model(), saved.tokenizer
     text = "In the beginning God created\n\nthe heaven  and the earth: 1611, é ü 漢字"
     hf_tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     assert hf_tokenizer.encode(text, add_special_tokens=False) == tokenizer.encode(text)

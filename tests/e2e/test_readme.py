@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megalite import comm_trace
 from megalite.launch import free_port
@@ -52,16 +53,30 @@ SHORT = {
     "python tools/bench_kernels.py": "--cpu-smoke",
     "python tools/estimate_memory.py --config configs/llama-7b.yaml --world-size 32": "",
     "python tools/bench_init.py": "--layout configs/gpt2-124m.yaml:tp=2,pp=2,vpp=1 --repeat 1",
+    "megalite data tokenizer --kind byte-bpe --input raw/ --glob '*.jsonl.*' --vocab-size 8000 "
+    "--out data/bpe": "",
+    "megalite data prepare --input raw/ --glob '*.jsonl.*' --tokenizer data/bpe.json "
+    "--out data/web": "",
+    "megalite data prepare --input raw/books.parquet --text-field content "
+    "--tokenizer data/bpe.json --out data/books": "",
+    'megalite train --config configs/gpt-tiny.yaml data.source="0.7 data/web 0.3 data/books" '
+    "train.out_dir=runs/mine": TRAIN_SHORT,
+    "megalite export-hf --checkpoint runs/mine --out hf/mine --dtype bf16": "",
 }
 
-# What each kind of command prints when it worked (besides exiting 0).
+# What a command prints when it worked (besides exiting 0), by the longest prefix that matches.
 EXPECTED = {
     "megalite train": "trained to step",
+    'megalite train --config configs/gpt-tiny.yaml data.source="0.7': "data blend: 0.7000 data/web",
     "torchrun": "trained to step",
     "megalite generate": "And God said",
-    "megalite export-hf": "wrote hf/gpt-tiny",
-    "megalite data tokenizer": "32000 pieces",
-    "megalite data prepare": "wrote data/corpus",
+    "megalite export-hf --checkpoint runs/gpt-tiny": "wrote hf/gpt-tiny",
+    "megalite export-hf --checkpoint runs/mine": "wrote hf/mine",
+    "megalite data tokenizer --input": "32000 pieces",
+    "megalite data tokenizer --kind byte-bpe": "data/bpe.json (8000 pieces)",
+    "megalite data prepare --input corpus": "wrote data/corpus",
+    "megalite data prepare --input raw/ ": "wrote data/web",
+    "megalite data prepare --input raw/books": "wrote data/books",
     "make train": "trained to step 2",
     "python tools/bench_single.py": "tokens/s",  # the header of each benchmark's table
     "python tools/bench_tp.py": "tokens/s",
@@ -95,10 +110,28 @@ def workspace(tmp_path_factory, builtin_corpus_8000):
         (root / name).symlink_to(REPO / name)
     text = builtin_corpus_text()
     (root / "corpus.txt").write_text(text)
+    books = text.split("\n\n")
     with open(root / "corpus.jsonl", "w") as f:
-        for book in text.split("\n\n"):
+        for book in books:
             f.write(json.dumps({"text": book}) + "\n")
+    # Bring your own corpus: compressed JSONL shards and a Parquet file with another column.
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    (root / "raw").mkdir()
+    half = len(books) // 2
+    shards = [_jsonl(books[:half:2]), _jsonl(books[1:half:2])]
+    (root / "raw" / "web-0.jsonl.gz").write_bytes(gzip.compress(shards[0]))
+    (root / "raw" / "web-1.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(shards[1]))
+    pq.write_table(pa.table({"content": books[half:]}), root / "raw" / "books.parquet")
     return root
+
+
+def _jsonl(texts: list[str]) -> bytes:
+    return "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
 
 
 def test_every_readme_command_has_a_test():
@@ -140,8 +173,28 @@ def test_readme_command_runs(command, workspace):
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{command}\n{output[-4000:]}"
-    expected = [text for prefix, text in EXPECTED.items() if command.startswith(prefix)]
-    for text in expected:
+    matching = [prefix for prefix in EXPECTED if command.startswith(prefix)]
+    if matching:
+        text = EXPECTED[max(matching, key=len)]
         assert text in output, f"{command}: no {text!r} in\n{output[-4000:]}"
     if command.startswith("torchrun"):
         comm_trace.check_traces(workspace / "torchrun-trace")
+    if "--out hf/mine" in command:
+        _check_own_export(workspace)
+
+
+def _check_own_export(workspace: Path) -> None:
+    """The exported model is bf16, and AutoTokenizer encodes as the byte-level BPE it was
+    trained with."""
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    from megalite.data import open_tokenizer
+    from megalite.data.tokenizer import PROBE
+
+    with safe_open(str(workspace / "hf" / "mine" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    auto = AutoTokenizer.from_pretrained(workspace / "hf" / "mine")
+    ours = open_tokenizer(workspace / "data" / "bpe.json")
+    assert auto(PROBE, add_special_tokens=False)["input_ids"] == ours.encode(PROBE)
+    assert auto.eos_token_id == ours.eos_id

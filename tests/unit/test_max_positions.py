@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 import megalite.training.loop as loop
 from megalite.checkpoint.hf import export_hf, read_hf
-from megalite.checkpoint.sharded import CheckpointError
+from megalite.checkpoint.sharded import Checkpoint, CheckpointError, resolve_checkpoint
 from megalite.config import load_config
-from megalite.generate import generate, load_for_inference
+from megalite.generate import generate
 from megalite.parallel_state import ParallelState
 from megalite.profiling.flops import flops_per_token
 from megalite.tensor_parallel import TPRandom
@@ -108,7 +108,7 @@ def test_init_from_then_export_keeps_every_position(builtin_corpus, tmp_path, mo
 
     # Positions beyond the training seq_len compute what Hugging Face computes, and generate
     # reads up to all of them back.
-    ours, _ = load_for_inference(tmp_path / "run")
+    ours = Checkpoint(resolve_checkpoint(tmp_path / "run")).model()
     ids = torch.randint(0, 500, (1, POSITIONS), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected, got = original(ids).logits, ours(ids)

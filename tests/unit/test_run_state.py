@@ -3,6 +3,8 @@ back (weights, optimizer state and step count, RNG streams, data position, loss 
 the resume can speak before a refused data order stops it, and `Checkpoint` reads a saved run
 for the modules that only need its config, tokenizer or weights."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from run_configs import ONE_LAYER
@@ -10,7 +12,13 @@ from run_configs import ONE_LAYER
 from megalite.checkpoint.sharded import Checkpoint, CheckpointError, load_checkpoint
 from megalite.checkpoint.writer import save_checkpoint
 from megalite.config import config_to_dict, load_config
-from megalite.data import DataError, GlobalBatchSampler
+from megalite.data import (
+    DataError,
+    GlobalBatchSampler,
+    builtin_corpus_text,
+    open_tokenizer,
+    train_tokenizer,
+)
 from megalite.optimizer.zero1 import STATE_KINDS
 from megalite.parallel_state import ParallelState
 from megalite.training.loop import run_state
@@ -31,6 +39,11 @@ def optimizer_state(state) -> list[torch.Tensor]:
     return [view.clone() for *_, views in state.optimizer.owned_pieces() for view in views.values()]
 
 
+def _text(tmp_path) -> Path:
+    (tmp_path / "text.txt").write_text(builtin_corpus_text()[:50_000])
+    return tmp_path / "text.txt"
+
+
 @pytest.fixture
 def saved(tmp_path):
     """A run state two steps in, with a loss scaler that has seen overflows, saved."""
@@ -40,8 +53,7 @@ def saved(tmp_path):
         train_step(run, torch.randint(0, 500, (2, 17)), 1e-3)
     state.step = 2
     state.scaler.scale, state.scaler.skipped_steps = 1024.0, 3
-    tokenizer = tmp_path / "tok.model"
-    tokenizer.write_bytes(b"\nsentencepiece")
+    tokenizer = train_tokenizer([_text(tmp_path)], tmp_path / "tok", 400, kind="byte-bpe")
     path = save_checkpoint(tmp_path / "checkpoints", state, keep=1, tokenizer=tokenizer)
     return path, state, torch.get_rng_state(), state.rng.tp_random.state.clone()
 
@@ -91,7 +103,9 @@ def test_checkpoint_read_api(saved):
     assert ckpt.config == config_to_dict(load_config(None, [*ONE_LAYER]))
     ckpt.config["train"]["steps"] = -1  # a copy, free to change
     assert ckpt.config["train"]["steps"] != -1
-    assert ckpt.tokenizer.read_bytes() == b"\nsentencepiece"
+    original = open_tokenizer(path.parents[1] / "tok.json")
+    assert ckpt.tokenizer.encode("In the beginning") == original.encode("In the beginning")
+    assert (path / "tokenizer.json").read_bytes() == (path.parents[1] / "tok.json").read_bytes()
     names = ckpt.weight_names()
     assert "wte.weight" in names and not any(n.endswith(STATE_KINDS) for n in names)
     assert set(names) <= set(before.params)
@@ -106,5 +120,5 @@ def test_checkpoint_read_api(saved):
 def test_a_checkpoint_without_a_tokenizer_says_so(tmp_path):
     _, state = fresh_state()
     path = save_checkpoint(tmp_path, state, keep=1)
-    with pytest.raises(CheckpointError, match=r"step_000000 carries no tokenizer.model"):
+    with pytest.raises(CheckpointError, match=r"step_000000 carries no tokenizer"):
         _ = Checkpoint(path).tokenizer
