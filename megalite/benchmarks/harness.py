@@ -118,8 +118,8 @@ def parallel_config(args: argparse.Namespace, dp: int, **parallel: Any) -> Confi
 
 def megalite_run(cfg: Config, ps: ParallelState) -> Run:
     """This rank's model, buffers and optimizer for `cfg` on the world of `ps`."""
-    _, num_microbatches = cfg.layout_for_world(ps.world_size)
-    return build_run(cfg, ps, num_microbatches)
+    cfg.layout_for_world(ps.world_size)
+    return build_run(cfg, ps)
 
 
 def megalite_step(run: Run, lr: float) -> Callable[[torch.Tensor], dict[str, float]]:

@@ -71,7 +71,7 @@ def megalite_config(args: argparse.Namespace, arch: str) -> Config:
 
 
 def megalite_contender(cfg: Config, lr: float) -> harness.Contender:
-    training = build_run(cfg, ParallelState.single("cpu"), num_microbatches=1)
+    training = build_run(cfg, ParallelState.single("cpu"))
     params = sum(p.numel() for p in training.named_parameters().values())
 
     def step(tokens: torch.Tensor) -> dict[str, float]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.config import Config
+from megalite.config import Config, data_parallel_size
 from megalite.models import build_chunks
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.schedule import build_schedule
@@ -102,7 +102,7 @@ def estimate(cfg: Config, world_size: int, params_per_rank: int) -> dict[str, fl
     """Bytes per rank of the first pipeline stage: parameters, gradients, optimizer state and
     activations (16-bit training; `params_per_rank` counts this rank's shards)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    dp = world_size // (p.tp * p.pp)
+    dp = data_parallel_size(world_size, p.tp, p.pp)
 
     def per_layer(recompute: str) -> float:
         return activation_bytes_per_layer(
@@ -132,7 +132,7 @@ def first_stage_params(cfg: Config, world_size: int) -> int:
     """Parameters held by tp rank 0 of the first pipeline stage, counted on the meta device
     (no memory, no process group: the model is only built to be measured)."""
     p = cfg.parallel
-    dp = world_size // (p.tp * p.pp)
+    dp = data_parallel_size(world_size, p.tp, p.pp)
     ps = ParallelState(0, world_size, p.tp, p.pp, dp, 0, 0, 0, torch.device("meta"))
     tp_random = TPRandom(0, ParallelState.single())  # the dropout stream: never used, nothing runs
     chunks = build_chunks(cfg, ps, tp_random, random_init=False)

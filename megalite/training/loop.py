@@ -56,7 +56,7 @@ def train(cfg: Config) -> dict[str, float]:
     """Train to cfg.train.steps (resuming if a checkpoint says so) and print one summary line;
     returns the last metrics row, empty when an earlier run already got there."""
     t = cfg.train
-    ps, num_microbatches = setup_topology(cfg)
+    ps = setup_topology(cfg)
     out_dir = Path(t.out_dir)
     ckpt_root = out_dir / "checkpoints"
     resume_from = resume_point(cfg, ckpt_root)
@@ -66,7 +66,7 @@ def train(cfg: Config) -> dict[str, float]:
     cost = StepCost.of(cfg, ps)  # first: measuring a CPU's peak draws random numbers
     torch.manual_seed(t.seed)  # dropout on tp-replicated activations: same on all ranks
     data = open_data(cfg)
-    run, state = start_run(cfg, ps, num_microbatches, data, resume_from)
+    run, state = start_run(cfg, ps, data, resume_from)
     if ps.rank == 0:
         save_config(cfg, out_dir / "config.yaml")
         if blend := describe_blend(data.train):
@@ -113,19 +113,18 @@ def run_steps(
     return row
 
 
-def setup_topology(cfg: Config) -> tuple[ParallelState, int]:
-    """Join the world and build the groups; returns the state and micro-batches per step.
-    The layout is checked against the launcher's world size before any process group exists."""
-    _, num_microbatches = cfg.layout_for_world(int(os.environ.get("WORLD_SIZE", 1)))
+def setup_topology(cfg: Config) -> ParallelState:
+    """Join the world and build the groups. The layout is checked against the launcher's world
+    size before any process group exists."""
+    cfg.layout_for_world(int(os.environ.get("WORLD_SIZE", 1)))
     device = choose_device(cfg.train.device)
     init_distributed(device)
-    return build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, device), num_microbatches
+    return build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, device)
 
 
 def start_run(
     cfg: Config,
     ps: ParallelState,
-    num_microbatches: int,
     data: Data,
     resume_from: Path | None,
 ) -> tuple[Run, RunState]:
@@ -137,7 +136,6 @@ def start_run(
     run = build_run(
         cfg,
         ps,
-        num_microbatches,
         init_from=Path(init_from) if init_from and not resume_from else None,
         random_init=resume_from is None,  # the checkpoint overwrites every weight
     )

@@ -77,7 +77,6 @@ class Run:
 def build_run(
     cfg: Config,
     ps: ParallelState,
-    num_microbatches: int,  # unused since Run stopped keeping it: drop it with its callers
     init_from: Path | None = None,
     random_init: bool = True,
 ) -> Run:

@@ -23,7 +23,7 @@ LAYOUT = ("parallel.tp=2", "parallel.zero=1", "model.arch=llama", "model.n_kv_he
 def _save(root: str):
     cfg = load_config(None, [*TINY, *LAYOUT])
     ps = build_parallel_state(2, 1, torch.device("cpu"))
-    run = build_run(cfg, ps, num_microbatches=1)
+    run = build_run(cfg, ps)
     state = run_state(run, GlobalBatchSampler(100, cfg.train.global_batch_size, cfg.train.seed))
     state.step = 1
     files, _ = owned_tensors(state)

@@ -115,7 +115,7 @@ def _peaks(schedule, pp, num_microbatches):
     ]
     cfg = load_config(None, overrides)
     ps = build_parallel_state(1, pp, torch.device("cpu"))
-    run = build_run(cfg, ps, num_microbatches)
+    run = build_run(cfg, ps)
     torch.manual_seed(0)
     metrics = train_step(run, torch.randint(0, 500, (2 * num_microbatches, 33)), 1e-3)
     return metrics.peak_in_flight, metrics.bubble_fraction

@@ -42,7 +42,7 @@ def test_zero1_composes(builtin_corpus, tmp_path, world, layout):
 def _build(overrides, world_size):
     cfg = load_config(None, [*TINY, *overrides])
     ps = build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, torch.device("cpu"))
-    return build_run(cfg, ps, cfg.layout_for_world(world_size)[1])
+    return build_run(cfg, ps)
 
 
 def _optimizer_bytes(zero, precision):

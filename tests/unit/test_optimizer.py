@@ -47,7 +47,7 @@ def tiny_config(arch: str = "gpt", micro: int = 4, global_batch: int = 4, **opti
 
 def make_run(cfg):
     ps = ParallelState.single()
-    return build_run(cfg, ps, cfg.train.global_batch_size // cfg.train.micro_batch_size)
+    return build_run(cfg, ps)
 
 
 def token_batches(steps: int, batch: int) -> list[torch.Tensor]:

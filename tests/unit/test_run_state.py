@@ -30,7 +30,7 @@ WINDOWS = 50
 
 def fresh_state(global_batch_size: int = 2):
     cfg = load_config(None, [*ONE_LAYER, f"train.global_batch_size={global_batch_size}"])
-    run = build_run(cfg, ParallelState.single(), 1)
+    run = build_run(cfg, ParallelState.single())
     sampler = GlobalBatchSampler(WINDOWS, global_batch_size, cfg.train.seed)
     return run, run_state(run, sampler)
 
