@@ -283,10 +283,21 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
+    run_name: str | None = None
+    """The run's name in the trackers; None means the run directory's name."""
     wandb: bool = False
-    """Also log to Weights & Biases (offline mode when there is no API key)."""
+    """Also log to Weights & Biases: online after `wandb login` or with WANDB_API_KEY, offline
+    (synced later with `wandb sync`) otherwise. A resumed run continues the same wandb run."""
     wandb_project: str = "megalite"
     """Weights & Biases project name."""
+    wandb_entity: str | None = None
+    """Weights & Biases team or user; None means your default entity."""
+    wandb_group: str | None = None
+    """Weights & Biases group, to see related runs together."""
+    wandb_tags: str = ""
+    """Weights & Biases tags, comma-separated."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files under <out_dir>/tensorboard/<run name>."""
     progress: bool = True
     """Show a progress bar on the console."""
 

@@ -64,6 +64,8 @@ class RunState:
     model from it."""
     step: int = 0
     """Steps done."""
+    tracker_id: str | None = None
+    """The run's id in the experiment trackers, so a resume continues the same tracked run."""
 
     def trainer_state(self) -> dict[str, Any]:
         """The JSON-able part of the state, as a checkpoint stores it."""
@@ -72,6 +74,7 @@ class RunState:
             "sampler": self.sampler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "config": self.config,
+            "tracker_id": self.tracker_id,
         }
 
     def load_trainer_state(self, saved: dict[str, Any]) -> None:
@@ -80,3 +83,4 @@ class RunState:
         self.sampler.load_state_dict(saved["sampler"])
         self.scaler.load_state_dict(saved["scaler"])
         self.step = saved["step"]
+        self.tracker_id = saved.get("tracker_id")  # absent in checkpoints from before trackers

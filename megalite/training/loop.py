@@ -50,6 +50,7 @@ from megalite.training.hooks import (
 from megalite.training.metrics import MetricsLogger, StepCost, metrics_row
 from megalite.training.setup import Run, build_run
 from megalite.training.step import eval_loss, train_step
+from megalite.training.trackers import new_tracker_id
 
 
 def train(cfg: Config) -> dict[str, float]:
@@ -71,7 +72,8 @@ def train(cfg: Config) -> dict[str, float]:
         save_config(cfg, out_dir / "config.yaml")
         if blend := describe_blend(data.train):
             print(blend)
-    logger = MetricsLogger(cfg, out_dir, ps.rank == 0, state.step)
+    state.tracker_id = state.tracker_id or new_tracker_id()
+    logger = MetricsLogger(cfg, out_dir, ps.rank == 0, state.step, state.tracker_id)
     summary = Summary(state.step, cost.tokens)
     hooks = [
         NanGuard(),

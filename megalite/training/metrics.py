@@ -1,5 +1,6 @@
 """A step's metrics row and where rows go: `<out_dir>/metrics.jsonl` (one JSON object per row),
-the console progress bar, and Weights & Biases when asked for. Only rank 0 writes.
+the console progress bar, and the trackers asked for (Weights & Biases, TensorBoard: see
+`trackers`). Only rank 0 writes.
 
 Rows are strict JSON: a value that is not a finite number (MFU on a GPU without a known peak,
 the gradient norm of a step skipped for fp16 overflow) is written as null, because `NaN` and
@@ -9,18 +10,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from megalite.config import Config, config_to_dict
+from megalite.config import Config
 from megalite.optimizer.loss_scale import LossScaler
 from megalite.parallel_state import ParallelState
 from megalite.profiling.flops import flops_per_token, peak_flops
 from megalite.training.step import StepMetrics
+from megalite.training.trackers import Tracker, start_trackers
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,12 @@ def metrics_row(
 
 
 class MetricsLogger:
-    def __init__(self, cfg: Config, out_dir: Path, enabled: bool, start_step: int) -> None:
+    def __init__(
+        self, cfg: Config, out_dir: Path, enabled: bool, start_step: int, tracker_id: str
+    ) -> None:
         self.enabled = enabled
         self.bar = None
-        self.wandb_run = None
+        self.trackers: list[Tracker] = []
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -77,8 +80,7 @@ class MetricsLogger:
             self.bar = tqdm(
                 total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True
             )
-        if cfg.logging.wandb:
-            self.wandb_run = _start_wandb(cfg, out_dir)
+        self.trackers = start_trackers(cfg, out_dir, tracker_id)
 
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:
@@ -86,9 +88,9 @@ class MetricsLogger:
         row = {k: None if _not_finite(v) else v for k, v in row.items()}
         self.file.write(json.dumps(row, allow_nan=False) + "\n")
         self.file.flush()
-        if self.wandb_run is not None:
-            logged = {k: v for k, v in row.items() if k != "step" and v is not None}
-            self.wandb_run.log(logged, step=row["step"])
+        logged = {k: v for k, v in row.items() if k != "step" and v is not None}
+        for tracker in self.trackers:
+            tracker.log(logged, step=row["step"])
 
     def progress(self, step: int, postfix: dict[str, str]) -> None:
         if self.bar is not None:
@@ -105,8 +107,8 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.close()
         self.file.close()
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def _not_finite(value: Any) -> bool:
@@ -128,21 +130,3 @@ def summary_line(
     if val_loss is not None:
         line += f", val_loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50.0)):.1f})"
     return line + f", {tokens_per_sec:,.0f} tokens/s; checkpoint {checkpoint}"
-
-
-def _start_wandb(cfg: Config, out_dir: Path):
-    """Online with an API key, otherwise offline: never a crash or a hang for lack of network."""
-    import wandb
-
-    online = bool(os.environ.get("WANDB_API_KEY")) and os.environ.get("WANDB_MODE") != "offline"
-    try:
-        return wandb.init(
-            project=cfg.logging.wandb_project,
-            dir=str(out_dir),
-            config=config_to_dict(cfg),
-            mode="online" if online else "offline",
-            settings=wandb.Settings(init_timeout=30),
-        )
-    except Exception as exc:  # a logging backend must never stop training
-        print(f"wandb unavailable ({exc}); logging to metrics.jsonl only")
-        return None
