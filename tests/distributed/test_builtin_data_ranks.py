@@ -21,7 +21,7 @@ def _open_and_count(cache: str) -> tuple[int, int]:
 
     builtin._build = counting_build
     data = open_data(load_config(None, [*TINY, "data.source=builtin"]), cache_dir=Path(cache))
-    return len(builds), len(data.train)
+    return len(builds), data.train.sizes[0]
 
 
 def test_local_rank_zero_builds_the_builtin_cache_alone(tmp_path):
