@@ -53,6 +53,7 @@ SHORT = {
     "python tools/bench_kernels.py": "--cpu-smoke",
     "python tools/estimate_memory.py --config configs/llama-7b.yaml --world-size 32": "",
     "python tools/bench_init.py": "--layout configs/gpt2-124m.yaml:tp=2,pp=2,vpp=1 --repeat 1",
+    "python tools/bench_prepare.py": "--mb 0.5 --repeat 1",
     "megalite data tokenizer --kind byte-bpe --input raw/ --glob '*.jsonl.*' --vocab-size 8000 "
     "--out data/bpe": "",
     "megalite data prepare --input raw/ --glob '*.jsonl.*' --tokenizer data/bpe.json "
@@ -85,6 +86,7 @@ EXPECTED = {
     "python tools/bench_kernels.py": "fwd",
     "python tools/estimate_memory.py": "GiB",
     "python tools/bench_init.py": "shard",
+    "python tools/bench_prepare.py": "MB/s",
 }
 
 
