@@ -12,7 +12,6 @@ from torch import nn
 from megalite.checkpoint.hf import read_hf
 from megalite.checkpoint.sharded import Checkpoint, CheckpointError, local_piece
 from megalite.config import ModelConfig, build_config
-from megalite.data.tokenizer import HFTokenizer, Tokenizer
 from megalite.parallel_state import ParallelState
 
 # The model settings that decide which tensors a checkpoint holds and their shapes.
@@ -67,12 +66,3 @@ def load_initial_weights(
             f"checkpoint.init_from={path}: neither a megalite checkpoint (no manifest.json) nor "
             "a Hugging Face model directory (no config.json)"
         )
-
-
-def tokenizer_of(path: Path) -> Path | None:
-    """The tokenizer a `checkpoint.init_from` directory brings, if any: a Hugging Face model
-    directory's tokenizer.json / tokenizer.model, or the one a megalite checkpoint saved."""
-    for name in (HFTokenizer.file_name, Tokenizer.file_name):
-        if (path / name).is_file():
-            return path / name
-    return None

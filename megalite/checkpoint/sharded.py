@@ -7,7 +7,7 @@
             model_tp01_pp00.safetensors        parameters of one (tp, pp) rank (its dp rank 0)
             optim_tp01_pp00_dp03.safetensors   the Adam state that rank owns (ZeRO: 1/dp)
             rng_rank00003.safetensors          RNG streams of every rank
-            tokenizer.model
+            tokenizer.model, or tokenizer.json (+ tokenizer_config.json)   the run's tokenizer
 
 Tensors are stored under their global names (global layer indices). The manifest lists, for
 each, the segments that make it up: (tp piece, flat element range within the piece, file, key).
@@ -21,7 +21,8 @@ pickle); a file whose checksum differs from the manifest's is refused with a mes
 A resuming rank verifies only the files it reads.
 
 Reading: `Checkpoint` is the read API every other module uses (its step, saved config,
-tokenizer, weights); `load_checkpoint` restores a whole `RunState` for a resume.
+tokenizer, weights, the one-process `model()`); `load_checkpoint` restores a whole `RunState`
+for a resume.
 """
 
 from __future__ import annotations

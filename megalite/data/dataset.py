@@ -106,6 +106,14 @@ class BlendedDataset:
     def sizes(self) -> list[int]:
         return [len(d) for d in self.datasets]
 
+    def describe(self) -> str:
+        """'data blend: 0.7000 a (N windows), ...' with the proportions actually drawn."""
+        parts = [
+            f"{weight:.4f} {dataset.prefix} ({len(dataset):,} windows)"
+            for weight, dataset in zip(self.interleave.weights, self.datasets)
+        ]
+        return "data blend: " + ", ".join(parts)
+
     def get_batch(self, pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
         """Windows of (corpus, window index) pairs as a LongTensor [len(pairs), seq_len + 1]."""
         corpus = np.array([c for c, _ in pairs], dtype=np.int64)

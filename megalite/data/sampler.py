@@ -34,7 +34,7 @@ class CorpusOrder:
     def __init__(self, num_windows: int, seed: int, corpus: int = 0) -> None:
         self.num_windows, self.seed, self.corpus = num_windows, seed, corpus
         self._perm_epoch = -1
-        self._perm = torch.empty(0, dtype=torch.int64)
+        self._perm = np.empty(0, dtype=np.int64)
 
     def windows(self, draws: np.ndarray) -> np.ndarray:
         """The window index of each draw number (position in this corpus's stream)."""

@@ -17,6 +17,7 @@ time. A file that cannot be read (corrupt compression or Parquet, bad JSON) is o
 naming it.
 """
 
+import contextlib
 import fnmatch
 import gzip
 import io
@@ -120,22 +121,16 @@ def _is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and (path / "state.json").is_file()
 
 
-class _open_stream:
+@contextlib.contextmanager
+def _open_stream(path: Path) -> Iterator[tuple[BinaryIO, BinaryIO]]:
     """The decompressed byte stream of a file and the raw file under it (for progress)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> tuple[BinaryIO, BinaryIO]:
-        self.raw = open(self.path, "rb")
-        if self.path.suffix == ".gz":
-            return gzip.GzipFile(fileobj=self.raw), self.raw
-        if self.path.suffix == ".zst":
-            return io.BufferedReader(_ZstdStream(self.raw), CHUNK_BYTES), self.raw
-        return self.raw, self.raw
-
-    def __exit__(self, *exc) -> None:
-        self.raw.close()
+    with open(path, "rb") as raw:
+        if path.suffix == ".gz":
+            yield gzip.GzipFile(fileobj=raw), raw
+        elif path.suffix == ".zst":
+            yield io.BufferedReader(_ZstdStream(raw), CHUNK_BYTES), raw
+        else:
+            yield raw, raw
 
 
 class _ZstdStream(io.RawIOBase):

@@ -292,10 +292,30 @@ class HFTokenizer:
         (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
+def find_tokenizer_file(directory: Path) -> Path | None:
+    """The tokenizer.json or tokenizer.model in `directory` (a Hugging Face model directory, a
+    megalite checkpoint), if it holds one."""
+    for name in (HFTokenizer.file_name, Tokenizer.file_name):
+        if (Path(directory) / name).is_file():
+            return Path(directory) / name
+    return None
+
+
+def _tokenizer_file(path: Path) -> Path:
+    """`path` itself, or the tokenizer file inside a directory."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    found = find_tokenizer_file(path)
+    if found is None:
+        raise DataError(f"no tokenizer.json or tokenizer.model in {path}")
+    return found
+
+
 def tokenizer_files(path: Path) -> dict[str, Path]:
     """The files that make up the tokenizer at `path`, by the name a checkpoint or a Hugging
     Face model directory gives them."""
-    path = open_tokenizer(path).path  # a directory: the file inside it
+    path = _tokenizer_file(path)
     if path.suffix != ".json":
         return {Tokenizer.file_name: path}
     config = path.with_name("tokenizer_config.json")
@@ -305,12 +325,7 @@ def tokenizer_files(path: Path) -> dict[str, Path]:
 def open_tokenizer(path: Path, threads: int = NUM_THREADS) -> Tokenizer | HFTokenizer:
     """The tokenizer at `path`: a sentencepiece `.model`, a `tokenizer.json`, or a directory
     holding either (a Hugging Face model directory, a megalite checkpoint)."""
-    path = Path(path)
-    if path.is_dir():
-        for name in (HFTokenizer.file_name, Tokenizer.file_name):
-            if (path / name).is_file():
-                return open_tokenizer(path / name, threads)
-        raise DataError(f"no tokenizer.json or tokenizer.model in {path}")
+    path = _tokenizer_file(path)
     if path.suffix == ".json":
         if not path.is_file():
             raise DataError(f"tokenizer not found: {path}")

@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from megalite import comm
-from megalite.checkpoint.initial import tokenizer_of
 from megalite.checkpoint.sharded import Checkpoint, find_checkpoint, load_checkpoint
 from megalite.checkpoint.state import RngStreams, RunState
 from megalite.checkpoint.writer import check_shared_directory, save_checkpoint
@@ -29,7 +28,7 @@ from megalite.data import (
     open_tokenizer,
     parse_source,
 )
-from megalite.data.tokenizer import same_tokenizer
+from megalite.data.tokenizer import find_tokenizer_file, same_tokenizer
 from megalite.optimizer.lr_schedule import learning_rate
 from megalite.parallel_state import (
     ParallelState,
@@ -70,8 +69,8 @@ def train(cfg: Config) -> dict[str, float]:
     run, state = start_run(cfg, ps, data, resume_from)
     if ps.rank == 0:
         save_config(cfg, out_dir / "config.yaml")
-        if blend := describe_blend(data.train):
-            print(blend)
+        if len(data.train.datasets) > 1:
+            print(data.train.describe())
     state.tracker_id = state.tracker_id or new_tracker_id()
     logger = MetricsLogger(cfg, out_dir, ps.rank == 0, state.step, state.tracker_id)
     summary = Summary(state.step, cost.tokens)
@@ -194,7 +193,7 @@ def _init_from_tokenizer(cfg: Config, data_tokenizer: Path) -> Path | None:
     """A run that starts from another model's weights keeps that model's tokenizer (it is what
     the embeddings were trained for), and the data must have been prepared with it."""
     init_from = cfg.checkpoint.init_from
-    theirs = tokenizer_of(Path(init_from)) if init_from and not cfg.data.tokenizer else None
+    theirs = find_tokenizer_file(Path(init_from)) if init_from and not cfg.data.tokenizer else None
     if theirs is None:
         return None
     if not same_tokenizer(open_tokenizer(theirs), open_tokenizer(data_tokenizer)):
@@ -204,17 +203,6 @@ def _init_from_tokenizer(cfg: Config, data_tokenizer: Path) -> Path | None:
             f"`megalite data prepare --tokenizer {init_from} ...`"
         )
     return theirs
-
-
-def describe_blend(train: BlendedDataset) -> str | None:
-    """'data blend: 0.7000 a (N windows), ...' with the proportions actually drawn."""
-    if len(train.datasets) == 1:
-        return None
-    parts = [
-        f"{weight:.4f} {dataset.prefix} ({len(dataset):,} windows)"
-        for weight, dataset in zip(train.interleave.weights, train.datasets)
-    ]
-    return "data blend: " + ", ".join(parts)
 
 
 def rank_slice(batch: torch.Tensor, ps: ParallelState) -> torch.Tensor:

@@ -7,7 +7,7 @@ on the last tp rank, and the 3D layout of the README runs on 8 ranks. Each case 
 and compares per-step loss and gradient norm with the single process of the same config
 (1e-5 relative); the collective trace of `megalite.launch.run_ranks` checks every collective.
 
-Grid (world size, what it covers):
+Grid (world size, what it covers), and one resume across layouts at these sizes:
     2  gpt   tp 2            the README's first command; 2 head chunks per micro-batch
     2  gpt   tp 2 sp, mb 5   a ragged last head chunk (1280 tokens in chunks of 1024)
     4  llama tp 4 sp, mb 16  GQA with kv heads < tp; a rank of mostly padded vocabulary
@@ -66,3 +66,18 @@ def test_shipped_config_layout_matches_single_process(builtin_corpus_8000, tmp_p
     losses, _ = run_layout(world_size, SHORT + batch + layout, tmp_path, config)
     assert len(losses) == 2
     assert_same_losses(losses, ref_losses)
+
+
+def test_shipped_config_resumes_in_another_layout(builtin_corpus_8000, tmp_path):
+    """llama-tiny saved after step 1 by dp 2 with ZeRO-1 in 1 MB buckets (many buckets; each cut
+    in half between the dp ranks, so the embedding's and other tensors' Adam state is stored as
+    two segments from two files), resumed for step 2 by tp 2 with its padded vocabulary: the
+    single process's losses."""
+    batch = _batch(8, 16)
+    save = ("parallel.zero=1", "parallel.bucket_mb=1", "checkpoint.interval=1", "train.steps=1")
+    run_layout(2, SHORT + batch + save, tmp_path, LLAMA)
+    (tmp_path / "metrics.jsonl").write_text("")
+    resumed, _ = run_layout(2, SHORT + batch + ("parallel.tp=2",), tmp_path, LLAMA)
+    ref_losses, _ = reference(SHORT + batch, LLAMA)
+    assert len(resumed) == 1
+    assert_same_losses(resumed, ref_losses[1:])
