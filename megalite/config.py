@@ -182,7 +182,9 @@ class TrainConfig:
     precision: str = "auto"
     """fp32, bf16, fp16 (dynamic loss scaling) or auto (bf16 on CUDA, fp32 on CPU)."""
     recompute: str = "none"
-    """Activation recompute: none, selective (attention core) or full (whole layers)."""
+    """Activation recompute: none, selective (attention core), full (whole layers) or segments
+    (Chen et al. 2016: keep about sqrt(L) segment inputs per chunk, rerun one segment at a
+    time in backward; O(sqrt(L)) layers of activations for one extra forward)."""
     recompute_layers: int | None = None
     """With recompute=full: how many layers per chunk to recompute (None: all)."""
     eval_interval: int = 100
@@ -206,8 +208,8 @@ class TrainConfig:
             f"train.precision must be fp32, bf16, fp16 or auto, got {self.precision!r}",
         )
         _require(
-            self.recompute in ("none", "selective", "full"),
-            f"train.recompute must be none, selective or full, got {self.recompute!r}",
+            self.recompute in ("none", "selective", "full", "segments"),
+            f"train.recompute must be none, selective, full or segments, got {self.recompute!r}",
         )
         _require(self.device in ("auto", "cpu", "cuda"), "train.device must be auto, cpu or cuda")
         _require(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -203,6 +204,19 @@ class Attention(nn.Module):
         return dropped(q, k, v)
 
 
+def segment_layers(layers: list[nn.Module]) -> list[list[nn.Module]]:
+    """Cut L blocks into consecutive segments of round(sqrt(L)) blocks (the last may be
+    shorter): about sqrt(L) segments, the count that minimises inputs kept plus one segment."""
+    size = max(1, round(math.sqrt(len(layers))))
+    return [layers[i : i + size] for i in range(0, len(layers), size)]
+
+
+def run_in_order(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
 class CausalLM(nn.Module):
     """One pipeline chunk of a decoder-only language model (the whole model when pp = 1): the
     embedding if it is the first chunk, a run of blocks keyed by their global index (`layers`),
@@ -218,13 +232,22 @@ class CausalLM(nn.Module):
 
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
         """The blocks in order. Under `train.recompute=full` the first `recompute_layers` of
-        them (all by default) keep only their input for backward and run again there."""
-        limit = self.ctx.recompute_layers
-        for n, layer in enumerate(self.layers.values()):
-            if self.ctx.recompute == "full" and self.training and (limit is None or n < limit):
-                x = recompute(layer, x, tp_random=self.ctx.tp_random)
-            else:
+        them (all by default) keep only their input for backward and run again there. Under
+        `segments` (Chen et al. 2016) the blocks run in about sqrt(L) segments of about
+        sqrt(L) blocks: only each segment's input is kept, and backward reruns one segment at a
+        time, so at most sqrt(L) inputs plus one segment's activations are alive."""
+        layers = list(self.layers.values())
+        if not self.training or self.ctx.recompute not in ("full", "segments"):
+            for layer in layers:
                 x = layer(x)
+            return x
+        if self.ctx.recompute == "segments":
+            for segment in segment_layers(layers):
+                x = recompute(partial(run_in_order, segment), x, tp_random=self.ctx.tp_random)
+            return x
+        limit = len(layers) if self.ctx.recompute_layers is None else self.ctx.recompute_layers
+        for n, layer in enumerate(layers):
+            x = recompute(layer, x, tp_random=self.ctx.tp_random) if n < limit else layer(x)
         return x
 
     def sequence_positions(self, seq_len: int) -> torch.Tensor:
