@@ -29,16 +29,42 @@ from megalite.pipeline.schedule import Action, Op, p2p_batches, peer_of, virtual
 
 @dataclass
 class StepTimes:
-    compute_s: float = 0.0
+    """Where one run of a schedule spent its time on this rank (seconds, each part exclusive of
+    the others: a collective inside a forward counts under `comm_s`, not `forward_s`)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
     wait_s: float = 0.0
+    """Waiting for the activation or gradient a compute needs: the measured pipeline bubble."""
+    p2p_s: float = 0.0
+    """Posting sends and receives, and waiting for the last sends to complete."""
+    comm_s: float = 0.0
+    """Blocked in collectives issued by the forwards and backwards (tensor parallelism, the dp
+    gradient reduction); recorded only while a profiler times collectives (`timed`), else 0."""
+    total_s: float = 0.0
+    """The whole run: the parts above plus the executor's own bookkeeping."""
     peak_in_flight: int = 0
     """Most (micro-batch, chunk) activations held at once (what the simulator predicts)."""
 
     @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
     def bubble_fraction(self) -> float:
-        """Share of the schedule spent waiting on receives."""
-        total = self.compute_s + self.wait_s
-        return self.wait_s / total if total else 0.0
+        """The papers' bubble: idle time relative to compute time, wait / compute ((p - 1) / m
+        for a balanced 1F1B pipeline, (p - 1) / (v m) interleaved; `SimResult.bubble_ratio`)."""
+        return self.wait_s / self.compute_s if self.compute_s else 0.0
+
+
+@dataclass
+class _Interval:
+    name: str
+    start: Any
+    """perf_counter seconds on CPU, a recorded CUDA event on a GPU."""
+    parent: int | None
+    """Index of the interval this one is nested in."""
+    end: Any = None
 
 
 class IntervalTimer:
@@ -48,39 +74,81 @@ class IntervalTimer:
     for a receive (which makes the stream wait, not the host) would read zero. There, events are
     recorded on the current stream around each interval and read once, when `totals` is called
     at the end of the step: no synchronisation in between.
+
+    Intervals nest: time inside an inner interval counts for the inner name only (a profiler's
+    self time), so the totals of all names add up to the outermost intervals' time.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.on_cuda = device.type == "cuda"
-        self.host_s: dict[str, float] = {}
-        self.events: dict[str, list[tuple[Any, Any]]] = {}
-        self.last_event: Any = None
+        self.intervals: list[_Interval] = []
+        self.open: list[int] = []
+        self.last_mark: Any = None
+
+    def _mark(self) -> Any:
+        if not self.on_cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.last_mark = event
+        return event
 
     @contextlib.contextmanager
     def interval(self, name: str) -> Iterator[None]:
-        if not self.on_cuda:
-            start = time.perf_counter()
+        parent = self.open[-1] if self.open else None
+        self.open.append(len(self.intervals))
+        interval = _Interval(name, self._mark(), parent)
+        self.intervals.append(interval)
+        try:
             yield
-            self.host_s[name] = self.host_s.get(name, 0.0) + time.perf_counter() - start
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        yield
-        end.record()
-        self.events.setdefault(name, []).append((start, end))
-        self.last_event = end
+        finally:
+            interval.end = self._mark()
+            self.open.pop()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[IntervalTimer]:
+        """Make this the timer that `timed` records into, inside the block."""
+        _active_timers.append(self)
+        try:
+            yield self
+        finally:
+            _active_timers.remove(self)
 
     def totals(self) -> dict[str, float]:
-        """Seconds per name. On a GPU this waits for the last recorded event: events on one
-        stream complete in order, so every interval has been timed then."""
+        """Self seconds per name (closed intervals only). On a GPU this waits for the last
+        recorded event: events on one stream complete in order, so every interval has been
+        timed then."""
+        if self.on_cuda and self.last_mark is not None:
+            self.last_mark.synchronize()
+        elapsed = [self._elapsed(i) if i.end is not None else 0.0 for i in self.intervals]
+        own = list(elapsed)
+        for interval, seconds in zip(self.intervals, elapsed):
+            if interval.parent is not None:
+                own[interval.parent] -= seconds
+        totals: dict[str, float] = {}
+        for interval, seconds in zip(self.intervals, own):
+            if interval.end is not None:
+                totals[interval.name] = totals.get(interval.name, 0.0) + seconds
+        return totals
+
+    def _elapsed(self, interval: _Interval) -> float:
         if not self.on_cuda:
-            return dict(self.host_s)
-        if self.last_event is not None:
-            self.last_event.synchronize()
-        return {
-            name: sum(start.elapsed_time(end) for start, end in pairs) / 1000  # ms -> s
-            for name, pairs in self.events.items()
-        }
+            return interval.end - interval.start
+        return interval.start.elapsed_time(interval.end) / 1000  # ms -> s
+
+
+_active_timers: list[IntervalTimer] = []
+
+
+@contextlib.contextmanager
+def timed(name: str) -> Iterator[None]:
+    """An interval of the innermost active timer (`IntervalTimer.active`), if there is one: how
+    code outside the executor (a profiler's view of collectives) lands in the step's timing."""
+    if not _active_timers:
+        yield
+        return
+    with _active_timers[-1].interval(name):
+        yield
 
 
 @dataclass
@@ -114,6 +182,19 @@ class _Step:
         self.loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
 
 
+def _step_times(seconds: dict[str, float], peak_in_flight: int) -> StepTimes:
+    """StepTimes from a run's self times per interval name ("run" holds the bookkeeping)."""
+    return StepTimes(
+        forward_s=seconds.get("forward", 0.0),
+        backward_s=seconds.get("backward", 0.0),
+        wait_s=seconds.get("wait", 0.0),
+        p2p_s=seconds.get("p2p", 0.0),
+        comm_s=seconds.get("comm", 0.0),
+        total_s=sum(seconds.values()),
+        peak_in_flight=peak_in_flight,
+    )
+
+
 def _run_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
     """Backward through `output`'s graph even if its storage was freed after sending it on."""
     torch.autograd.Variable._execution_engine.run_backward(
@@ -133,6 +214,8 @@ class PipelineExecutor:
     buffers_of_chunk: list[list[GradBuffer]] = field(default_factory=list)
     """Gradient buffers of each chunk, told to start their dp reduction before the chunk's
     last backward."""
+    last_times: StepTimes | None = field(default=None, init=False)
+    """The timings of the latest `run`, for a profiler that reaches it through `train_step`."""
 
     def __post_init__(self) -> None:
         n_stages = self.ps.pp_size * self.vpp
@@ -157,27 +240,28 @@ class PipelineExecutor:
         timer = IntervalTimer(self.ps.device)
         step = _Step(micro_batches, loss_weight, loss_scale, self.ps.device, timer)
         last_backward = {a.chunk: a for a in schedule if a.op is Op.BACKWARD}
-        for action in p2p_batches(schedule):
-            if not isinstance(action, Action):
-                self._post(step, action)
-                continue
-            inputs = self._received_input(step, action)
-            with timer.interval("compute"):
+        with timer.active(), timer.interval("run"):
+            for action in p2p_batches(schedule):
+                if not isinstance(action, Action):
+                    with timer.interval("p2p"):
+                        self._post(step, action)
+                    continue
+                inputs = self._received_input(step, action)
                 if action.op is Op.FORWARD:
-                    step.loss_total += self._forward(step, action, inputs)
+                    with timer.interval("forward"):
+                        step.loss_total += self._forward(step, action, inputs)
                     step.peak_in_flight = max(step.peak_in_flight, len(step.saved))
                 else:
-                    if action == last_backward[action.chunk]:
-                        for buffer in self.buffers_of_chunk[action.chunk]:
-                            buffer.start_sync()
-                    self._backward(step, action, inputs)
-        for work in step.sends:
-            work.wait()
-        seconds = timer.totals()
-        times = StepTimes(
-            seconds.get("compute", 0.0), seconds.get("wait", 0.0), step.peak_in_flight
-        )
-        return step.loss_total, times
+                    with timer.interval("backward"):
+                        if action == last_backward[action.chunk]:
+                            for buffer in self.buffers_of_chunk[action.chunk]:
+                                buffer.start_sync()
+                        self._backward(step, action, inputs)
+            with timer.interval("p2p"):
+                for work in step.sends:
+                    work.wait()
+        self.last_times = _step_times(timer.totals(), step.peak_in_flight)
+        return step.loss_total, self.last_times
 
     def _post(self, step: _Step, batch: tuple[Action, ...]) -> None:
         """Post one batch of sends and receives together (see `schedule._place_p2p` for why this

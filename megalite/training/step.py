@@ -22,7 +22,8 @@ class StepMetrics:
     skipped: bool
     """fp16 overflow: the update was skipped and the loss scale lowered."""
     bubble_fraction: float
-    """Share of the schedule spent waiting on pipeline receives, averaged over pp ranks."""
+    """The papers' pipeline bubble: time the pp ranks waited on receives relative to their
+    compute time, summed over the pipeline ((p - 1) / m for a balanced 1F1B schedule)."""
     peak_in_flight: int
     """Most micro-batch activations this rank held at once."""
 
@@ -59,10 +60,12 @@ def train_step(run: Run, tokens: torch.Tensor, lr: float) -> StepMetrics:
     if not skipped:
         coefficient = clip_coefficient(grad_norm, cfg.optim.grad_clip)
         run.optimizer.step(lr, grad_scale=coefficient / run.scaler.scale)
-    bubble = torch.tensor(times.bubble_fraction / run.ps.pp_size, device=run.ps.device)
-    comm.all_reduce(bubble, run.ps.pp_group)
+    wait_and_compute = torch.tensor([times.wait_s, times.compute_s], device=run.ps.device)
+    comm.all_reduce(wait_and_compute, run.ps.pp_group)
+    wait, compute = wait_and_compute.tolist()
+    bubble = wait / compute if compute else 0.0
     return StepMetrics(
-        global_loss(local_loss, run), grad_norm, skipped, bubble.item(), times.peak_in_flight
+        global_loss(local_loss, run), grad_norm, skipped, bubble, times.peak_in_flight
     )
 
 

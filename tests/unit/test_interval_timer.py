@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from megalite.pipeline.executor import IntervalTimer
+from megalite.pipeline.executor import IntervalTimer, StepTimes, timed
 
 
 def test_host_timer_sums_each_name_on_cpu():
@@ -20,6 +20,55 @@ def test_host_timer_sums_each_name_on_cpu():
     assert totals.keys() == {"wait", "compute"}
     assert 0.04 <= totals["wait"] < 0.2
     assert totals["compute"] < 0.01
+
+
+def test_nested_intervals_count_once_for_the_innermost_name():
+    """A collective inside a forward is communication, not forward: self times partition the
+    outermost interval, so a step's parts add up to the step."""
+    timer = IntervalTimer(torch.device("cpu"))
+    start = time.perf_counter()
+    with timer.interval("step"):
+        time.sleep(0.01)
+        with timer.interval("forward"):
+            time.sleep(0.02)
+            with timer.interval("comm"):
+                time.sleep(0.03)
+    elapsed = time.perf_counter() - start
+    totals = timer.totals()
+    assert 0.01 <= totals["step"] < 0.02 + 0.01
+    assert 0.02 <= totals["forward"] < 0.03 + 0.01
+    assert 0.03 <= totals["comm"]
+    assert sum(totals.values()) == pytest.approx(elapsed, abs=1e-3)
+
+
+def test_timed_records_into_the_innermost_active_timer_only():
+    outer, inner = IntervalTimer(torch.device("cpu")), IntervalTimer(torch.device("cpu"))
+    with timed("comm"):  # no active timer: nothing to record into, and no error
+        pass
+    with outer.active():
+        with timed("comm"):
+            time.sleep(0.01)
+        with inner.active(), timed("comm"):
+            time.sleep(0.02)
+    assert outer.totals()["comm"] == pytest.approx(0.01, abs=0.008)
+    assert inner.totals()["comm"] >= 0.02
+    with timed("comm"):  # both released
+        pass
+    assert len(outer.intervals) == len(inner.intervals) == 1
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 3)])
+def test_bubble_is_idle_time_relative_to_compute(pp, m):
+    """The papers' bubble: in a balanced 1F1B pipeline a rank computes m micro-batches of one
+    forward (1) and one backward (2) and idles (p - 1) of them: (p - 1) / m (above 1 when
+    m < p - 1), not the share of the step (p - 1) / (m + p - 1)."""
+    times = StepTimes(forward_s=1.0 * m, backward_s=2.0 * m, wait_s=3.0 * (pp - 1))
+    assert times.compute_s == 3.0 * m
+    assert times.bubble_fraction == pytest.approx((pp - 1) / m)
+
+
+def test_step_times_of_an_empty_run_have_no_bubble():
+    assert StepTimes().bubble_fraction == 0.0
 
 
 def _matmuls(x: torch.Tensor, n: int) -> torch.Tensor:
