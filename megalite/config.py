@@ -147,10 +147,13 @@ class ParallelConfig:
     """Pipeline schedule: gpipe, 1f1b or interleaved."""
     microbatch_group_size: int | None = None
     """Interleaved schedule: micro-batches run in groups of this size (default pp)."""
-    embedding_layer_weight: float = 0.0
-    """Count the embedding as this fraction of a transformer layer when balancing stages."""
-    head_layer_weight: float = 0.0
-    """Count the final norm + head + loss as this fraction of a layer when balancing stages."""
+    embedding_layer_weight: float | None = None
+    """Count the embedding as this fraction of a transformer layer when balancing pipeline
+    stages; None: from the model's FLOPs (a lookup, so 0)."""
+    head_layer_weight: float | None = None
+    """Count the final norm + head + loss as this fraction of a layer when balancing pipeline
+    stages; None: from the model's FLOPs (the head's matmul over the vocabulary against one
+    layer's matmuls and attention; several layers' worth on a small model)."""
     bucket_mb: float = 40.0
     """Gradient bucket size (MB of fp32) for the overlapped data-parallel reduction."""
 
@@ -167,6 +170,12 @@ class ParallelConfig:
             "with one chunk per rank",
         )
         _require(self.bucket_mb > 0, "parallel.bucket_mb must be > 0")
+        for name in ("embedding_layer_weight", "head_layer_weight"):
+            weight = getattr(self, name)
+            _require(
+                weight is None or weight >= 0,
+                f"parallel.{name} must be >= 0 (or omitted: from the model's FLOPs), got {weight}",
+            )
 
 
 @dataclass
@@ -277,10 +286,19 @@ class CheckpointConfig:
     init_from: str | None = None
     """Start a fresh run from these weights (a megalite checkpoint dir or a Hugging Face model
     dir) instead of random ones; the optimizer and data order start anew. Not used on resume."""
+    async_save: bool = False
+    """Write checkpoints in the background: a save waits only for a copy of the state in host
+    memory (pinned on CUDA, so it needs that much free host memory); the checkpoint becomes
+    `latest` at the next save or at the end of the run, and a crash before that leaves the
+    previous one `latest`."""
 
     def __post_init__(self) -> None:
         _require(self.interval >= 0, "checkpoint.interval must be >= 0")
         _require(self.keep >= 1, "checkpoint.keep must be >= 1")
+        _require(
+            isinstance(self.async_save, bool),
+            f"checkpoint.async_save must be true or false, got {self.async_save!r}",
+        )
 
 
 @dataclass

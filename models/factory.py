@@ -34,14 +34,7 @@ def build_chunks(
     )
     n_stages = ps.pp_size * p.vpp
     chunks = []
-    for stage, layers in chunk_layers(
-        cfg.model.n_layers,
-        ps.pp_size,
-        p.vpp,
-        ps.pp_rank,
-        p.embedding_layer_weight,
-        p.head_layer_weight,
-    ):
+    for stage, layers in chunk_layers(cfg, ps.pp_rank):
         chunk = ARCHITECTURES[cfg.model.arch](
             ctx, layers, has_embedding=stage == 0, has_head=stage == n_stages - 1
         )

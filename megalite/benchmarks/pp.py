@@ -2,7 +2,7 @@
 `torch.distributed.pipelining.ScheduleInterleaved1F1B`.
 
 Both cut the same GPT-2-style model into pp * vpp = 4 chunks (layers split by megalite's
-`partition_layers`, the embedding on the first chunk, final norm + tied LM head + loss on the
+`stage_ranges`, the embedding on the first chunk, final norm + tied LM head + loss on the
 last), two chunks per rank (rank r holds chunks r and r + pp), and run m micro-batches per step
 (default 8), then clip at 1.0 and take an AdamW step. The torch side wraps `TorchGPT` pieces in
 `PipelineStage`s; as megalite does, it sums the gradients of the tied embedding / LM head
@@ -10,6 +10,7 @@ copies between the first and last stage, and counts them once in the global grad
 
     python tools/bench_pp.py                       # forks its 2 ranks itself
     python tools/bench_pp.py --microbatches 4 --torch-schedule 1f1b
+    python tools/bench_pp.py --layers 8 --balance layers  # stages cut by layer count
     torchrun --nproc-per-node 2 tools/bench_pp.py  # same, launched by torchrun
     python -m megalite.benchmarks.pp               # the same, from an installed megalite
 
@@ -44,9 +45,12 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from megalite.benchmarks import harness
 from megalite.benchmarks.table import COMMON_COLUMNS, common_cells, common_notes, print_table
 from megalite.benchmarks.torch_gpt import TorchGPT, lm_loss, torch_adamw
+from megalite.config import Config
 from megalite.launch import run_or_join
 from megalite.parallel_state import build_parallel_state
-from megalite.pipeline.partition import partition_layers
+from megalite.pipeline.partition import stage_costs, stage_ranges
+from megalite.pipeline.schedule import build_schedule
+from megalite.pipeline.simulate import simulate
 
 PP = 2
 SCHEDULES = {
@@ -85,9 +89,17 @@ def bubbles(compute: float, wait: float, wall: float) -> dict[str, float]:
 # ----------------------------------------------------------------------------- megalite
 
 
+def pipeline_config(args: argparse.Namespace, vpp: int, schedule: str) -> Config:
+    """megalite's config for PP ranks of `vpp` chunks; `--balance layers` cuts the stages by
+    layer count (embedding and head weigh nothing), `flops` by their FLOPs (the default)."""
+    weights = {"embedding_layer_weight": 0, "head_layer_weight": 0}
+    balance = weights if args.balance == "layers" else {}
+    return harness.parallel_config(args, 1, tp=1, pp=PP, vpp=vpp, schedule=schedule, **balance)
+
+
 def megalite_contender(args: argparse.Namespace) -> harness.Contender:
     ps = build_parallel_state(1, PP, torch.device("cpu"))
-    cfg = harness.parallel_config(args, 1, tp=1, pp=PP, vpp=args.vpp, schedule="interleaved")
+    cfg = pipeline_config(args, args.vpp, "interleaved")
     training = harness.megalite_run(cfg, ps)
     executor_run, record = training.executor.run, {}
 
@@ -118,10 +130,8 @@ def torch_stages(
     """This rank's `PipelineStage`s and their modules for schedule `kind`."""
     n_local = args.vpp if kind == "interleaved" else 1
     n_stages = PP * n_local
-    if kind == "interleaved":
-        ranges = partition_layers(args.layers, n_stages)
-    else:  # one stage per rank: the layers of its megalite chunks, merged
-        ranges = partition_layers(args.layers, PP)
+    # megalite's split; with one stage per rank, megalite's split of PP chunks
+    ranges = stage_ranges(pipeline_config(args, n_local, "interleaved" if n_local > 1 else "1f1b"))
     stages, modules = [], []
     for local in range(n_local):
         index = local * PP + rank
@@ -225,6 +235,13 @@ def options() -> argparse.ArgumentParser:
     parser = harness.options(__doc__.split("\n\n")[0], microbatches=8)
     parser.add_argument("--vpp", type=int, default=2, help="model chunks per pipeline rank")
     parser.add_argument("--torch-schedule", choices=tuple(SCHEDULES), default="interleaved")
+    parser.add_argument(
+        "--balance",
+        choices=("flops", "layers"),
+        default="flops",
+        help="cut the stages (both contenders alike) by FLOPs, embedding and head counted, or "
+        "by layer count",
+    )
     return parser
 
 
@@ -232,6 +249,23 @@ def run(args: argparse.Namespace) -> dict | None:
     """Measure on PP gloo ranks: {"rows": [...], "failures": {schedule: traceback}} (None on
     the ranks other than 0 under torchrun)."""
     return run_or_join(PP, worker, args, timeout=args.timeout)
+
+
+def simulated_note(args: argparse.Namespace) -> str:
+    """The stages megalite cut (`--balance`) and the idle share the simulator gives them from
+    their FLOPs (the last chunk also runs the LM head + loss over the vocabulary)."""
+    cfg = pipeline_config(args, args.vpp, "interleaved")
+    costs = stage_costs(cfg)
+    schedules = [
+        build_schedule("interleaved", PP, r, args.microbatches, args.vpp) for r in range(PP)
+    ]
+    forward, backward = [c.forward for c in costs], [c.backward for c in costs]
+    idle = simulate(schedules, PP, args.vpp, forward, backward).bubble_fraction
+    layers = ", ".join(f"{r.start}-{r.stop - 1}" for r in stage_ranges(cfg))
+    return (
+        f"stages cut by {args.balance} (layers per chunk: {layers}); simulated idle share with "
+        f"the chunks' FLOPs: {idle:.3f}"
+    )
 
 
 def report(args: argparse.Namespace, result: dict) -> None:
@@ -246,8 +280,8 @@ def report(args: argparse.Namespace, result: dict) -> None:
         "bubble p2p wait = time blocked on pipeline p2p / (that + compute); bubble idle = "
         "1 - compute / schedule wall time; both averaged over the ranks (see the docstring).",
         f"textbook interleaved bubble for pp={PP}, vpp={args.vpp}, m={args.microbatches}: "
-        f"(pp-1)/(v*m+pp-1) = {ideal:.3f} of the schedule, with equal chunks; here the last "
-        "chunk also runs the LM head + loss over the vocabulary, so ranks are unbalanced.",
+        f"(pp-1)/(v*m+pp-1) = {ideal:.3f} of the schedule, with equal chunks.",
+        simulated_note(args),
     ]
     for kind, error in result["failures"].items():
         notes.append(f"torch schedule {kind!r} failed on gloo/CPU; its last frames:\n{error}")

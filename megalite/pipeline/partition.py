@@ -1,15 +1,22 @@
-"""Which layers each pipeline chunk holds.
+"""Which layers each pipeline chunk holds, and what each chunk costs.
 
 The model's P * V chunks ("virtual stages") take consecutive layers; virtual stage v lives on
 pipeline rank v % P as its local chunk v // P. Layers are spread so the costliest stage is as
-cheap as possible, where the embedding and the head can be counted as a fraction of a layer
-(`parallel.embedding_layer_weight`, `parallel.head_layer_weight`) because the first and last
-stage also run them.
+cheap as possible, counting the embedding and the head (final norm + LM head + loss) as a
+fraction of a layer, because the first and last stage also run them. By default those fractions
+come from the model's FLOPs (`profiling.flops`): on a small model the head over the vocabulary
+outweighs several layers, and a split by layer count would leave the last stage the slowest.
+`parallel.embedding_layer_weight` / `parallel.head_layer_weight` override them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cache
+from typing import NamedTuple
+
+from megalite.config import Config, ModelConfig
+from megalite.profiling.flops import flops_per_token
 
 
 def partition_layers(
@@ -44,9 +51,80 @@ def partition_layers(
     return [range(s, e) for s, e in zip(starts, ends)]
 
 
-def chunk_layers(
-    n_layers: int, pp_size: int, vpp: int, pp_rank: int, embedding_weight=0.0, head_weight=0.0
-) -> list[tuple[int, range]]:
+class PartFlops(NamedTuple):
+    """Training FLOPs per token (forward + backward) of the model's parts, by the formula
+    behind MFU: a layer's matmuls and causal attention, the LM head's matmul. The embedding is
+    a lookup (no matmul) and the loss's softmax is elementwise over the logits, under 1 % of
+    the head's matmul from hidden 256 up, so the formula counts neither."""
+
+    layer: float
+    embedding: float
+    head: float
+
+
+def part_flops(model: ModelConfig) -> PartFlops:
+    """Split `flops_per_token` into one layer, the embedding and the head (by differencing the
+    formula over the layer count, so the parts always add up to the whole)."""
+    one, two = (flops_per_token(dataclasses.replace(model, n_layers=n)) for n in (1, 2))
+    layer = two - one
+    return PartFlops(layer=layer, embedding=0.0, head=one - layer)
+
+
+def layer_weights(cfg: Config) -> tuple[float, float]:
+    """(embedding, head) in layers for balancing: the configured values, or from FLOPs where
+    they are None."""
+    p = cfg.parallel
+    flops = part_flops(cfg.model)
+    embedding = p.embedding_layer_weight
+    head = p.head_layer_weight
+    return (
+        flops.embedding / flops.layer if embedding is None else embedding,
+        flops.head / flops.layer if head is None else head,
+    )
+
+
+def stage_ranges(cfg: Config) -> list[range]:
+    """The layers of every virtual stage (pp * vpp of them) of `cfg`'s pipeline."""
+    p = cfg.parallel
+    return partition_layers(cfg.model.n_layers, p.pp * p.vpp, *layer_weights(cfg))
+
+
+def chunk_layers(cfg: Config, pp_rank: int) -> list[tuple[int, range]]:
     """(virtual stage, layer range) of each local chunk of `pp_rank`, in local chunk order."""
-    ranges = partition_layers(n_layers, pp_size * vpp, embedding_weight, head_weight)
-    return [(c * pp_size + pp_rank, ranges[c * pp_size + pp_rank]) for c in range(vpp)]
+    pp_size = cfg.parallel.pp
+    ranges = stage_ranges(cfg)
+    return [(c * pp_size + pp_rank, ranges[c * pp_size + pp_rank]) for c in range(cfg.parallel.vpp)]
+
+
+class StageCost(NamedTuple):
+    """FLOPs per token of one virtual stage's forward and backward; the backward includes the
+    forward that recompute runs again (hardware work, which takes time though MFU ignores it)."""
+
+    forward: float
+    backward: float
+
+
+def stage_costs(cfg: Config) -> list[StageCost]:
+    """The forward / backward FLOPs per token of every virtual stage, embedding and head
+    included, with `train.recompute` (full: `recompute_layers` per chunk, or all, rerun their
+    forward; segments: every layer once; selective: the attention scores)."""
+    flops, t = part_flops(cfg.model), cfg.train
+    m = cfg.model
+    attention = 12 * m.hidden * m.seq_len / 2  # per layer, forward + backward, causal
+    if t.recompute in ("full", "segments"):
+        rerun = flops.layer / 3
+    elif t.recompute == "selective":
+        rerun = attention / 3
+    else:
+        rerun = 0.0
+    ranges = stage_ranges(cfg)
+    costs = []
+    for stage, layers in enumerate(ranges):
+        total = len(layers) * flops.layer
+        total += flops.embedding if stage == 0 else 0.0
+        total += flops.head if stage == len(ranges) - 1 else 0.0
+        recomputed = len(layers)
+        if t.recompute == "full" and t.recompute_layers is not None:
+            recomputed = min(t.recompute_layers, len(layers))
+        costs.append(StageCost(total / 3, 2 * total / 3 + recomputed * rerun))
+    return costs

@@ -32,8 +32,8 @@ from megalite.pipeline.schedule import (
 class SimResult:
     """Timing and memory of one simulated step; lists are indexed by pp rank.
 
-    Costs are per chunk: with vpp chunks a rank's compute per micro-batch is
-    vpp * (forward_cost + backward_cost).
+    Costs are per chunk: with vpp chunks of equal cost a rank's compute per micro-batch is
+    vpp * (forward_cost + backward_cost); with per-stage costs, the sum over its chunks.
     """
 
     makespan: float
@@ -154,20 +154,25 @@ def simulate(
     schedules: Sequence[list[Action]],
     pp_size: int,
     vpp: int,
-    forward_cost: float = 1.0,
-    backward_cost: float = 2.0,
+    forward_cost: float | Sequence[float] = 1.0,
+    backward_cost: float | Sequence[float] = 2.0,
     p2p_cost: float = 0.0,
 ) -> SimResult:
     """Run all ranks' schedules together; raise ScheduleError on mismatched p2p or deadlock.
 
-    Costs are per chunk forward / backward; a message takes `p2p_cost` once both of its ends
-    have started their batches. Every time depends only on earlier events, so the order in
-    which the simulation visits ranks does not change the result.
+    Costs are per chunk forward / backward: one number for every chunk, or one per virtual
+    stage (pp * vpp, in stage order: `partition.stage_costs` gives a stage's share of the
+    FLOPs, embedding and head included), so the bubble is that of the actual stages. A message
+    takes `p2p_cost` once both of its ends have started their batches. Every time depends only
+    on earlier events, so the order in which the simulation visits ranks does not change the
+    result.
     """
     if len(schedules) != pp_size:
         raise ScheduleError(f"expected {pp_size} schedules (one per pp rank), got {len(schedules)}")
     check_p2p_order(schedules, pp_size, vpp)
-    sim = _Simulation(schedules, pp_size, vpp, forward_cost, backward_cost, p2p_cost)
+    forward = _per_stage(forward_cost, pp_size * vpp, "forward_cost")
+    backward = _per_stage(backward_cost, pp_size * vpp, "backward_cost")
+    sim = _Simulation(schedules, pp_size, vpp, forward, backward, p2p_cost)
     ready = set(range(pp_size))
     while ready:
         ready |= sim.advance(ready.pop())
@@ -185,6 +190,15 @@ def simulate(
     )
 
 
+def _per_stage(cost: float | Sequence[float], n_stages: int, name: str) -> list[float]:
+    """One cost per virtual stage from a scalar or a per-stage sequence."""
+    if isinstance(cost, (int, float)):
+        return [float(cost)] * n_stages
+    if len(cost) != n_stages:
+        raise ValueError(f"{name} has {len(cost)} entries, expected one per stage ({n_stages})")
+    return [float(c) for c in cost]
+
+
 class _Simulation:
     """Per rank: the host walking its steps (compute clock), and its p2p stream: when each
     batch was posted, started (reached the head of the stream) and completed."""
@@ -194,8 +208,8 @@ class _Simulation:
         schedules: Sequence[list[Action]],
         pp_size: int,
         vpp: int,
-        forward_cost: float,
-        backward_cost: float,
+        forward_cost: list[float],
+        backward_cost: list[float],
         p2p_cost: float,
     ) -> None:
         self.p2p_cost = p2p_cost
@@ -204,8 +218,10 @@ class _Simulation:
             [s for s in rank_steps if not isinstance(s, Action)] for rank_steps in steps
         ]
         self.partners = _partners(self.batches, pp_size, vpp)
-        costs = {Op.FORWARD: (forward_cost, 1), Op.BACKWARD: (backward_cost, -1)}
-        self.program = [_program(rank_steps, costs) for rank_steps in steps]
+        self.program = [
+            _program(rank_steps, _rank_costs(rank, pp_size, vpp, forward_cost, backward_cost))
+            for rank, rank_steps in enumerate(steps)
+        ]
         self.position = [0] * pp_size
         self.clock = [0.0] * pp_size
         self.busy = [0.0] * pp_size
@@ -280,8 +296,20 @@ class _Simulation:
         )
 
 
+def _rank_costs(
+    rank: int, pp_size: int, vpp: int, forward: list[float], backward: list[float]
+) -> dict[tuple[Op, int], tuple[float, int]]:
+    """(cost, change of activations held) of each compute op on each of `rank`'s chunks."""
+    costs = {}
+    for chunk in range(vpp):
+        stage = virtual_stage(rank, chunk, pp_size)
+        costs[Op.FORWARD, chunk] = (forward[stage], 1)
+        costs[Op.BACKWARD, chunk] = (backward[stage], -1)
+    return costs
+
+
 def _program(
-    steps: list[Action | tuple[Action, ...]], costs: dict[Op, tuple[float, int]]
+    steps: list[Action | tuple[Action, ...]], costs: dict[tuple[Op, int], tuple[float, int]]
 ) -> list[tuple[float | None, int | None, int]]:
     """One rank's steps for the host: (cost, batch holding its input, change of activations
     held) per compute; (None, None, 0) per batch, which the host only posts."""
@@ -295,7 +323,7 @@ def _program(
             program.append((None, None, 0))
         else:
             receive = Op.RECV_FORWARD if step.op is Op.FORWARD else Op.RECV_BACKWARD
-            cost, in_flight = costs[step.op]
+            cost, in_flight = costs[step.op, step.chunk]
             program.append((cost, batch_of.get((receive, step.microbatch, step.chunk)), in_flight))
     return program
 
