@@ -323,6 +323,45 @@ class LoggingConfig:
 
 
 @dataclass
+class FaultConfig:
+    collective_timeout_s: float = 1800.0
+    """Seconds a collective may wait for its peers before the process group fails it (the gloo
+    and NCCL time-out; NCCL then tears the process down). The backstop behind the watchdog."""
+    watchdog_timeout_s: float = 600.0
+    """End the job when a rank makes no progress (no collective entered or completed, no step
+    finished) for this long, naming the rank that went silent, its step and the last collective
+    it entered; 0 turns the watchdog off. Must exceed the longest pause between collectives
+    (a checkpoint save, the first step's compilation) and stay below collective_timeout_s."""
+    max_bad_steps: int = 5
+    """Stop the run after this many bad steps in a row (a NaN/inf loss or gradient norm, or a
+    loss spike), naming the step and the last good checkpoint. A bad step skips its update."""
+    loss_spike_factor: float = 0.0
+    """A loss above this many times the median of the recent good losses is a bad step (e.g. 3);
+    0 turns spike detection off."""
+    loss_spike_window: int = 20
+    """How many recent good losses the spike median is taken over; spikes are judged once the
+    window is full."""
+
+    def __post_init__(self) -> None:
+        _require(self.collective_timeout_s > 0, "fault.collective_timeout_s must be > 0")
+        _require(
+            self.watchdog_timeout_s >= 0, "fault.watchdog_timeout_s must be >= 0 (0 turns it off)"
+        )
+        _require(
+            self.watchdog_timeout_s < self.collective_timeout_s,
+            f"fault.watchdog_timeout_s ({self.watchdog_timeout_s}) must be below "
+            f"fault.collective_timeout_s ({self.collective_timeout_s}), so that the watchdog "
+            "names the silent rank before the collective fails: lower it or raise the other",
+        )
+        _require(self.max_bad_steps >= 1, "fault.max_bad_steps must be >= 1")
+        _require(
+            self.loss_spike_factor == 0 or self.loss_spike_factor > 1,
+            f"fault.loss_spike_factor must be > 1 (or 0: off), got {self.loss_spike_factor}",
+        )
+        _require(self.loss_spike_window >= 1, "fault.loss_spike_window must be >= 1")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -331,6 +370,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
         m, p = self.model, self.parallel
