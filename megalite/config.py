@@ -320,6 +320,16 @@ class LoggingConfig:
     """Also write TensorBoard event files under <out_dir>/tensorboard/<run name>."""
     progress: bool = True
     """Show a progress bar on the console."""
+    peak_tflops: float | None = None
+    """Dense peak TFLOP/s of one device (one GPU; on CPU the whole machine) that MFU divides by.
+    None: the datasheet figure of a known GPU for train.precision, or this machine's measured
+    peak on CPU (see megalite.profiling.flops). Set it for a GPU missing from the table."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.peak_tflops is None or self.peak_tflops > 0,
+            f"logging.peak_tflops must be a positive number of TFLOP/s, got {self.peak_tflops}",
+        )
 
 
 @dataclass

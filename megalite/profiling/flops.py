@@ -1,21 +1,35 @@
-"""Model FLOPs, achieved TFLOP/s and MFU, counted as Megatron-LM and torchtitan do.
+"""Model FLOPs, and the peak FLOP/s that MFU divides them by.
 
-Per token, training costs 6 FLOPs per weight of every matmul (forward 2, backward 4) plus the
-attention scores and their weighted sum, 12 * layers * hidden * seq, of which a causal mask
-skips half. Recompute is hardware work, not model work, so it never raises MFU.
+FLOPs are counted as Megatron-LM and torchtitan do. Per token, training costs 6 FLOPs per weight
+of every matmul (forward 2, backward 4) plus the attention scores and their weighted sum,
+12 * layers * hidden * seq, of which a causal mask skips half. Recompute is hardware work, not
+model work, so it never raises MFU. With the causal halving off this is exactly Narayanan et al.
+2021's 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) for GPT (tests/unit/test_flops.py checks it).
+
+The peak is a property of the hardware, never of the run: a GPU's dense datasheet figure for
+the training dtype (never the 2:4-sparsity one), and a CPU's best large matmul, measured once
+per machine with all its cores and cached on disk (`cpu_peak_flops`), so that every run and
+every rank on that machine divides by the same number.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
-import time
+import hashlib
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from megalite.config import ModelConfig
-
-# Dense bf16 peaks (never the 2:4-sparsity figures).
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -26,25 +40,172 @@ def matmul_params(cfg: ModelConfig) -> int:
     return cfg.n_layers * (attention + mlp) + cfg.vocab_size * h
 
 
-def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token (forward + backward, causal attention counted once)."""
-    attention_scores = 12 * cfg.n_layers * cfg.hidden * cfg.seq_len / 2
-    return 6 * matmul_params(cfg) + attention_scores
+def flops_per_token(cfg: ModelConfig, causal: bool = True) -> float:
+    """Training FLOPs per token (forward + backward). `causal`: count the attention scores that
+    a causal mask skips as not done (MFU as Megatron and torchtitan report it); off only to
+    compare with formulas that count them."""
+    attention_scores = 12 * cfg.n_layers * cfg.hidden * cfg.seq_len
+    return 6 * matmul_params(cfg) + (attention_scores / 2 if causal else attention_scores)
+
+
+@dataclass(frozen=True)
+class GpuPeak:
+    """Dense peak TFLOP/s of one GPU by matmul input dtype, from its vendor's datasheet."""
+
+    name: str
+    bf16: float
+    fp16: float
+    tf32: float
+    fp32: float
+
+
+# First match wins: more specific names come before those they contain ("H100 PCIe" before
+# "H100", "L40S" before "L4", "A100" before "A10G" and "A10"). The patterns are matched against
+# torch.cuda.get_device_name(), lower-cased, e.g. "NVIDIA H100 80GB HBM3" or "AMD Instinct MI300X".
+GPU_PEAKS: tuple[tuple[str, GpuPeak], ...] = (
+    (r"h100.*pcie", GpuPeak("H100 PCIe", 756.0, 756.0, 378.0, 51.0)),
+    (r"h100.*nvl", GpuPeak("H100 NVL", 835.0, 835.0, 418.0, 60.0)),
+    (r"h100", GpuPeak("H100 SXM", 989.4, 989.4, 494.7, 66.9)),
+    (r"h200.*nvl", GpuPeak("H200 NVL", 835.0, 835.0, 418.0, 60.0)),
+    (r"h200", GpuPeak("H200 SXM", 989.4, 989.4, 494.7, 66.9)),
+    (r"b200", GpuPeak("B200 (HGX, 1000 W)", 2250.0, 2250.0, 1100.0, 75.0)),
+    (r"a100", GpuPeak("A100", 312.0, 312.0, 156.0, 19.5)),
+    (r"l40s", GpuPeak("L40S", 362.1, 362.1, 183.0, 91.6)),
+    (r"\bl4\b", GpuPeak("L4", 121.0, 121.0, 60.0, 30.3)),
+    (r"a10g", GpuPeak("A10G", 70.0, 70.0, 35.0, 35.0)),
+    (r"\ba10\b", GpuPeak("A10", 125.0, 125.0, 62.5, 31.2)),
+    (r"rtx 4090", GpuPeak("RTX 4090", 165.2, 165.2, 82.6, 82.6)),
+    (r"mi300x", GpuPeak("MI300X", 1307.4, 1307.4, 653.7, 163.4)),
+)
+"""Sources: NVIDIA's H100, H200, A100, L40S, L4 and A10 datasheets, the HGX B200 and Ada
+(RTX 4090: fp16/bf16 with fp32 accumulate) whitepapers, AMD's MI300X datasheet; the A10G (an AWS
+part without a public NVIDIA datasheet) as AWS publishes it. fp32 is the non-tensor rate (the
+MI300X's is its fp32 matrix rate)."""
+
+
+def gpu_peak(device_name: str) -> GpuPeak | None:
+    """The table's entry for a device name as torch reports it, or None when it is not there."""
+    lowered = device_name.lower()
+    for pattern, peak in GPU_PEAKS:
+        if re.search(pattern, lowered):
+            return peak
+    return None
+
+
+def gpu_peak_flops(device_name: str, precision: str) -> float | None:
+    """Dense peak FLOP/s of a GPU for `precision` (bf16, fp16 or fp32; fp32 matmuls run as
+    TF32 when torch allows it), or None for a device missing from the table."""
+    peak = gpu_peak(device_name)
+    if peak is None:
+        return None
+    if precision == "fp32":
+        tflops = peak.tf32 if torch.backends.cuda.matmul.allow_tf32 else peak.fp32
+    else:
+        tflops = getattr(peak, precision)
+    return tflops * 1e12
+
+
+def unknown_peak_message(device: torch.device) -> str:
+    """What a run says once when it cannot compute MFU."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
+    return (
+        f"unknown peak for {name}: pass logging.peak_tflops=<dense TFLOP/s of one device> "
+        "to get MFU (logged as null until then)"
+    )
 
 
 @functools.cache
-def peak_flops(device: torch.device) -> float:
-    """Dense peak FLOP/s of one device: the datasheet for known GPUs; on CPU a measured large
-    fp32 matmul (so CPU 'MFU' is relative to what this machine can actually do)."""
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """Dense peak FLOP/s of one device for the training `precision`: a GPU's datasheet figure
+    (None when the GPU is unknown), or the whole machine's for a CPU, which its ranks share."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, tflops in PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12
-        return float("nan")
-    a = torch.randn(1024, 1024)
-    a @ a  # warm-up
-    start, repeats = time.perf_counter(), 8
-    for _ in range(repeats):
-        a @ a
-    return 2 * 1024**3 * repeats / (time.perf_counter() - start)
+        return gpu_peak_flops(torch.cuda.get_device_name(device), precision)
+    return cpu_peak_flops(precision)
+
+
+# A self-contained script (torch only), run in a fresh process: the measurement then uses every
+# core without touching the caller's threads, RNG or a forked OpenMP pool.
+_MATMUL_BENCHMARK = """
+import sys, time, torch
+threads, n, dtype, repeats = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+torch.set_num_threads(threads)
+g = torch.Generator().manual_seed(0)
+a, b = (torch.randn(n, n, generator=g).to(getattr(torch, dtype)) for _ in range(2))
+a @ b
+best = 0.0
+for _ in range(repeats):
+    start = time.perf_counter()
+    a @ b
+    best = max(best, 2 * n**3 / (time.perf_counter() - start))
+print(best)
+"""
+CPU_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+PEAK_CACHE_FILE = "cpu_peak_flops.json"
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity, which containers and taskset narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def cpu_peak_key(precision: str) -> str:
+    """What the cached peak belongs to: this host, its CPU, the cores usable, torch and dtype."""
+    return " | ".join(
+        (socket.gethostname(), _cpu_model(), f"{cpu_cores()} cores", torch.__version__, precision)
+    )
+
+
+def measure_cpu_peak_flops(precision: str, repeats: int = 5) -> float:
+    """Best of `repeats` large square matmuls on all cores, in a fresh process."""
+    cores = cpu_cores()
+    size = 2048 if cores <= 16 else 4096  # large enough to keep every core busy
+    args = [str(cores), str(size), CPU_DTYPES[precision], str(repeats)]
+    done = subprocess.run(
+        [sys.executable, "-c", _MATMUL_BENCHMARK, *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": str(cores)},
+    )
+    return float(done.stdout.split()[-1])
+
+
+def cpu_peak_flops(precision: str, cache_dir: Path | None = None) -> float:
+    """This machine's peak FLOP/s for `precision`: measured by the first process that asks
+    (under a file lock, so ranks starting together measure once, and never while another
+    measures), then read back from `<cache>/cpu_peak_flops.json` (cache: $MEGALITE_CACHE, else
+    ~/.cache/megalite). Delete the file to measure again."""
+    from megalite.data.builtin import cache_root  # the one machine-wide cache of megalite
+
+    root = cache_root(cache_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    path, key = root / PEAK_CACHE_FILE, cpu_peak_key(precision)
+    with open(root / (PEAK_CACHE_FILE + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        peaks = json.loads(path.read_text()) if path.is_file() else {}
+        if key not in peaks:
+            peaks[key] = measure_cpu_peak_flops(precision)
+            _write_atomically(path, json.dumps(peaks, indent=1, sort_keys=True))
+        return float(peaks[key])
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_id() -> int:
+    """This host's name as a stable 63-bit number (Python's hash() differs per process)."""
+    digest = hashlib.sha256(socket.gethostname().encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

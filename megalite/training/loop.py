@@ -15,9 +15,15 @@ from pathlib import Path
 import torch
 
 from megalite import comm
-from megalite.checkpoint.sharded import Checkpoint, find_checkpoint, load_checkpoint
+from megalite.checkpoint.saver import CheckpointSaver
+from megalite.checkpoint.sharded import (
+    Checkpoint,
+    complete_checkpoints,
+    find_checkpoint,
+    load_checkpoint,
+)
 from megalite.checkpoint.state import RngStreams, RunState
-from megalite.checkpoint.writer import check_shared_directory, save_checkpoint
+from megalite.checkpoint.writer import check_shared_directory, remove_unfinished
 from megalite.config import Config, config_to_dict, save_config
 from megalite.data import (
     BlendedDataset,
@@ -46,7 +52,8 @@ from megalite.training.hooks import (
     Summary,
     TrainingError,
 )
-from megalite.training.metrics import MetricsLogger, StepCost, metrics_row
+from megalite.training.metrics import MetricsLogger, StepCost, metrics_row, reset_peak_memory
+from megalite.training.run_lock import lock_out_dir
 from megalite.training.setup import Run, build_run
 from megalite.training.step import eval_loss, train_step
 from megalite.training.trackers import new_tracker_id
@@ -54,16 +61,28 @@ from megalite.training.trackers import new_tracker_id
 
 def train(cfg: Config) -> dict[str, float]:
     """Train to cfg.train.steps (resuming if a checkpoint says so) and print one summary line;
-    returns the last metrics row, empty when an earlier run already got there."""
-    t = cfg.train
+    returns the last metrics row, empty when an earlier run already got there. The run holds
+    its out_dir's lock throughout: a second run there stops at once."""
     ps = setup_topology(cfg)
+    lock = lock_out_dir(Path(cfg.train.out_dir), ps)
+    try:
+        return train_locked(cfg, ps)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
+    """`train`, once the world is joined and the out_dir is this run's."""
+    t = cfg.train
     out_dir = Path(t.out_dir)
     ckpt_root = out_dir / "checkpoints"
+    remove_unfinished(ckpt_root, ps)  # before any rank writes (ordered by the next collective)
     resume_from = resume_point(cfg, ckpt_root)
     if resume_from is not None and already_trained(resume_from, cfg, ps):
         return {}
     check_shared_directory(ckpt_root, ps)  # every rank writes its own checkpoint files there
-    cost = StepCost.of(cfg, ps)  # first: measuring a CPU's peak draws random numbers
+    cost = StepCost.of(cfg, ps)
     torch.manual_seed(t.seed)  # dropout on tp-replicated activations: same on all ranks
     data = open_data(cfg)
     run, state = start_run(cfg, ps, data, resume_from)
@@ -72,17 +91,16 @@ def train(cfg: Config) -> dict[str, float]:
         if len(data.train.datasets) > 1:
             print(data.train.describe())
     state.tracker_id = state.tracker_id or new_tracker_id()
-    logger = MetricsLogger(cfg, out_dir, ps.rank == 0, state.step, state.tracker_id)
+    logger = MetricsLogger(cfg, out_dir, ps.rank == 0, state.step, state.tracker_id, ps)
     summary = Summary(state.step, cost.tokens)
+    saver = CheckpointSaver(
+        ckpt_root, cfg.checkpoint.keep, data.tokenizer_path, cfg.checkpoint.async_save
+    )
     hooks = [
         NanGuard(),
         Evaluation(lambda: evaluate(run, data.val), t.eval_interval, t.steps, logger.write),
         MetricsLogging(logger, t.log_interval, t.steps),
-        Checkpointing(
-            lambda: save_checkpoint(ckpt_root, state, cfg.checkpoint.keep, data.tokenizer_path),
-            cfg.checkpoint.interval,
-            t.steps,
-        ),
+        Checkpointing(lambda: saver.save(state), cfg.checkpoint.interval, t.steps, saver.finish),
         summary,
     ]
     row = run_steps(run, state, data.train, cost, hooks)
@@ -103,6 +121,7 @@ def run_steps(
     for step in range(state.step, steps):
         lr = learning_rate(step, cfg.optim, steps)
         batch = rank_slice(train_data.get_batch(state.sampler.next_batch()), run.ps)
+        reset_peak_memory(run.ps.device)
         start = time.perf_counter()
         metrics = train_step(run, batch, lr)
         elapsed = time.perf_counter() - start
@@ -252,15 +271,10 @@ def resume_point(cfg: Config, ckpt_root: Path) -> Path | None:
     """The checkpoint this run continues from, if any; refuses a fresh run that would overwrite
     the checkpoints of another."""
     resume_from = find_checkpoint(ckpt_root, cfg.checkpoint.resume)
-    if resume_from is None and any(ckpt_root.glob("step_*")):
-        resume = (
-            "checkpoint.resume=auto"
-            if cfg.checkpoint.resume == "none"
-            else "checkpoint.resume=<one of them> (there is no `latest`)"
-        )
+    if resume_from is None and complete_checkpoints(ckpt_root):  # checkpoint.resume=none
         raise TrainingError(
             f"{ckpt_root} already holds checkpoints that a fresh run would overwrite: continue "
-            f"the run with {resume}, or use another train.out_dir"
+            "the run with checkpoint.resume=auto, or use another train.out_dir"
         )
     return resume_from
 

@@ -26,7 +26,7 @@ STEPS = 10
 
 def record(step: int, loss: float = 2.0, elapsed_s: float = 0.5) -> StepRecord:
     metrics = StepMetrics(loss, grad_norm=1.0, skipped=False, bubble_fraction=0.0, peak_in_flight=1)
-    cost = StepCost(tokens=100, flops=1e12, peak_flops=2e12)
+    cost = StepCost(tokens=100, flops=1e12, devices=1, device_peak_flops=2e12)
     row = metrics_row(step, metrics, 1e-3, elapsed_s, cost, LossScaler())
     return StepRecord(step, metrics, 1e-3, elapsed_s, row)
 
@@ -61,10 +61,12 @@ def test_metrics_row():
         "skipped_steps": 0,
         "loss_scale": 1.0,
     }
-    unknown_peak = StepCost(tokens=100, flops=1e12, peak_flops=math.nan)
-    assert math.isnan(
-        metrics_row(1, record(1).metrics, 1e-3, 1.0, unknown_peak, LossScaler())["mfu"]
-    )
+    unknown_peak = StepCost(tokens=100, flops=1e12, devices=1, device_peak_flops=None)
+    assert metrics_row(1, record(1).metrics, 1e-3, 1.0, unknown_peak, LossScaler())["mfu"] is None
+    # Rates are per device: four devices share the step's FLOPs, each against its own peak.
+    four = StepCost(tokens=100, flops=1e12, devices=4, device_peak_flops=2e12)
+    row = metrics_row(1, record(1).metrics, 1e-3, 0.25, four, LossScaler())
+    assert (row["tflops"], row["mfu"], row["tokens_per_sec"]) == (1.0, 0.5, 400.0)
 
 
 @pytest.mark.parametrize("loss", [math.nan, math.inf])
