@@ -94,12 +94,14 @@ def gpu_peak(device_name: str) -> GpuPeak | None:
 
 def gpu_peak_flops(device_name: str, precision: str) -> float | None:
     """Dense peak FLOP/s of a GPU for `precision` (bf16, fp16 or fp32; fp32 matmuls run as
-    TF32 when torch allows it), or None for a device missing from the table."""
+    TF32 unless torch's float32 matmul precision is "highest"), or None for a device missing
+    from the table."""
     peak = gpu_peak(device_name)
     if peak is None:
         return None
     if precision == "fp32":
-        tflops = peak.tf32 if torch.backends.cuda.matmul.allow_tf32 else peak.fp32
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+        tflops = peak.tf32 if tf32 else peak.fp32
     else:
         tflops = getattr(peak, precision)
     return tflops * 1e12
