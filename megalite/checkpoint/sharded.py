@@ -47,10 +47,31 @@ from megalite.optimizer.zero1 import STATE_KINDS
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import TPRandom
 
-FORMAT = "megalite-checkpoint-v2"
-READABLE_FORMATS = ("megalite-checkpoint-v1", FORMAT)
+FORMAT = "megalite-checkpoint-v3"
+READABLE_FORMATS = ("megalite-checkpoint-v1", "megalite-checkpoint-v2", FORMAT)
+"""v3 adds the manifest's own checksum; older ones are read without it."""
 MANIFEST = "manifest.json"
 LATEST = "latest"
+UNFINISHED_SUFFIX = ".tmp"
+"""A checkpoint is written under `step_N.tmp` and renamed to `step_N` once complete."""
+MANIFEST_CHECKSUM = "manifest_sha256"
+"""The manifest's key holding the sha256 of the rest of the manifest (`manifest_checksum`)."""
+
+# Model settings that change the function a checkpoint's weights compute: resuming with any of
+# them changed would reinterpret the weights (another head split) or silently drop some (fewer
+# layers) whenever the tensor shapes happen to fit, so a resume refuses it.
+MODEL_IDENTITY = (
+    "arch",
+    "n_layers",
+    "hidden",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_hidden",
+    "vocab_size",
+    "max_positions",
+    "norm_eps",
+    "rope_theta",
+)
 
 
 class CheckpointError(MegaliteError):
@@ -84,6 +105,13 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """The sha256 of a manifest's canonical JSON without its own checksum key: an edited step
+    number or file list no longer matches it."""
+    body = {key: value for key, value in manifest.items() if key != MANIFEST_CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def read_manifest(path: Path, verify_files: bool = True) -> dict[str, Any]:
     """Load a checkpoint's manifest and (verify_files) check every file's checksum; without it,
     each file is checked when first read (`_verify`), so a rank verifies only what it reads."""
@@ -103,6 +131,13 @@ def read_manifest(path: Path, verify_files: bool = True) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
     if not {"files", "tensors", "trainer"} <= manifest.keys():
         raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json (missing fields)")
+    if manifest["format"] == FORMAT and manifest.get(MANIFEST_CHECKSUM) != manifest_checksum(
+        manifest
+    ):
+        raise CheckpointError(
+            f"{manifest_path} fails its checksum (edited or damaged): resume from an earlier "
+            "checkpoint with checkpoint.resume=<dir>, or restore the file"
+        )
     if verify_files:
         for name in manifest["files"]:
             _verify(path, manifest, name)
@@ -135,7 +170,9 @@ def _segments(entry: dict, name: str) -> list[list]:
 
 
 def find_checkpoint(root: Path, resume: str) -> Path | None:
-    """The checkpoint to resume from: none, the `latest` one (auto), or an explicit directory."""
+    """The checkpoint to resume from: none, the newest complete one (auto: the one `latest`
+    names, see `_newest_complete`), or an explicit directory. Unfinished writes (`step_N.tmp`)
+    are never resumed from."""
     if resume == "none":
         return None
     if resume != "auto":
@@ -143,8 +180,22 @@ def find_checkpoint(root: Path, resume: str) -> Path | None:
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.resume={resume}: no such directory")
         return path
-    latest = root / LATEST
-    return root / latest.read_text().strip() if latest.is_file() else None
+    return _newest_complete(root) if root.is_dir() else None
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The step directories under `root` that hold a manifest, by step."""
+    steps = [p for p in root.glob("step_*") if p.name.removeprefix("step_").isdigit()]
+    return sorted((p for p in steps if (p / MANIFEST).is_file()), key=_step_of)
+
+
+def unfinished_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint directories whose writing never finished (a kill or preemption mid-save)."""
+    return sorted(p for p in root.glob(f"step_*{UNFINISHED_SUFFIX}") if p.is_dir())
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -177,9 +228,8 @@ def _newest_complete(root: Path) -> Path | None:
         named = root / latest.read_text().strip()
         if (named / MANIFEST).is_file():
             return named
-    steps = [p for p in root.glob("step_*") if p.name.removeprefix("step_").isdigit()]
-    complete = [p for p in steps if (p / MANIFEST).is_file()]
-    return max(complete, key=lambda p: int(p.name.removeprefix("step_")), default=None)
+    complete = complete_checkpoints(root)
+    return complete[-1] if complete else None
 
 
 def _piece_shape(entry: dict) -> list[int]:
@@ -289,6 +339,11 @@ class Checkpoint:
         return step
 
     @property
+    def layout(self) -> dict[str, int]:
+        """The layout that saved it (`{"tp": .., "pp": .., "dp": ..}`, as `layout_of` gives)."""
+        return dict(self._manifest["layout"])
+
+    @property
     def config(self) -> dict[str, Any]:
         """The saved run's config as `config_to_dict` wrote it (a copy, free to change); empty
         when the checkpoint stored none."""
@@ -332,6 +387,24 @@ class Checkpoint:
         return _read_tensor(self.path, self._manifest, name)
 
 
+def check_same_model(ckpt: Checkpoint, config: dict[str, Any]) -> None:
+    """Refuse to resume `config` (a run's config as `config_to_dict` writes it) from a checkpoint
+    of another model, naming every MODEL_IDENTITY field that differs (a field the checkpoint's
+    config lacks is not compared)."""
+    saved, now = ckpt.config.get("model", {}), config["model"]
+    changed = [
+        f"model.{key} {json.dumps(saved[key])} -> {json.dumps(now[key])}"
+        for key in MODEL_IDENTITY
+        if key in saved and saved[key] != now[key]
+    ]
+    if changed:
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} holds another model than this run's config: "
+            f"{', '.join(changed)}. Resume with the checkpoint's model settings, or train the "
+            "new model in another train.out_dir"
+        )
+
+
 @torch.no_grad()
 def load_checkpoint(
     path: Path, state: RunState, announce: Callable[[Checkpoint], None] | None = None
@@ -341,6 +414,7 @@ def load_checkpoint(
     scaler. `announce` runs in between, so that a resume whose data order is refused has already
     said what changed. No collective; each rank verifies only the files it reads."""
     ckpt = Checkpoint(path, verify_files=False)
+    check_same_model(ckpt, state.config)
     path, manifest, ps = ckpt.path, ckpt._manifest, state.ps
     ckpt.load_parameters(state.params, ps)
     names = {param: name for name, param in state.params.items()}

@@ -1,13 +1,22 @@
 """Writing a run's state as a checkpoint in the layout `sharded.py` describes: every rank writes
 the tensors it holds into a temporary directory, rank 0 merges the per-rank indexes into the
-manifest and publishes the directory with a rename, then points `latest` at it."""
+manifest and publishes the directory with a rename, then points `latest` at it.
+
+A save is three phases, so that the middle one can run in the background (`saver.py`):
+`take_snapshot` (collective, quick: what to write, copied to host memory when staged),
+`write_snapshot` (no collective: the files), `publish` (collective: the manifest, the rename,
+`latest`). A kill at any point before the rename leaves only a `step_N.tmp` directory, which no
+resume reads and the next run removes (`remove_unfinished`)."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +29,17 @@ from megalite.checkpoint.sharded import (
     FORMAT,
     LATEST,
     MANIFEST,
+    MANIFEST_CHECKSUM,
+    UNFINISHED_SUFFIX,
     CheckpointError,
     layout_of,
+    manifest_checksum,
     rng_file,
     state_name,
     step_dir,
+    unfinished_checkpoints,
 )
+from megalite.checkpoint.staging import HostStaging
 from megalite.checkpoint.state import RunState
 from megalite.data.tokenizer import tokenizer_files
 from megalite.parallel_state import ParallelState
@@ -63,8 +77,9 @@ def _saved_name(param: nn.Parameter, name: str, ps: ParallelState) -> str | None
 
 def owned_tensors(state: RunState) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict]]:
     """What this rank writes, by file: its tp piece of every parameter (dp rank 0) and the
-    optimizer state of the elements it owns, copied to host memory; and the manifest entries
-    saying where each segment lies. No collective: every rank already holds what it writes."""
+    optimizer state of the elements it owns (views of the live tensors, on their device); and the
+    manifest entries saying where each segment lies. No collective: every rank already holds
+    what it writes."""
     ps, optimizer = state.ps, state.optimizer
     model_file = f"model_tp{ps.tp_rank:02d}_pp{ps.pp_rank:02d}.safetensors"
     optim_file = f"optim_tp{ps.tp_rank:02d}_pp{ps.pp_rank:02d}_dp{ps.dp_rank:02d}.safetensors"
@@ -76,7 +91,7 @@ def owned_tensors(state: RunState) -> tuple[dict[str, dict[str, torch.Tensor]], 
         piece, pieces = (ps.tp_rank, ps.tp_size) if split else (0, 1)
         entry = entries.setdefault(key.split("@")[0], _entry(param.meta, pieces))
         entry["segments"].append([piece, lo, lo + tensor.numel(), file, key])
-        files.setdefault(file, {})[key] = tensor.detach().cpu()
+        files.setdefault(file, {})[key] = tensor.detach()
 
     if ps.dp_rank == 0:
         for name, param in state.params.items():
@@ -120,48 +135,119 @@ def check_shared_directory(directory: Path, ps: ParallelState) -> None:
         )
 
 
-def save_checkpoint(root: Path, state: RunState, keep: int, tokenizer: Path | None = None) -> Path:
-    """Collective: every rank calls it after the same step. Saves `state` as the checkpoint of
-    step `state.step` under `root`, keeps the newest `keep`, and returns its directory. The
-    tokenizer (sentencepiece model or tokenizer.json) is copied in, so a checkpoint alone is
-    enough to generate text."""
+@dataclass
+class Snapshot:
+    """One rank's share of a checkpoint, taken after a step: the tensors it writes (by file),
+    where each segment lies, and the trainer state, all copies that later steps do not change
+    when `staging` made them (so that they can be written while training goes on)."""
+
+    root: Path
+    step: int
+    files: dict[str, dict[str, torch.Tensor]]
+    entries: dict[str, dict]
+    head: dict[str, Any]
+    """The manifest's fields other than files and tensors (rank 0 writes them)."""
+    rank: int
+    tokenizer: Path | None
+
+    @property
+    def final(self) -> Path:
+        return step_dir(self.root, self.step)
+
+    @property
+    def tmp_dir(self) -> Path:
+        return self.final.with_name(self.final.name + UNFINISHED_SUFFIX)
+
+
+def take_snapshot(
+    root: Path, state: RunState, tokenizer: Path | None, staging: HostStaging | None = None
+) -> Snapshot:
+    """Collective: rank 0 clears any earlier attempt at this step's directory, then every rank
+    gathers what it writes. With `staging`, every tensor is copied into host buffers that
+    training does not touch; without it, CPU tensors are the live ones (write them now)."""
     ps = state.ps
-    final = step_dir(root, state.step)
-    tmp_dir = final.with_suffix(".tmp")
-    if ps.rank == 0:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    comm.barrier()
-    tmp_dir.mkdir(parents=True, exist_ok=True)
     files, entries = owned_tensors(state)
-    index: dict[str, Any] = {"files": {}, "tensors": entries}
     files[rng_file(ps.rank)] = state.rng.state_dict()
-    for file, tensors in files.items():
-        index["files"][file] = _write_atomic(tmp_dir / file, safetensors_bytes(tensors))
-    if ps.rank == 0 and tokenizer is not None:
-        for name, source in tokenizer_files(tokenizer).items():
-            index["files"][name] = _write_atomic(tmp_dir / name, source.read_bytes())
-    _write_atomic(tmp_dir / f"index_rank{ps.rank:05d}.json", json.dumps(index).encode())
-    comm.barrier()
-    if ps.rank == 0:
-        _write_manifest(tmp_dir, state)
-        _publish(root, final, tmp_dir, keep)
-    comm.barrier()
-    return final
-
-
-def _write_manifest(tmp_dir: Path, state: RunState) -> None:
-    """Rank 0: merge the per-rank indexes into the manifest."""
-    ps = state.ps
-    manifest: dict[str, Any] = {
+    if staging is not None:
+        files = staging.stage(files)
+    else:
+        files = {f: {key: t.cpu() for key, t in tensors.items()} for f, tensors in files.items()}
+    head = {
         "format": FORMAT,
         "step": state.step,
         "layout": layout_of(ps),
         "world_size": ps.world_size,
         "optimizer_step": state.optimizer.step_count,
-        "trainer": state.trainer_state(),
-        "files": {},
-        "tensors": {},
+        "trainer": copy.deepcopy(state.trainer_state()),
     }
+    snapshot = Snapshot(Path(root), state.step, files, entries, head, ps.rank, tokenizer)
+    if ps.rank == 0:
+        shutil.rmtree(snapshot.tmp_dir, ignore_errors=True)
+    comm.barrier()
+    return snapshot
+
+
+def write_snapshot(snapshot: Snapshot) -> None:
+    """Write one rank's files and its index into the checkpoint's temporary directory. No
+    collective, so it may run on a background thread."""
+    tmp_dir = snapshot.tmp_dir
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    index: dict[str, Any] = {"files": {}, "tensors": snapshot.entries}
+    for i, (file, tensors) in enumerate(snapshot.files.items()):
+        index["files"][file] = _write_atomic(tmp_dir / file, safetensors_bytes(tensors))
+        if i == 0:
+            _test_stall(snapshot.step)
+    if snapshot.rank == 0 and snapshot.tokenizer is not None:
+        for name, source in tokenizer_files(snapshot.tokenizer).items():
+            index["files"][name] = _write_atomic(tmp_dir / name, source.read_bytes())
+    _write_atomic(tmp_dir / f"index_rank{snapshot.rank:05d}.json", json.dumps(index).encode())
+
+
+STALL_ENV = "MEGALITE_TEST_STALL_SAVE"
+"""Test hook, `<step>:<seconds>`: the writer of that step's checkpoint sleeps after its first
+file, so that a test can kill it mid-write or train on while it writes."""
+
+
+def _test_stall(step: int) -> None:
+    stall = os.environ.get(STALL_ENV)
+    if stall is not None and int(stall.split(":")[0]) == step:
+        time.sleep(float(stall.split(":")[1]))
+
+
+def publish(snapshot: Snapshot, ps: ParallelState, keep: int, error: str | None = None) -> Path:
+    """Collective, on the main thread (collectives from another thread are unsafe): once every
+    rank has written its share, rank 0 merges the manifest, renames the directory into place,
+    points `latest` at it and drops the oldest beyond `keep`. If any rank failed to write
+    (`error`), nothing is published and every rank raises: `latest` stays the previous one."""
+    failed = torch.tensor(float(error is not None), device=ps.device)
+    comm.all_reduce_max(failed, ps.world_group)  # also the barrier: every rank has written
+    if failed.item():
+        why = error or "another rank failed to write its files"
+        raise CheckpointError(
+            f"the checkpoint of step {snapshot.step} was not saved ({why}); the previous one "
+            f"stays `latest`. Check free space and permissions under {snapshot.root}"
+        )
+    if ps.rank == 0:
+        _write_manifest(snapshot)
+        _publish(snapshot.root, snapshot.final, snapshot.tmp_dir, keep)
+    comm.barrier()
+    return snapshot.final
+
+
+def save_checkpoint(root: Path, state: RunState, keep: int, tokenizer: Path | None = None) -> Path:
+    """Collective: every rank calls it after the same step. Saves `state` as the checkpoint of
+    step `state.step` under `root`, keeps the newest `keep`, and returns its directory. The
+    tokenizer (sentencepiece model or tokenizer.json) is copied in, so a checkpoint alone is
+    enough to generate text. (`saver.CheckpointSaver` also saves in the background.)"""
+    snapshot = take_snapshot(root, state, tokenizer)
+    write_snapshot(snapshot)
+    return publish(snapshot, state.ps, keep)
+
+
+def _write_manifest(snapshot: Snapshot) -> None:
+    """Rank 0: merge the per-rank indexes into the manifest, checksummed."""
+    tmp_dir = snapshot.tmp_dir
+    manifest: dict[str, Any] = {**snapshot.head, "files": {}, "tensors": {}}
     for index_file in sorted(tmp_dir.glob("index_rank*.json")):
         index = json.loads(index_file.read_text())
         manifest["files"].update(index["files"])
@@ -171,6 +257,7 @@ def _write_manifest(tmp_dir: Path, state: RunState) -> None:
         index_file.unlink()
     for entry in manifest["tensors"].values():
         entry["segments"].sort()
+    manifest[MANIFEST_CHECKSUM] = manifest_checksum(manifest)
     _write_atomic(tmp_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
@@ -183,3 +270,16 @@ def _publish(root: Path, final: Path, tmp_dir: Path, keep: int) -> None:
     _write_atomic(root / LATEST, final.name.encode())
     for old in sorted(root.glob("step_*[0-9]"))[:-keep]:
         shutil.rmtree(old)
+
+
+def remove_unfinished(root: Path, ps: ParallelState) -> list[Path]:
+    """Rank 0 deletes the checkpoint directories an earlier run left unfinished (killed or
+    preempted mid-save: never renamed into place, so never resumed from) and says so; returns
+    them. Call it while holding the run lock and before any rank writes a checkpoint."""
+    if ps.rank != 0:
+        return []
+    leftovers = unfinished_checkpoints(Path(root))
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"removed {path}: an unfinished checkpoint of an earlier run (stopped mid-save)")
+    return leftovers

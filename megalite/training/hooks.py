@@ -100,14 +100,25 @@ class MetricsLogging(Hook):
 
 class Checkpointing(Hook):
     """A checkpoint every `interval` steps (0: none on the way) and after the last one.
-    Collective: `save` runs on every rank and returns the checkpoint's directory."""
+    Collective: `save` runs on every rank and returns the checkpoint's directory; `finish`
+    (when given) completes a save still being written in the background, at the close."""
 
-    def __init__(self, save: Callable[[], Path], interval: int, steps: int) -> None:
-        self.save, self.interval, self.steps = save, interval, steps
+    def __init__(
+        self,
+        save: Callable[[], Path],
+        interval: int,
+        steps: int,
+        finish: Callable[[], Path | None] | None = None,
+    ) -> None:
+        self.save, self.interval, self.steps, self.finish = save, interval, steps, finish
 
     def after_step(self, record: StepRecord) -> None:
         if due(record.step, self.interval, self.steps):
             record.checkpoint = self.save()
+
+    def close(self) -> None:
+        if self.finish is not None:
+            self.finish()
 
 
 class Summary(Hook):

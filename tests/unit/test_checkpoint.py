@@ -15,6 +15,7 @@ from megalite.checkpoint.sharded import CheckpointError, read_manifest
 from megalite.config import load_config
 from megalite.profiling.flops import peak_flops
 from megalite.training.loop import TrainingError, train
+from megalite.training.run_lock import LOCK_FILE
 
 STEPS, INTERVAL, KEEP = 6, 2, 2
 
@@ -65,7 +66,7 @@ def test_checkpoint_layout_latest_and_retention(trained):
         "tokenizer.model",
     ]
     manifest = read_manifest(newest)  # checksums verify
-    assert manifest["format"] == "megalite-checkpoint-v2"
+    assert manifest["format"] == "megalite-checkpoint-v3"
     assert manifest["step"] == 6 and manifest["optimizer_step"] == 6
     assert manifest["layout"] == {"tp": 1, "pp": 1, "dp": 1} and manifest["world_size"] == 1
     assert set(manifest["files"]) == set(names) - {"manifest.json"}
@@ -141,8 +142,9 @@ def test_a_resume_with_dropout_repeats_the_uninterrupted_run(tmp_path, builtin_c
     peak_flops.cache_clear()
     step_4 = out_dir / "checkpoints" / "step_000004"
     train(tiny_config(out_dir, "model.dropout=0.2", f"checkpoint.resume={step_4}"))
-    resumed = {r["step"]: r["loss"] for r in metrics(out_dir)[STEPS:]}
-    assert resumed == {5: uninterrupted[5], 6: uninterrupted[6]}
+    rows = metrics(out_dir)  # the resumed run replaced the rows of the steps it trained again
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert {r["step"]: r["loss"] for r in rows} == uninterrupted
 
 
 def test_corrupt_newest_checkpoint_is_refused_and_earlier_one_still_loads(run_copy, trained):
@@ -165,9 +167,9 @@ def test_corrupt_newest_checkpoint_is_refused_and_earlier_one_still_loads(run_co
     earlier = root / "step_000004"
     final = train(tiny_config(run_copy, f"checkpoint.resume={earlier}"))
     assert final["step"] == STEPS
-    resumed = {r["step"]: r["loss"] for r in metrics(run_copy)[STEPS:]}
-    original = {r["step"]: r["loss"] for r in metrics(trained)}
-    assert resumed == {5: original[5], 6: original[6]}
+    rows = metrics(run_copy)  # one row per step: 5 and 6 replaced by the resumed run's
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert {r["step"]: r["loss"] for r in rows} == {r["step"]: r["loss"] for r in metrics(trained)}
     read_manifest(root / "step_000006")  # rewritten intact by the resumed run
     assert (root / "latest").read_text() == "step_000006"
 
@@ -211,7 +213,7 @@ def test_resume_from_missing_directory(tmp_path, builtin_corpus):
     with pytest.raises(CheckpointError) as info:
         train(tiny_config(tmp_path / "run", f"checkpoint.resume={missing}"))
     assert f"checkpoint.resume={missing}: no such directory" in str(info.value)
-    assert not (tmp_path / "run").exists()
+    assert [p.name for p in (tmp_path / "run").iterdir()] == [LOCK_FILE]  # nothing but the lock
 
 
 def test_resume_from_a_directory_that_is_not_a_checkpoint(tmp_path, builtin_corpus):
@@ -222,11 +224,16 @@ def test_resume_from_a_directory_that_is_not_a_checkpoint(tmp_path, builtin_corp
     assert "step_* directory" in message
 
 
+def unlocked_snapshot(out_dir: Path) -> dict:
+    """`snapshot` without the run lock, which every start rewrites with its pid."""
+    return {path: info for path, info in snapshot(out_dir).items() if path != LOCK_FILE}
+
+
 def test_fresh_run_into_a_used_out_dir_is_refused_and_touches_nothing(run_copy):
-    before = snapshot(run_copy)
+    before = unlocked_snapshot(run_copy)
     with pytest.raises(TrainingError) as info:
         train(tiny_config(run_copy, "checkpoint.resume=none"))
     message = str(info.value)
     assert str(run_copy / "checkpoints") in message and "checkpoint.resume=auto" in message
     assert "train.out_dir" in message
-    assert snapshot(run_copy) == before
+    assert unlocked_snapshot(run_copy) == before

@@ -6,8 +6,21 @@ import json
 
 import pytest
 
-from megalite.checkpoint.sharded import FORMAT, Checkpoint, CheckpointError, resolve_checkpoint
+from megalite.checkpoint.sharded import (
+    FORMAT,
+    MANIFEST_CHECKSUM,
+    Checkpoint,
+    CheckpointError,
+    manifest_checksum,
+    resolve_checkpoint,
+)
 from megalite.cli import main
+
+
+def write_manifest(step_dir, manifest):
+    """Write `manifest` with its checksum, as the writer does."""
+    manifest = {**manifest, MANIFEST_CHECKSUM: manifest_checksum(manifest)}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
 
 
 def make_checkpoints(run, steps, latest=None, incomplete=()):
@@ -17,7 +30,7 @@ def make_checkpoints(run, steps, latest=None, incomplete=()):
         (root / f"step_{step:06d}").mkdir(parents=True)
         if step not in incomplete:
             manifest = {"format": FORMAT, "step": step, "files": {}, "tensors": {}, "trainer": {}}
-            (root / f"step_{step:06d}" / "manifest.json").write_text(json.dumps(manifest))
+            write_manifest(root / f"step_{step:06d}", manifest)
     if latest is not None:
         (root / "latest").write_text(f"step_{latest:06d}")
     return root
@@ -71,7 +84,7 @@ def test_no_checkpoint_is_one_error_that_says_what_was_expected(tmp_path, capsys
 def test_a_manifest_without_a_step_is_refused(tmp_path):
     step = make_checkpoints(tmp_path, [3]) / "step_000003"
     manifest = json.loads((step / "manifest.json").read_text())
-    (step / "manifest.json").write_text(json.dumps({**manifest, "step": None}))
+    write_manifest(step, {**manifest, "step": None})  # checksummed, as by a faulty writer
     with pytest.raises(CheckpointError, match=r"corrupt manifest.json \(no step\)"):
         _ = Checkpoint(step, verify_files=False).step
     (step / "manifest.json").write_text("{not json")

@@ -1,0 +1,89 @@
+"""One run per out_dir at a time. Two runs writing one out_dir would overwrite each other's
+checkpoints and interleave metrics.jsonl, so global rank 0 holds an exclusive `flock` on
+`<out_dir>/run.lock` for as long as the run lives, with its pid and host written in the file for
+the message a second run prints. The kernel drops the lock when the process ends, however it
+ends: a run that crashed or was killed never leaves it stuck, and no stale-lock clean-up exists
+to get wrong. (On NFS, Linux emulates flock with POSIX locks, which the server also releases
+when the client process dies.)"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+from megalite import comm
+from megalite.errors import MegaliteError
+from megalite.parallel_state import ParallelState
+
+LOCK_FILE = "run.lock"
+
+
+class RunLockError(MegaliteError):
+    """Another run is using the out_dir."""
+
+
+class RunLock:
+    """An exclusive lock on `<out_dir>/run.lock`, held by this process until `release` or its
+    end. Taking it again in the process that holds it succeeds (a test or notebook may call
+    `train` again after a failed run), since flock would otherwise refuse the process itself."""
+
+    _held: dict[Path, RunLock] = {}
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self._fd = path, fd
+
+    @classmethod
+    def acquire(cls, out_dir: Path) -> RunLock:
+        """Take the lock of `out_dir` now, or raise RunLockError naming the run that holds it."""
+        path = (Path(out_dir) / LOCK_FILE).resolve()
+        if path in cls._held:
+            return cls._held[path]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            holder = path.read_text().strip() or "a run that has not written its name yet"
+            raise RunLockError(
+                f"another run is using {Path(out_dir)} ({holder}): wait for it to end, stop it, "
+                "or use another train.out_dir"
+            ) from None
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n".encode())
+        lock = cls._held[path] = cls(path, fd)
+        return lock
+
+    def release(self) -> None:
+        """Let other runs use the out_dir (the file stays; only the lock matters)."""
+        if self._held.pop(self.path, None) is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+
+
+def lock_out_dir(out_dir: Path, ps: ParallelState) -> RunLock | None:
+    """Collective: global rank 0 takes the lock of `out_dir` (and returns it; the other ranks
+    get None); if another run holds it, every rank raises RunLockError, rank 0's naming the
+    holder."""
+    lock, error = None, None
+    if ps.rank == 0:
+        try:
+            lock = RunLock.acquire(out_dir)
+        except RunLockError as exc:
+            error = exc
+    refused = torch.tensor(float(error is not None), device=ps.device)
+    comm.all_reduce_max(refused, ps.world_group)
+    if error is not None:
+        raise error
+    if refused.item():
+        raise RunLockError(
+            f"another run is using {Path(out_dir)} (rank 0 says which): wait for it to end, "
+            "stop it, or use another train.out_dir"
+        )
+    return lock

@@ -1,0 +1,164 @@
+"""What keeps a run's checkpoints trustworthy, in one process: a resume refuses another model
+(naming what differs) and an edited manifest, one run per out_dir at a time (and a killed run's
+lock never blocks), metrics keep one row per step after a resume, and asynchronous saves write
+exactly what synchronous ones do while training goes on."""
+
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+from run_configs import TWO_LAYERS
+
+from megalite.checkpoint.sharded import Checkpoint, CheckpointError, read_manifest
+from megalite.checkpoint.writer import STALL_ENV
+from megalite.config import load_config
+from megalite.training.loop import train
+from megalite.training.metrics import drop_rows_after
+from megalite.training.run_lock import LOCK_FILE, RunLock, RunLockError
+
+STEPS = 4
+
+
+def config(out_dir: Path, *extra: str):
+    return load_config(
+        None,
+        [
+            *TWO_LAYERS,
+            f"train.steps={STEPS}",
+            "checkpoint.interval=2",
+            f"train.out_dir={out_dir}",
+            *extra,
+        ],
+    )
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(row) for row in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, builtin_corpus):
+    """A finished synchronous run: checkpoints at steps 2 and 4."""
+    out_dir = tmp_path_factory.mktemp("integrity") / "run"
+    train(config(out_dir))
+    return out_dir
+
+
+@pytest.fixture
+def halfway(trained, tmp_path):
+    """A copy of the run as if it had stopped after the checkpoint of step 2."""
+    out_dir = tmp_path / "run"
+    shutil.copytree(trained, out_dir)
+    shutil.rmtree(out_dir / "checkpoints" / "step_000004")
+    (out_dir / "checkpoints" / "latest").write_text("step_000002")
+    return out_dir
+
+
+# ----------------------------------------------------------------------------- resume refusals
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (["model.n_layers=1"], ["model.n_layers 2 -> 1"]),
+        (["model.n_heads=2"], ["model.n_heads 4 -> 2", "model.n_kv_heads 4 -> 2"]),
+    ],
+)
+def test_a_resume_of_another_model_is_refused_naming_the_fields(halfway, change, named):
+    before = (halfway / "metrics.jsonl").read_text()
+    with pytest.raises(CheckpointError) as info:
+        train(config(halfway, *change))
+    message = str(info.value)
+    assert "step_000002" in message and "another model" in message
+    for field in named:
+        assert field in message
+    assert (halfway / "checkpoints" / "latest").read_text() == "step_000002"
+    assert not (halfway / "checkpoints" / "step_000004").exists()
+    assert (halfway / "metrics.jsonl").read_text() == before
+
+
+def test_an_edited_manifest_is_refused_naming_the_file(halfway):
+    manifest_path = halfway / "checkpoints" / "step_000002" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["step"] = 40  # would skip steps and outlive the good checkpoints
+    manifest_path.write_text(json.dumps(manifest, indent=1))
+    with pytest.raises(CheckpointError) as info:
+        train(config(halfway, "train.steps=50"))
+    assert f"{manifest_path} fails its checksum" in str(info.value)
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        Checkpoint(manifest_path.parent, verify_files=False)
+
+
+# ----------------------------------------------------------------------------- one run per out_dir
+
+
+def _hold_lock(out_dir: str, ready) -> None:
+    RunLock.acquire(Path(out_dir))
+    ready.set()
+    signal.pause()  # until killed
+
+
+def test_a_second_run_on_an_out_dir_is_refused_and_a_killed_runs_lock_does_not_block(halfway):
+    ready = multiprocessing.get_context("fork").Event()
+    holder = multiprocessing.get_context("fork").Process(
+        target=_hold_lock, args=(str(halfway), ready)
+    )
+    holder.start()
+    try:
+        assert ready.wait(30)
+        before = (halfway / "metrics.jsonl").read_text()
+        with pytest.raises(RunLockError) as info:
+            train(config(halfway))
+        assert f"another run is using {halfway} (pid {holder.pid} on " in str(info.value)
+        assert (halfway / "metrics.jsonl").read_text() == before
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join()
+    assert f"pid {holder.pid}" in (halfway / LOCK_FILE).read_text()  # stale, and harmless
+    final = train(config(halfway))
+    assert final["step"] == STEPS
+
+
+# ----------------------------------------------------------------------------- metrics rows
+
+
+def test_a_resumed_run_leaves_one_metrics_row_per_step(halfway, trained):
+    assert [r["step"] for r in metrics(halfway)] == [1, 2, 3, 4]  # 3 and 4 outlived their save
+    train(config(halfway))
+    rows = metrics(halfway)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in metrics(trained)]
+
+
+def test_drop_rows_after_keeps_earlier_rows_and_drops_a_torn_one(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)]
+    path.write_text("".join(rows) + '{"step": 4, "lo')  # the crash tore the last row
+    drop_rows_after(path, 2)
+    assert path.read_text() == "".join(rows[:2])
+    drop_rows_after(tmp_path / "absent.jsonl", 2)
+    assert not (tmp_path / "absent.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- async saves
+
+
+def test_async_saves_write_what_sync_saves_do_while_training_goes_on(
+    trained, tmp_path, monkeypatch
+):
+    """The step-2 writer pauses after its first file while steps 3 and 4 train on: the files
+    must still hold step 2's state (copied before training went on), byte for byte."""
+    out_dir = tmp_path / "async"
+    monkeypatch.setenv(STALL_ENV, "2:1.0")
+    train(config(out_dir, "checkpoint.async_save=true"))
+    assert [r["loss"] for r in metrics(out_dir)] == [r["loss"] for r in metrics(trained)]
+    for step in ("step_000002", "step_000004"):
+        ours = read_manifest(out_dir / "checkpoints" / step)  # every file verifies
+        theirs = read_manifest(trained / "checkpoints" / step)
+        assert ours["files"] == theirs["files"], step  # the same bytes as the sync run's
+    assert (out_dir / "checkpoints" / "latest").read_text() == "step_000004"
+    assert not list((out_dir / "checkpoints").glob("*.tmp"))
