@@ -13,6 +13,7 @@ from pathlib import Path
 
 from megalite.data import commands as data_commands
 from megalite.errors import MegaliteError
+from megalite.profiling import plot as plot_command
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export_hf)
 
     data_commands.register(commands)
+    plot_command.register(commands)
     return parser
 
 
