@@ -147,7 +147,9 @@ PEAK_CACHE_FILE = "cpu_peak_flops.json"
 
 def cpu_cores() -> int:
     """The cores this process may run on (its affinity, which containers and taskset narrow)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def cpu_peak_key(precision: str) -> str:
@@ -184,11 +186,20 @@ def cpu_peak_flops(precision: str, cache_dir: Path | None = None) -> float:
     path, key = root / PEAK_CACHE_FILE, cpu_peak_key(precision)
     with open(root / (PEAK_CACHE_FILE + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        peaks = json.loads(path.read_text()) if path.is_file() else {}
+        peaks = _read_peaks(path)
         if key not in peaks:
             peaks[key] = measure_cpu_peak_flops(precision)
             _write_atomically(path, json.dumps(peaks, indent=1, sort_keys=True))
         return float(peaks[key])
+
+
+def _read_peaks(path: Path) -> dict[str, float]:
+    """The cached peaks; none when the file is missing or damaged (then measured again)."""
+    try:
+        peaks = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return peaks if isinstance(peaks, dict) else {}
 
 
 def _write_atomically(path: Path, text: str) -> None:

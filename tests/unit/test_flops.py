@@ -147,6 +147,9 @@ def test_cpu_peak_is_measured_once_per_cache_and_key(monkeypatch, tmp_path):
     assert cached == {flops.cpu_peak_key("fp32"): 5e10, flops.cpu_peak_key("bf16"): 2e10}
     assert flops.cpu_peak_flops("fp32", tmp_path / "elsewhere") == 5e10
     assert measured == ["fp32", "bf16", "fp32"]  # another cache measures for itself
+    (tmp_path / flops.PEAK_CACHE_FILE).write_text('{"half a fi')  # damaged: measured again
+    assert flops.cpu_peak_flops("fp32", tmp_path) == 5e10
+    assert measured == ["fp32", "bf16", "fp32", "fp32"]
 
 
 def test_cpu_peak_measurement_is_a_large_matmul_on_this_machine():
