@@ -150,8 +150,3 @@ def test_cpu_peak_is_measured_once_per_cache_and_key(monkeypatch, tmp_path):
     (tmp_path / flops.PEAK_CACHE_FILE).write_text('{"half a fi')  # damaged: measured again
     assert flops.cpu_peak_flops("fp32", tmp_path) == 5e10
     assert measured == ["fp32", "bf16", "fp32", "fp32"]
-
-
-def test_cpu_peak_measurement_is_a_large_matmul_on_this_machine():
-    peak = flops.measure_cpu_peak_flops("fp32", repeats=1)
-    assert 1e8 < peak < 1e14  # FLOP/s: between a slow core and far more than any CPU today
