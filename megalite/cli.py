@@ -13,7 +13,10 @@ from pathlib import Path
 
 from megalite.data import commands as data_commands
 from megalite.errors import MegaliteError
+from megalite.profiling import memory_report as estimate_command
+from megalite.profiling import plan as plan_command
 from megalite.profiling import plot as plot_command
+from megalite.profiling import profile as profile_command
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -89,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export_hf)
 
     data_commands.register(commands)
+    profile_command.register(commands)
+    estimate_command.register(commands)
+    plan_command.register(commands)
     plot_command.register(commands)
     return parser
 

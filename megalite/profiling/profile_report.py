@@ -1,0 +1,197 @@
+"""The report of `megalite profile`: every rank's measurements gathered, the rates and the
+simulated bubble derived from them, and where it goes (console table, JSON, trackers).
+
+JSON layout (what `megalite plot` reads): top-level `config`, `world_size`, `layout`, `total`
+and `ranks`, a list with per rank `rank`, `tp_rank`, `pp_rank`, `dp_rank`, `tokens_per_sec`,
+`tflops` (model TFLOP/s per device), `mfu`, `step_time_s`, `time_s` (the disjoint parts of the
+step, which add up to `step_time_s`), `comm_overlapped_s`, `bubble` and `memory_bytes` (the
+parts a rank holds, which add up to `memory_total_bytes`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megalite import comm
+from megalite.config import Config, config_to_dict
+from megalite.pipeline.schedule import build_schedule, virtual_stage
+from megalite.pipeline.simulate import simulate
+from megalite.profiling.step_timing import TIME_PARTS
+from megalite.training.metrics import StepCost
+from megalite.training.setup import Run
+from megalite.training.trackers import new_tracker_id, start_trackers
+
+COORDS = ("rank", "tp_rank", "pp_rank", "dp_rank")
+GPU_PEAKS = ("peak_allocated", "peak_reserved")
+"""Allocator figures of a GPU: totals, not parts, so kept beside `memory_bytes`."""
+
+
+def gather_ranks(run: Run, values: dict[str, float]) -> list[dict[str, float]]:
+    """Every rank's `values` (the same keys on every rank), in rank order. Collective."""
+    ps = run.ps
+    keys = sorted(values)
+    table = torch.zeros(ps.world_size, len(keys), dtype=torch.float64, device=ps.device)
+    table[ps.rank] = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    comm.all_reduce(table, ps.world_group)
+    return [dict(zip(keys, row)) for row in table.tolist()]
+
+
+def layout_of(cfg: Config, world_size: int) -> dict[str, Any]:
+    p, t = cfg.parallel, cfg.train
+    dp = world_size // (p.tp * p.pp)
+    return {
+        "tp": p.tp,
+        "pp": p.pp,
+        "dp": dp,
+        "vpp": p.vpp,
+        "schedule": p.schedule,
+        "sp": p.sp,
+        "zero": p.zero,
+        "micro_batch_size": t.micro_batch_size,
+        "global_batch_size": t.global_batch_size,
+        "microbatches": t.global_batch_size // (t.micro_batch_size * dp),
+    }
+
+
+def simulated_bubble(cfg: Config, layout: dict[str, Any], ranks: list[dict[str, Any]]) -> float:
+    """The simulator's bubble (idle relative to compute) for this schedule, with each virtual
+    stage's forward and backward cost as measured on its pp rank (mean over its replicas)."""
+    pp, vpp, m = layout["pp"], layout["vpp"], layout["microbatches"]
+    forward, backward = [0.0] * (pp * vpp), [0.0] * (pp * vpp)
+    for pp_rank in range(pp):
+        mine = [r for r in ranks if r["pp_rank"] == pp_rank]
+        for chunk in range(vpp):
+            stage = virtual_stage(pp_rank, chunk, pp)
+            forward[stage] = statistics.fmean(r["time_s"]["forward"] for r in mine) / (m * vpp)
+            backward[stage] = statistics.fmean(r["time_s"]["backward"] for r in mine) / (m * vpp)
+    group = cfg.parallel.microbatch_group_size
+    schedules = [build_schedule(layout["schedule"], pp, r, m, vpp, group) for r in range(pp)]
+    return simulate(schedules, pp, vpp, forward, backward).bubble_ratio
+
+
+def rank_entry(row: dict[str, float], cost: StepCost) -> dict[str, Any]:
+    """One rank's part of the report from its gathered row."""
+    step_s = row["step"]
+    tflops = cost.flops / cost.devices / step_s / 1e12
+    peak = cost.device_peak_flops
+    memory = {k.removeprefix("mem."): int(v) for k, v in row.items() if k.startswith("mem.")}
+    entry: dict[str, Any] = {k: int(row[k]) for k in COORDS}
+    entry.update(
+        step_time_s=step_s,
+        tokens_per_sec=cost.tokens / step_s,
+        tflops=tflops,
+        mfu=tflops * 1e12 / peak if peak else None,
+        time_s={part: row[part] for part in TIME_PARTS},
+        comm_overlapped_s=row["comm_overlapped"],
+        bubble=row["bubble"] / (row["forward"] + row["backward"]),
+        memory_bytes={k: v for k, v in memory.items() if k not in GPU_PEAKS},
+    )
+    entry["memory_total_bytes"] = sum(entry["memory_bytes"].values())
+    entry.update({f"{k}_bytes": memory[k] for k in GPU_PEAKS if k in memory})
+    return entry
+
+
+def build_report(
+    run: Run, cost: StepCost, times: dict[str, float], memory: dict[str, int]
+) -> dict[str, Any]:
+    """The report from this rank's mean step times and memory parts. Collective."""
+    ps, cfg = run.ps, run.cfg
+    coords = {"rank": ps.rank, "tp_rank": ps.tp_rank, "pp_rank": ps.pp_rank, "dp_rank": ps.dp_rank}
+    row = {**coords, **times, **{f"mem.{k}": v for k, v in memory.items()}}
+    ranks = [rank_entry(r, cost) for r in gather_ranks(run, row)]
+    layout = layout_of(cfg, ps.world_size)
+    straggler = max(ranks, key=lambda r: r["step_time_s"])
+    worst = straggler["step_time_s"]
+    tflops = cost.flops / cost.devices / worst / 1e12
+    peak = cost.device_peak_flops
+    compute = sum(r["time_s"]["forward"] + r["time_s"]["backward"] for r in ranks)
+    total = {
+        "step_time_s": worst,
+        "straggler_rank": straggler["rank"],
+        "tokens_per_sec": cost.tokens / worst,
+        "tflops": tflops,
+        "mfu": tflops * 1e12 / peak if peak else None,
+        "bubble_measured": sum(r["time_s"]["bubble"] for r in ranks) / compute,
+        "bubble_simulated": simulated_bubble(cfg, layout, ranks),
+        "memory_total_bytes_max": max(r["memory_total_bytes"] for r in ranks),
+    }
+    return {
+        "config": config_to_dict(cfg),
+        "world_size": ps.world_size,
+        "layout": layout,
+        "device": str(ps.device.type),
+        "devices": cost.devices,
+        "peak_tflops_per_device": peak / 1e12 if peak else None,
+        "tokens_per_step": cost.tokens,
+        "total": total,
+        "ranks": ranks,
+    }
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The console table: one row per rank, then the total (rates at the slowest rank's step
+    time, the largest memory), then the bubble measured against the simulator's."""
+    head = (
+        f"{'rank':>4} {'tp':>2} {'pp':>2} {'dp':>2} {'step ms':>8} {'tok/s':>9} {'TFLOP/s':>8} "
+        f"{'MFU':>6} | " + " ".join(f"{p[:8]:>8}" for p in TIME_PARTS) + f" {'overlap':>8} | "
+        f"{'mem MiB':>8}"
+    )
+    lines = [head, "-" * len(head)]
+
+    def row(label: str, coords: str, entry: dict[str, Any], parts: str, mem: float) -> str:
+        mfu = "n/a" if entry["mfu"] is None else f"{entry['mfu']:.1%}"
+        return (
+            f"{label:>4} {coords} {entry['step_time_s'] * 1e3:8.1f} "
+            f"{entry['tokens_per_sec']:9,.0f} {entry['tflops']:8.3f} {mfu:>6} | {parts} | "
+            f"{_mib(mem):>8}"
+        )
+
+    for r in report["ranks"]:
+        parts = " ".join(f"{r['time_s'][p] * 1e3:8.1f}" for p in TIME_PARTS)
+        parts += f" {r['comm_overlapped_s'] * 1e3:8.1f}"
+        coords = f"{r['tp_rank']:>2} {r['pp_rank']:>2} {r['dp_rank']:>2}"
+        lines.append(row(str(r["rank"]), coords, r, parts, r["memory_total_bytes"]))
+    total = report["total"]
+    blank = " ".join(f"{'':>8}" for _ in range(len(TIME_PARTS) + 1))
+    lines.append("-" * len(head))
+    lines.append(row("all", "  worst ", total, blank, total["memory_total_bytes_max"]))
+    lines.append(
+        f"(times in ms per step, mean of the measured steps; total at the slowest rank "
+        f"{total['straggler_rank']}) pipeline bubble (idle / compute): measured "
+        f"{total['bubble_measured']:.3f}, simulated {total['bubble_simulated']:.3f}"
+    )
+    return "\n".join(lines)
+
+
+def flat_metrics(report: dict[str, Any]) -> dict[str, float]:
+    """The report's numbers as `profile/...` scalars for wandb / TensorBoard."""
+    flat = {f"profile/{k}": v for k, v in report["total"].items() if v is not None}
+    for r in report["ranks"]:
+        prefix = f"profile/rank{r['rank']}"
+        for key in ("step_time_s", "tokens_per_sec", "tflops", "mfu", "bubble"):
+            if r[key] is not None:
+                flat[f"{prefix}/{key}"] = r[key]
+        flat.update({f"{prefix}/time_s/{k}": v for k, v in r["time_s"].items()})
+        flat.update({f"{prefix}/memory_bytes/{k}": v for k, v in r["memory_bytes"].items()})
+    return {k: float(v) for k, v in flat.items() if math.isfinite(float(v))}
+
+
+def publish(report: dict[str, Any], cfg: Config, out: Path) -> None:
+    """Print the table, write the JSON report and log it to the trackers the config asks for."""
+    print(format_table(report))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    for tracker in start_trackers(cfg, out.parent, new_tracker_id()):
+        tracker.log(flat_metrics(report), step=0)
+        tracker.close()

@@ -1,0 +1,125 @@
+"""`megalite profile` on gloo ranks: the report has every field, each rank's step time is cut into
+parts that add up to the independently timed step, a pipeline shows a bubble (measured and
+simulated), the CPU memory parts are the live tensors' bytes, and --trace writes one Chrome
+trace per rank."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from equivalence import TINY
+
+from megalite.config import load_config
+from megalite.launch import run_ranks
+from megalite.parallel_state import build_parallel_state
+from megalite.profiling.memory import live_bytes
+from megalite.profiling.profile import ProfileError, profile
+from megalite.profiling.step_timing import TIME_PARTS
+from megalite.training.setup import build_run
+
+RANK_KEYS = {
+    "rank",
+    "tp_rank",
+    "pp_rank",
+    "dp_rank",
+    "step_time_s",
+    "tokens_per_sec",
+    "tflops",
+    "mfu",
+    "time_s",
+    "comm_overlapped_s",
+    "bubble",
+    "memory_bytes",
+    "memory_total_bytes",
+}
+TOTAL_KEYS = {
+    "step_time_s",
+    "straggler_rank",
+    "tokens_per_sec",
+    "tflops",
+    "mfu",
+    "bubble_measured",
+    "bubble_simulated",
+    "memory_total_bytes_max",
+}
+
+
+def _profile(overrides: tuple[str, ...], out_dir: str, trace: bool) -> tuple[dict, dict]:
+    """The report, and the live bytes of a freshly built run of the same layout."""
+    cfg = load_config(None, [*TINY, *overrides, f"train.out_dir={out_dir}"])
+    trace_dir = f"{out_dir}/trace" if trace else None
+    report = profile(cfg, warmup_steps=1, steps=2, trace_dir=trace_dir and Path(trace_dir))
+    ps = build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, torch.device("cpu"))
+    return report, live_bytes(build_run(cfg, ps))
+
+
+def _check_report(report: dict, world_size: int, live: list[dict]) -> None:
+    assert {"config", "world_size", "layout", "total", "ranks"} <= report.keys()
+    assert report["world_size"] == world_size
+    assert TOTAL_KEYS <= report["total"].keys()
+    assert [r["rank"] for r in report["ranks"]] == list(range(world_size))
+    for entry, live_counts in zip(report["ranks"], live):
+        assert RANK_KEYS <= entry.keys()
+        parts = entry["time_s"]
+        assert set(parts) == set(TIME_PARTS)
+        assert all(seconds >= 0 for seconds in parts.values()), parts
+        assert parts["forward"] > 0 and parts["backward"] > 0 and parts["optimizer"] > 0
+        assert sum(parts.values()) == pytest.approx(entry["step_time_s"], rel=0.05, abs=2e-3)
+        tokens = report["layout"]["global_batch_size"] * report["config"]["model"]["seq_len"]
+        assert entry["tokens_per_sec"] * entry["step_time_s"] == pytest.approx(tokens)
+        assert entry["tflops"] > 0 and entry["mfu"] > 0
+        memory = entry["memory_bytes"]
+        for name in ("params", "grads", "optimizer"):
+            assert memory[name] == live_counts[name] > 0
+        assert memory["activations"] > 0
+        assert entry["memory_total_bytes"] == sum(memory.values())
+    slowest = max(report["ranks"], key=lambda r: r["step_time_s"])
+    assert report["total"]["step_time_s"] == slowest["step_time_s"]
+
+
+def _check_traces(out_dir: Path, world_size: int) -> None:
+    traces = sorted((out_dir / "trace").glob("*.pt.trace.json"))
+    assert [t.name for t in traces] == [f"rank{r}.pt.trace.json" for r in range(world_size)]
+    for trace in traces:
+        events = json.loads(trace.read_text())["traceEvents"]
+        assert any(event.get("name", "").startswith("aten::") for event in events)
+
+
+def test_one_rank(builtin_corpus, tmp_path):
+    [(report, live)] = run_ranks(1, _profile, (), str(tmp_path), False)
+    _check_report(report, 1, [live])
+    assert report["total"]["bubble_measured"] == report["total"]["bubble_simulated"] == 0
+    assert json.loads((tmp_path / "profile.json").read_text())["ranks"] == report["ranks"]
+    assert not (tmp_path / "trace").exists()  # traced only when asked (starting it takes seconds)
+
+
+def test_pipeline_has_a_measured_and_a_simulated_bubble(builtin_corpus, tmp_path):
+    layout = ("parallel.pp=2", "parallel.schedule=1f1b", "train.micro_batch_size=1")
+    results = run_ranks(2, _profile, layout, str(tmp_path), True)
+    report = results[0][0]
+    _check_report(report, 2, [live for _, live in results])
+    assert [r["pp_rank"] for r in report["ranks"]] == [0, 1]
+    assert all(r["time_s"]["bubble"] > 0 for r in report["ranks"])  # rank 1 waits for its input
+    assert report["total"]["bubble_measured"] > 0
+    assert report["total"]["bubble_simulated"] > 0
+    assert report["layout"]["microbatches"] == 8
+    _check_traces(tmp_path, 2)
+
+
+def test_data_parallel_gradient_reduction_is_communication(builtin_corpus, tmp_path):
+    """dp 2: the gradient all-reduce starts during the last backward (asynchronous) and is
+    waited for before the update; what the rank waits for is exposed communication."""
+    results = run_ranks(2, _profile, ("train.micro_batch_size=1",), str(tmp_path), False)
+    report = results[0][0]
+    _check_report(report, 2, [live for _, live in results])
+    for entry in report["ranks"]:
+        assert entry["time_s"]["comm_exposed"] > 0
+        assert entry["time_s"]["bubble"] == 0
+        assert entry["comm_overlapped_s"] >= 0
+
+
+def test_bad_step_counts_are_refused(tmp_path):
+    cfg = load_config(None, [*TINY, f"train.out_dir={tmp_path}"])
+    with pytest.raises(ProfileError, match="at least one measured step"):
+        profile(cfg, warmup_steps=1, steps=0)
