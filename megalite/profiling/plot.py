@@ -121,26 +121,29 @@ def _draw_curves(ax: Any, runs: list[Run], value: Any, suffix: str) -> bool:
 
 
 def plot_profile(report_path: Path, out_dir: Path, name: str) -> list[Path]:
-    """Stacked bars of every rank's memory parts (GiB) and step-time parts (ms) from a
-    `megalite profile` report; whichever parts the report holds."""
+    """Stacked bars of every rank's memory parts and step-time parts (ms) from a `megalite
+    profile` report, whichever parts it holds, as `profile_<name>_{memory,time}.png`."""
     try:
-        report = json.loads(report_path.read_text())
-        ranks = report["ranks"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        ranks = json.loads(report_path.read_text())["ranks"]
+        memory = [rank.get("memory_bytes", {}) for rank in ranks]
+        times = [rank.get("time_s", {}) for rank in ranks]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
         raise PlotError(
             f"{report_path} is not a profile report: write one with `megalite profile`"
         ) from None
     ticks = [_rank_tick(rank) for rank in ranks]
+    largest = max((sum(parts.values()) for parts in memory), default=0)
+    memory_unit = ("GiB", 1 / GIB) if largest >= GIB else ("MiB", 1 / 2**20)
     written = []
-    for key, title, unit, scale in (
-        ("memory_bytes", "Memory per rank", "GiB", 1 / GIB),
-        ("time_s", "Step time per rank", "ms", 1e3),
+    for kind, title, parts, (unit, scale) in (
+        ("memory", "Memory per rank", memory, memory_unit),
+        ("time", "Step time per rank", times, ("ms", 1e3)),
     ):
-        parts = [{part: v * scale for part, v in rank.get(key, {}).items()} for rank in ranks]
         if any(parts):
             fig, ax = _figure(f"{title} ({name})", "rank (tp, pp, dp)", unit)
-            _stacked_bars(ax, ticks, parts)
-            written.append(_save(fig, out_dir / f"{name}_{key.split('_')[0]}.png"))
+            scaled = [{part: v * scale for part, v in rank.items()} for rank in parts]
+            _stacked_bars(ax, ticks, scaled)
+            written.append(_save(fig, out_dir / f"profile_{name}_{kind}.png"))
     return written
 
 
@@ -158,7 +161,7 @@ def _stacked_bars(ax: Any, ticks: list[str], parts: list[dict[str, float]]) -> N
         ax.bar(range(len(parts)), heights, bottom=bottom, label=name)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     ax.set_xticks(range(len(parts)), ticks)
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the bars
 
 
 def _figure(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
@@ -202,7 +205,7 @@ def plot(sources: list[Path], out_dir: Path | None = None) -> list[Path]:
             runs.append(read_run(source, label))
     written = plot_runs(runs, out_dir) if runs else []
     for report, label in reports:
-        written += plot_profile(report, out_dir, f"profile_{label}")
+        written += plot_profile(report, out_dir, label)
     return written
 
 

@@ -77,7 +77,8 @@ def test_mfu_divides_by_the_machine_peak_in_every_layout(
 
     runs["1 rank"] = rows_of(1, (), tmp_path / "one", data)
     runs["pp 2"] = rows_of(2, ("parallel.pp=2",), tmp_path / "pp2", data)
-    busy = [mp.get_context("fork").Process(target=_spin, daemon=True) for _ in range(2)]
+    spinner = mp.get_context("fork").Process
+    busy = [spinner(target=_spin, daemon=True) for _ in range(flops.cpu_cores())]
     for proc in busy:
         proc.start()
     try:
