@@ -82,7 +82,8 @@ class Evaluation(Hook):
 
 class MetricsLogging(Hook):
     """A metrics row every `interval` steps, after the last one and with every evaluation; the
-    progress bar after every step."""
+    progress bar after every step. Collective: every rank logs the same rows (the logger
+    gathers the straggler and memory figures of all ranks into each)."""
 
     def __init__(self, logger: MetricsLogger, interval: int, steps: int) -> None:
         self.logger, self.interval, self.steps = logger, interval, steps
