@@ -37,16 +37,19 @@ TIMED_COLLECTIVES = ("all_reduce", "all_reduce_max", "all_gather_flat", "reduce_
 
 @dataclass
 class _AsyncCollective:
+    """Marks of one asynchronous collective: perf_counter seconds on CPU, CUDA events recorded
+    on the compute stream on a GPU."""
+
     issued: Any
-    """perf_counter seconds on CPU, a CUDA event on a GPU."""
-    completed: Any = None
-    waited_s: float = 0.0
-    """Host time blocked in its wait (on a GPU: the stream's stall, read from the step timer)."""
+    wait_started: Any = None
+    wait_ended: Any = None
+    completed: float | None = None
+    """When the backend completed it (CPU, from the work's future); else the wait's end."""
 
 
 @dataclass
 class CollectiveTimes:
-    """The asynchronous collectives of the current step: when each was issued and completed."""
+    """The asynchronous collectives of the current step: issue, wait and completion."""
 
     on_cuda: bool
     pending: list[_AsyncCollective] = field(default_factory=list)
@@ -58,16 +61,19 @@ class CollectiveTimes:
         event.record()
         return event
 
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1000 if self.on_cuda else end - start
+
     def overlapped_s(self) -> float:
         """Issue-to-completion time of the step's asynchronous collectives less the time the
         rank waited for them; forgets them (call once per step, after its timer's totals)."""
         total = 0.0
         for op in self.pending:
-            if self.on_cuda:
-                duration = op.issued.elapsed_time(op.completed) / 1000
-            else:
-                duration = op.completed - op.issued
-            total += max(0.0, duration - op.waited_s)
+            if op.wait_ended is None:
+                continue  # never waited for: nothing says when it ended
+            duration = self.seconds(op.issued, op.completed or op.wait_ended)
+            waited = self.seconds(op.wait_started, op.wait_ended)
+            total += max(0.0, duration - waited)
         self.pending.clear()
         return total
 
@@ -86,14 +92,10 @@ class _TimedWork:
         self.record.completed = time.perf_counter()
 
     def wait(self) -> bool:
-        start = time.perf_counter()
         with timed("comm"):
+            self.record.wait_started = self.times.mark()
             done = self.work.wait()
-        if self.times.on_cuda:
-            self.record.completed = self.times.mark()
-        else:
-            self.record.waited_s += time.perf_counter() - start
-            self.record.completed = self.record.completed or time.perf_counter()
+            self.record.wait_ended = self.times.mark()
         return done
 
     def is_completed(self) -> bool:

@@ -116,7 +116,7 @@ def test_data_parallel_gradient_reduction_is_communication(builtin_corpus, tmp_p
     for entry in report["ranks"]:
         assert entry["time_s"]["comm_exposed"] > 0
         assert entry["time_s"]["bubble"] == 0
-        assert entry["comm_overlapped_s"] >= 0
+        assert entry["comm_overlapped_s"] > 0  # buckets reduced while the backward went on
 
 
 def test_bad_step_counts_are_refused(tmp_path):

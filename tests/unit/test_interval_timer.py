@@ -6,7 +6,9 @@ import time
 import pytest
 import torch
 
+from megalite import comm
 from megalite.pipeline.executor import IntervalTimer, StepTimes, timed
+from megalite.profiling.step_timing import time_collectives
 
 
 def test_host_timer_sums_each_name_on_cpu():
@@ -24,21 +26,29 @@ def test_host_timer_sums_each_name_on_cpu():
 
 def test_nested_intervals_count_once_for_the_innermost_name():
     """A collective inside a forward is communication, not forward: self times partition the
-    outermost interval, so a step's parts add up to the step."""
+    outermost interval, so a step's parts add up to the step. (Checked against the test's own
+    clock readings, which bracket each interval's marks: exact up to those readings, whatever
+    the load on the machine does to the sleeps.)"""
     timer = IntervalTimer(torch.device("cpu"))
-    start = time.perf_counter()
+    clock = time.perf_counter
+    t0 = clock()
     with timer.interval("step"):
         time.sleep(0.01)
+        t1 = clock()
         with timer.interval("forward"):
             time.sleep(0.02)
+            t2 = clock()
             with timer.interval("comm"):
                 time.sleep(0.03)
-    elapsed = time.perf_counter() - start
+            t3 = clock()
+        t4 = clock()
+    t5 = clock()
     totals = timer.totals()
-    assert 0.01 <= totals["step"] < 0.02 + 0.01
-    assert 0.02 <= totals["forward"] < 0.03 + 0.01
-    assert 0.03 <= totals["comm"]
-    assert sum(totals.values()) == pytest.approx(elapsed, abs=1e-3)
+    tolerance = 5e-3  # a preempted process reads its clock late
+    assert totals["comm"] == pytest.approx(t3 - t2, abs=tolerance)
+    assert totals["forward"] == pytest.approx((t2 - t1) + (t4 - t3), abs=tolerance)
+    assert totals["step"] == pytest.approx((t1 - t0) + (t5 - t4), abs=tolerance)
+    assert sum(totals.values()) == pytest.approx(t5 - t0, abs=tolerance)
 
 
 def test_timed_records_into_the_innermost_active_timer_only():
@@ -50,11 +60,10 @@ def test_timed_records_into_the_innermost_active_timer_only():
             time.sleep(0.01)
         with inner.active(), timed("comm"):
             time.sleep(0.02)
-    assert outer.totals()["comm"] == pytest.approx(0.01, abs=0.008)
-    assert inner.totals()["comm"] >= 0.02
     with timed("comm"):  # both released
         pass
-    assert len(outer.intervals) == len(inner.intervals) == 1
+    assert [i.name for i in outer.intervals] == [i.name for i in inner.intervals] == ["comm"]
+    assert 0.01 <= outer.totals()["comm"] and 0.02 <= inner.totals()["comm"]
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 3)])
@@ -111,3 +120,38 @@ def test_cuda_events_time_execution_and_stream_waits():
     assert totals["compute"] > 5 * queued
     assert totals["wait"] == pytest.approx(totals["compute"], rel=0.3)
     assert totals["wait"] > 5 * host_wait
+
+
+class _SlowWork:
+    """An asynchronous collective that completes `seconds` after it is issued."""
+
+    def __init__(self, seconds: float) -> None:
+        self.done_at = time.perf_counter() + seconds
+
+    def wait(self) -> bool:
+        time.sleep(max(0.0, self.done_at - time.perf_counter()))
+        return True
+
+    def is_completed(self) -> bool:
+        return time.perf_counter() >= self.done_at
+
+
+def test_async_collective_splits_into_overlapped_and_exposed(monkeypatch):
+    """Issued, then compute, then a wait for the rest of its 50 ms: the time until the wait is
+    overlapped with compute, the wait is exposed (the rank was blocked)."""
+    monkeypatch.setattr(comm, "all_reduce", lambda *args, **kwargs: _SlowWork(0.05))
+    issue = comm.all_reduce
+    cpu = torch.device("cpu")
+    timer = IntervalTimer(cpu)
+    with time_collectives(cpu) as collectives, timer.active(), timer.interval("step"):
+        t0 = time.perf_counter()
+        work = comm.all_reduce(torch.zeros(1), None, async_op=True)
+        time.sleep(0.03)
+        t1 = time.perf_counter()
+        work.wait()
+        t2 = time.perf_counter()
+    assert t2 - t0 >= 0.05
+    assert timer.totals()["comm"] == pytest.approx(t2 - t1, abs=5e-3)
+    assert collectives.overlapped_s() == pytest.approx(t1 - t0, abs=5e-3)
+    assert collectives.overlapped_s() == 0  # forgotten once read: the next step starts afresh
+    assert comm.all_reduce is issue  # unwrapped after the block
