@@ -1,13 +1,13 @@
-"""Estimate the memory of one GPU of a training run (first pipeline stage, the fullest one).
+"""Estimate the memory of every pipeline rank of a layout: `megalite estimate` (its help and
+`megalite.profiling.estimate` say what it counts); this script only runs it. For example:
 
-The estimate is `megalite.profiling.memory_report` (its docstring says what it counts); this
-script only prints it, as does `python -m megalite.profiling.memory_report`. For example:
-
-    python tools/estimate_memory.py --config configs/gpt2-1.3b.yaml --world-size 8 \
+    python tools/estimate_memory.py --config configs/gpt2-1.3b.yaml --world-size 8 \\
         train.recompute=none
 """
 
-from megalite.profiling.memory_report import main
+import sys
+
+from megalite.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["estimate", *sys.argv[1:]]))

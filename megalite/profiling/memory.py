@@ -1,23 +1,21 @@
-"""Memory: the formulas (Korthikanti et al. 2022 for activations, mixed-precision Adam for the
-static part), a counter of what autograd actually keeps for backward, and a per-rank estimate
-for a config that uses the pipeline simulator for the number of micro-batches in flight.
+"""Memory as measured: the published per-layer formula (Korthikanti et al. 2022), what one rank's
+live tensors hold (`live_bytes`) and what autograd keeps for backward while a step runs
+(`SavedActivationTracker`). `megalite.profiling.estimate` predicts the same quantities in closed
+form; the tests hold one against the other.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
-from megalite.config import Config, data_parallel_size
-from megalite.models import build_chunks
-from megalite.parallel_state import ParallelState
-from megalite.pipeline.schedule import build_schedule
-from megalite.pipeline.simulate import simulate
-from megalite.tensor_parallel import TPRandom
-from megalite.tensor_parallel.random import checkpoint_input_logs
+from megalite.tensor_parallel.random import recompute_observers
+
+if TYPE_CHECKING:
+    from megalite.training.setup import Run
 
 
 def activation_bytes_per_layer(
@@ -40,100 +38,116 @@ def activation_bytes_per_layer(
     return s * b * h * (10 + 24 / t + attention / t)
 
 
-@dataclass
-class SavedBytes:
-    total: int = 0
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    return (tensor.device.type, tensor.untyped_storage().data_ptr())
 
 
-@contextlib.contextmanager
-def count_saved_activations(exclude: Sequence[torch.Tensor] = ()) -> Iterator[SavedBytes]:
-    """Bytes of distinct tensors kept for backward inside the block (autograd's saved tensors
-    plus the inputs that recompute checkpoints keep outside them), not counting `exclude`
-    (the parameters)."""
-    seen = {t.untyped_storage().data_ptr() for t in exclude}
-    result = SavedBytes()
-    checkpointed: list[torch.Tensor] = []
-
-    def add(tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            result.total += storage.nbytes()
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        add(tensor)
-        return tensor
-
-    checkpoint_input_logs.append(checkpointed)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield result
-    finally:
-        checkpoint_input_logs.remove(checkpointed)
-        for tensor in checkpointed:
-            add(tensor)
-
-
-def in_flight_microbatches(cfg: Config, dp: int) -> float:
-    """Micro-batches' worth of its layers the first pipeline stage holds at its peak."""
-    p = cfg.parallel
-    if p.pp == 1:
-        return 1.0
-    m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-    schedules = [
-        build_schedule(p.schedule, p.pp, r, m, p.vpp, p.microbatch_group_size) for r in range(p.pp)
-    ]
-    return simulate(schedules, p.pp, p.vpp).peak_in_flight_microbatches[0]
-
-
-def recomputed_layers_per_stage(cfg: Config) -> float:
-    """Layers of a pipeline stage whose activations full recompute drops: all of them, or the
-    first `train.recompute_layers` of each of its vpp chunks."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    layers_per_stage = m.n_layers / p.pp
-    if t.recompute != "full":
-        return 0.0
-    if t.recompute_layers is None:
-        return layers_per_stage
-    return p.vpp * min(t.recompute_layers, layers_per_stage / p.vpp)
-
-
-def estimate(cfg: Config, world_size: int, params_per_rank: int) -> dict[str, float]:
-    """Bytes per rank of the first pipeline stage: parameters, gradients, optimizer state and
-    activations (16-bit training; `params_per_rank` counts this rank's shards)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    dp = data_parallel_size(world_size, p.tp, p.pp)
-
-    def per_layer(recompute: str) -> float:
-        return activation_bytes_per_layer(
-            m.seq_len,
-            t.micro_batch_size,
-            m.hidden,
-            m.n_heads,
-            p.tp,
-            p.sp,
-            recompute,
-            flash=m.dropout == 0.0,
-        )
-
-    recomputed = recomputed_layers_per_stage(cfg)
-    kept = m.n_layers / p.pp - recomputed
-    kept_mode = "none" if t.recompute == "full" else t.recompute
-    stage_bytes = recomputed * per_layer("full") + kept * per_layer(kept_mode)
+def live_bytes(run: Run) -> dict[str, int]:
+    """Bytes of one rank's long-lived training state, counted from its tensors: the model's
+    parameter buffers (bucket padding included) and non-parameter buffers (rotary tables), the
+    fp32 gradient buffers (and the owned-gradient shards ZeRO-1 reduces into), and the
+    optimizer's fp32 master copies (where params are 16-bit), Adam moments and update scratch."""
+    grads = 0
+    for buffer in run.buffers:
+        grads += buffer.grads_flat.nbytes
+        if buffer.owned_grads is not buffer.grads_flat:
+            grads += buffer.owned_grads.nbytes
+    optimizer = run.optimizer.scratch.nbytes
+    for state in run.optimizer.states:
+        optimizer += state.exp_avg.nbytes + state.exp_avg_sq.nbytes
+        if state.master is not state.params:
+            optimizer += state.master.nbytes
+    model_buffers = {
+        _storage_key(b): b.untyped_storage().nbytes() for c in run.chunks for b in c.buffers()
+    }
     return {
-        "params": 2 * params_per_rank,
-        "grads": 4 * params_per_rank,
-        "optimizer": 12 * params_per_rank / (dp if p.zero else 1),
-        "activations": stage_bytes * in_flight_microbatches(cfg, dp),
+        "params": sum(buffer.params_flat.nbytes for buffer in run.buffers),
+        "buffers": sum(model_buffers.values()),
+        "grads": grads,
+        "optimizer": optimizer,
     }
 
 
-def first_stage_params(cfg: Config, world_size: int) -> int:
-    """Parameters held by tp rank 0 of the first pipeline stage, counted on the meta device
-    (no memory, no process group: the model is only built to be measured)."""
-    p = cfg.parallel
-    dp = data_parallel_size(world_size, p.tp, p.pp)
-    ps = ParallelState(0, world_size, p.tp, p.pp, dp, 0, 0, 0, torch.device("meta"))
-    tp_random = TPRandom(0, ParallelState.single())  # the dropout stream: never used, nothing runs
-    chunks = build_chunks(cfg, ps, tp_random, random_init=False)
-    return sum(param.numel() for chunk in chunks for param in chunk.parameters())
+class _Held:
+    """What the pack hook hands autograd instead of the tensor: when autograd drops it (the
+    node's backward ran, or the graph was freed), the tracker forgets one reference."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class SavedActivationTracker:
+    """Bytes of tensors saved for backward that are alive now (`current`) and at most (`peak`)
+    while the block runs: distinct storages, parameters and module buffers excluded, the inputs
+    that activation recompute keeps included (until the backward of the recomputed region
+    starts). Wrap a whole `run.executor.run(...)` to get the peak over the micro-batches a
+    schedule keeps in flight.
+
+        with SavedActivationTracker(exclude=params) as saved:
+            loss.backward()  # or a whole pipeline schedule
+        saved.peak
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self.excluded = {_storage_key(t) for t in exclude}
+        self.current = 0
+        self.peak = 0
+        self._refs: dict[tuple[str, int], list[int]] = {}  # storage -> [references, bytes]
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def __enter__(self) -> SavedActivationTracker:
+        recompute_observers.append(self._observe_recompute)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+        recompute_observers.remove(self._observe_recompute)
+
+    def _hold(self, tensor: torch.Tensor) -> tuple[str, int] | None:
+        """Count one more reference to the tensor's storage; its key, or None if excluded."""
+        key = _storage_key(tensor)
+        if key in self.excluded:
+            return None
+        entry = self._refs.setdefault(key, [0, tensor.untyped_storage().nbytes()])
+        if entry[0] == 0:
+            self.current += entry[1]
+            self.peak = max(self.peak, self.current)
+        entry[0] += 1
+        return key
+
+    def _release(self, key: tuple[str, int]) -> None:
+        entry = self._refs[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._refs[key]
+            self.current -= entry[1]
+
+    def _pack(self, tensor: torch.Tensor) -> _Held:
+        held = _Held(tensor)
+        key = self._hold(tensor)
+        if key is not None:
+            weakref.finalize(held, self._release, key)
+        return held
+
+    @staticmethod
+    def _unpack(held: _Held) -> torch.Tensor:
+        return held.tensor
+
+    def _observe_recompute(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        """Recompute keeps its inputs until backward reaches the region (its output's node)."""
+        if output.grad_fn is None:
+            return
+        keys = [key for key in map(self._hold, inputs) if key is not None]
+        released = False
+
+        def release(*_: object) -> None:
+            nonlocal released
+            if not released:
+                released = True
+                for key in keys:
+                    self._release(key)
+
+        output.grad_fn.register_prehook(release)

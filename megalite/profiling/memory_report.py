@@ -1,49 +1,164 @@
-"""The printed memory estimate of one GPU of a training run (first pipeline stage, the fullest
-one): 16-bit parameters, fp32 gradients, fp32 master weights and Adam state (sharded by ZeRO-1),
-and activations (Korthikanti et al. 2022, times the micro-batches the schedule keeps in flight,
-taken from the pipeline simulator).
+"""`megalite estimate`: the memory of every pipeline rank of a layout, as a table (or JSON).
 
-    python tools/estimate_memory.py --config configs/llama-7b.yaml --world-size 32
-    python tools/estimate_memory.py --config configs/gpt2-1.3b.yaml --world-size 8 \
-        train.recompute=none
-    python -m megalite.profiling.memory_report ...   # the same, from an installed megalite
+    megalite estimate --config configs/llama-7b.yaml --world-size 64
+    megalite estimate --config configs/gpt2-1.3b.yaml --world-size 8 train.recompute=none --json
+
+The numbers come from `megalite.profiling.estimate` (its docstring says what each part counts);
+this module only lays them out.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from typing import TYPE_CHECKING, Any
 
-from megalite.config import Config, load_config
-from megalite.profiling.memory import estimate, first_stage_params, in_flight_microbatches
+if TYPE_CHECKING:  # the CLI imports this module for its parser: keep torch out of that
+    from megalite.profiling.estimate import LayoutEstimate, StageEstimate
+
+MAX_COLUMNS = 5
 
 
-def memory_report(cfg: Config, world_size: int) -> str:
-    """The layout, the first stage's parameters and micro-batches in flight, and a table of
-    GiB per part with the total."""
-    dp, m = cfg.layout_for_world(world_size)
-    params = first_stage_params(cfg, world_size)
-    parts = estimate(cfg, world_size, params)
-    p, t = cfg.parallel, cfg.train
+def format_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1 (B, KiB, MiB, GiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _shown(stages: list[StageEstimate]) -> list[StageEstimate]:
+    """Every rank when they fit the page, else the first two, a middle one, the last two."""
+    if len(stages) <= MAX_COLUMNS:
+        return stages
+    picks = sorted({0, 1, len(stages) // 2, len(stages) - 2, len(stages) - 1})
+    return [stages[i] for i in picks]
+
+
+def _chunk_label(stage: int, layers: range, n_stages: int) -> str:
+    extra = (" +embedding" if stage == 0 else "") + (" +head" if stage == n_stages - 1 else "")
+    return f"layers {layers.start}-{layers.stop - 1}{extra}"
+
+
+def layout_lines(est: LayoutEstimate) -> list[str]:
+    p, t = est.cfg.parallel, est.cfg.train
+    recompute = t.recompute
+    if recompute == "full" and t.recompute_layers is not None:
+        recompute += f" ({t.recompute_layers} layers per chunk)"
     lines = [
-        f"layout tp={p.tp} pp={p.pp} vpp={p.vpp} dp={dp} sp={p.sp} zero={p.zero} "
-        f"schedule={p.schedule} recompute={t.recompute}; {m} micro-batches of {t.micro_batch_size}",
-        f"parameters on the first stage's rank: {params / 1e6:,.1f} M; "
-        f"micro-batches in flight there: {in_flight_microbatches(cfg, dp):.2f}",
-        f"{'part':<14}{'GiB':>10}",
+        f"layout: tp={p.tp} pp={p.pp} vpp={p.vpp} dp={est.dp} sp={p.sp} zero={p.zero} "
+        f"schedule={p.schedule} recompute={recompute} precision={est.precision} "
+        f"({est.device} kernels); micro-batches: {est.microbatches} of {t.micro_batch_size}"
     ]
-    lines += [f"{name:<14}{value / 2**30:>10.2f}" for name, value in parts.items()]
-    lines.append(f"{'total':<14}{sum(parts.values()) / 2**30:>10.2f}")
+    n_stages = p.pp * p.vpp
+    for stage in est.stages:
+        chunks = ", ".join(_chunk_label(v, layers, n_stages) for v, layers in stage.chunks)
+        lines.append(f"  pp rank {stage.pp_rank}: {chunks}")
+    return lines
+
+
+def table(est: LayoutEstimate) -> str:
+    """The layout, the layer split, then one column per pipeline rank: parts, total, in-flight
+    micro-batches and the GPU view."""
+    shown = _shown(est.stages)
+    names = list(dict.fromkeys(part.name for stage in est.stages for part in stage.parts))
+    width = max(len(n) for n in [*names, "micro-batches in flight", "nvidia-smi (est.)"]) + 2
+
+    def row(label: str, cells: list[str]) -> str:
+        return f"{label:<{width}}" + "".join(f"{c:>16}" for c in cells)
+
+    lines = layout_lines(est)
+    lines.append(row("", [f"pp rank {s.pp_rank}" for s in shown]))
+    lines.append(row("parameters (M)", [f"{s.parameters / 1e6:,.2f}" for s in shown]))
+    lines += [row(n, [format_bytes(s.part(n)) for s in shown]) for n in names]
+    lines.append(row("total", [format_bytes(s.total_bytes) for s in shown]))
+    lines.append(row("micro-batches in flight", [str(s.in_flight) for s in shown]))
+    if est.device == "cuda":
+        lines.append(row("nvidia-smi (est.)", [format_bytes(est.gpu_bytes(s)) for s in shown]))
+    fullest = max(est.stages, key=lambda s: s.total_bytes)
+    lines.append(f"peak: {format_bytes(est.peak_bytes)} on pp rank {fullest.pp_rank}")
+    lines += notes(est)
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
-    args = parser.parse_args(argv)
-    print(memory_report(load_config(args.config, args.overrides), args.world_size))
+def notes(est: LayoutEstimate) -> list[str]:
+    """How megalite's accounting differs from the papers' and what the GPU view adds."""
+    out = []
+    if est.device == "cuda":
+        out.append(
+            f"note: nvidia-smi adds the caching allocator's segments and a "
+            f"{format_bytes(est.cuda_context)} CUDA context (--cuda-context to change)"
+        )
+    if est.precision != "fp32":
+        out.append(
+            "note: per parameter megalite keeps 2 B (16-bit param) + 4 B (fp32 main grad) + "
+            "12 B (fp32 master, Adam m, v; / dp under ZeRO-1); the ZeRO paper counts 2 + 2 + 12"
+        )
+    return out
 
 
-if __name__ == "__main__":
-    main()
+def as_dict(est: LayoutEstimate) -> dict[str, Any]:
+    p = est.cfg.parallel
+    return {
+        "world_size": est.world_size,
+        "tp": p.tp,
+        "pp": p.pp,
+        "vpp": p.vpp,
+        "dp": est.dp,
+        "microbatches": est.microbatches,
+        "precision": est.precision,
+        "device": est.device,
+        "cuda_context_bytes": est.cuda_context,
+        "peak_bytes": est.peak_bytes,
+        "stages": [
+            {
+                "pp_rank": s.pp_rank,
+                "chunks": [[v, layers.start, layers.stop] for v, layers in s.chunks],
+                "parameters": s.parameters,
+                "in_flight": s.in_flight,
+                "parts": {part.name: part.bytes for part in s.parts},
+                "devices": {part.name: part.device for part in s.parts},
+                "total_bytes": s.total_bytes,
+                "gpu_bytes": est.gpu_bytes(s),
+            }
+            for s in est.stages
+        ],
+    }
+
+
+def _run(args: argparse.Namespace) -> int:
+    from megalite.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # a bad config fails before torch loads
+    from megalite.profiling.estimate import CUDA_CONTEXT_BYTES, estimate_layout
+
+    context = CUDA_CONTEXT_BYTES if args.cuda_context is None else round(args.cuda_context * 2**30)
+    est = estimate_layout(cfg, args.world_size, args.device, context)
+    print(json.dumps(as_dict(est), indent=2) if args.json else table(est))
+    return 0
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add `megalite estimate`."""
+    cmd = commands.add_parser(
+        "estimate",
+        help="per-rank memory of a layout, without building the model",
+        description=__doc__.split("\n\n")[0],
+    )
+    cmd.add_argument("--config", help="YAML config (see configs/); defaults when omitted")
+    cmd.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks in all")
+    cmd.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda: Triton kernels, bf16 for precision=auto; cpu: what a CPU run keeps",
+    )
+    cmd.add_argument(
+        "--cuda-context",
+        type=float,
+        metavar="GIB",
+        help="CUDA context per process added to the nvidia-smi view (default 0.5)",
+    )
+    cmd.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    cmd.add_argument("overrides", nargs="*", metavar="section.key=value")
+    cmd.set_defaults(func=_run)

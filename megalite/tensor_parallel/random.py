@@ -151,13 +151,15 @@ class TPRandom:
         return contextlib.nullcontext(), replay()
 
 
-checkpoint_input_logs: list[list[torch.Tensor]] = []
-"""Lists that `recompute` appends its inputs to (profiling.memory counts them)."""
+recompute_observers: list[Callable[[tuple[torch.Tensor, ...], torch.Tensor], None]] = []
+"""Called with (inputs, output) of every `recompute`: the inputs are what it keeps for backward
+in place of the activations, hidden from saved-tensor hooks (profiling.memory counts them)."""
 
 
 def recompute(fn: Callable[..., torch.Tensor], *args: torch.Tensor, tp_random: TPRandom):
     """fn(*args) without keeping its activations: backward runs fn again. Both torch's RNG and
     the tp stream replay, so dropout masks match the original forward."""
-    for log in checkpoint_input_logs:
-        log.extend(args)
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=tp_random.recompute_context)
+    output = checkpoint(fn, *args, use_reentrant=False, context_fn=tp_random.recompute_context)
+    for observe in recompute_observers:
+        observe(args, output)
+    return output

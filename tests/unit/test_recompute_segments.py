@@ -11,7 +11,7 @@ from megalite.models.common import segment_layers
 
 from megalite.config import load_config
 from megalite.parallel_state import ParallelState
-from megalite.profiling.memory import count_saved_activations
+from megalite.profiling.memory import SavedActivationTracker
 from megalite.tensor_parallel import TPRandom, init_parameters
 
 S, B, H, A = 32, 2, 64, 4
@@ -60,12 +60,12 @@ def test_only_segment_inputs_stay_alive(n_layers):
     of s*b*h fp32 values: the formula, within 5 %, against autograd's own saved tensors."""
     chunk = _chunk("gpt", "segments", n_layers)
     x = torch.randn(B, S, H, requires_grad=True)
-    with count_saved_activations(exclude=list(chunk.parameters())) as saved:
+    with SavedActivationTracker(exclude=list(chunk.parameters())) as saved:
         y = chunk(x)
     y.sum().backward()
     segments = math.ceil(n_layers / round(math.sqrt(n_layers)))
     formula = segments * S * B * H * 4
-    assert saved.total == pytest.approx(formula, rel=0.05)
-    with count_saved_activations(exclude=list(chunk.parameters())) as kept_all:
+    assert saved.peak == pytest.approx(formula, rel=0.05)
+    with SavedActivationTracker(exclude=list(chunk.parameters())) as kept_all:
         _chunk("gpt", "none", n_layers)(x)
-    assert saved.total < kept_all.total / n_layers  # less than one layer's activations
+    assert saved.peak < kept_all.peak / n_layers  # less than one layer's activations

@@ -1,0 +1,262 @@
+"""The memory of every pipeline rank of a layout, in closed form: no model is built, so any size
+estimates in milliseconds.
+
+Per rank (first, middle and last pipeline stage, each with the vpp chunks it holds) the estimate
+is a table of parts, each on a device ("gpu" or, for state a future option moves off it,
+"host"):
+
+- parameters, module buffers (rotary tables), fp32 gradients and optimizer state, counted as
+  megalite lays them out: one flat buffer per chunk, cut into buckets padded to a multiple of
+  dp, with ZeRO-1 owning 1/dp of each bucket (fp32 master where params are 16-bit, Adam m and
+  v, the reduced-gradient shard, the update's scratch);
+- activations saved for backward (`profiling.activations`) summed over the (micro-batch,
+  chunk) pairs the rank's schedule holds at its peak, found by walking its action list (the
+  order `pipeline.simulate` runs); the LM head's kept weight gradient is its own part (one per
+  micro-batch in flight on the last stage), and so are the transient working sets at that peak:
+  a chunk of logits in the head's forward, or the layer (full) or segment (segments, sqrt(L)
+  checkpointing) that recompute runs again in backward.
+
+Beside the bytes, what `nvidia-smi` would show: each tensor rounded the way PyTorch's CUDA
+caching allocator rounds it (512-byte blocks; requests up to 1 MiB from 2 MiB segments, up to
+10 MiB from 20 MiB segments, larger ones their own segment rounded to 2 MiB), plus the CUDA
+context.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from megalite.config import Config
+from megalite.pipeline.partition import chunk_layers
+from megalite.pipeline.schedule import Op, build_schedule
+from megalite.profiling import activations as act
+from megalite.profiling.parameters import chunk_parameters, layout_buffers
+
+CUDA_CONTEXT_BYTES = 512 * 2**20
+"""The CUDA context of one process (driver state, kernels; depends on the device and CUDA
+version: about 0.3-0.6 GiB on A100 / H100 with lazy loading). Measure yours: nvidia-smi after
+`torch.ones(1, device="cuda")`; override with `estimate_layout(..., cuda_context=...)`."""
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+OPTIMIZER_CHUNK = {"cpu": 1 << 18, "cuda": 1 << 24}
+"""Elements per chunk of the optimizer update (`optimizer.zero1`): its scratch buffer."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One line of a stage's table."""
+
+    name: str
+    bytes: int
+    tensors: tuple[int, ...] = ()
+    """Sizes of the tensors behind it, for the allocator's rounding (empty: treated as one)."""
+    device: str = "gpu"
+    """Where it lives: "gpu", or "host" for state offloaded to CPU memory."""
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    pp_rank: int
+    chunks: list[tuple[int, range]]
+    """(virtual stage, layers) of each local chunk."""
+    parameters: int
+    """Model parameters held by one tp rank (unpadded)."""
+    in_flight: int
+    """(micro-batch, chunk) activations held at this rank's peak."""
+    parts: list[Part] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes on the GPU at this rank's peak."""
+        return sum(p.bytes for p in self.parts if p.device == "gpu")
+
+    def part(self, name: str) -> int:
+        return sum(p.bytes for p in self.parts if p.name == name)
+
+
+@dataclass(frozen=True)
+class LayoutEstimate:
+    cfg: Config
+    world_size: int
+    dp: int
+    microbatches: int
+    precision: str
+    device: str
+    stages: list[StageEstimate]
+    cuda_context: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """The fullest rank's bytes (what must fit in one GPU's memory, context aside)."""
+        return max(stage.total_bytes for stage in self.stages)
+
+    def gpu_bytes(self, stage: StageEstimate) -> int:
+        """What nvidia-smi would show for the rank: the caching allocator's segments for every
+        part, plus the CUDA context."""
+        sizes = [s for p in stage.parts if p.device == "gpu" for s in (p.tensors or (p.bytes,))]
+        return reserved_bytes(sizes) + self.cuda_context
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def reserved_bytes(sizes: Iterable[int]) -> int:
+    """Bytes the CUDA caching allocator reserves to hold tensors of these sizes at once: each
+    rounded up to 512 bytes; those up to 1 MiB packed into 2 MiB segments, those up to 10 MiB
+    into 20 MiB segments (first fit), larger ones in a segment of their own rounded to 2 MiB."""
+    mib = 2**20
+    small, medium, large = 0, [], 0
+    for size in sizes:
+        block = _round_up(max(size, 1), 512)
+        if block <= mib:
+            small += block
+        elif block < 10 * mib:
+            medium.append(block)
+        else:
+            large += _round_up(block, 2 * mib)
+    segments: list[int] = []  # free bytes of each 20 MiB segment
+    for block in sorted(medium, reverse=True):
+        fit = next((i for i, free in enumerate(segments) if free >= block), None)
+        if fit is None:
+            segments.append(20 * mib)
+            fit = len(segments) - 1
+        segments[fit] -= block
+    return _round_up(small, 2 * mib) + 20 * mib * len(segments) + large
+
+
+def resolve_precision(precision: str, device: str) -> str:
+    """auto: bf16 on CUDA, fp32 on CPU (as training resolves it)."""
+    if precision == "auto":
+        return "bf16" if device == "cuda" else "fp32"
+    return precision
+
+
+def _static_parts(cfg: Config, pp_rank: int, dp: int, element: int, device: str) -> list[Part]:
+    """Parameters, buffers, gradients and optimizer state of one rank's chunks."""
+    buffers = layout_buffers(cfg, pp_rank, dp)
+    sharded = cfg.parallel.zero == 1 and dp > 1
+    padded = [b.padded for b in buffers]
+    owned = [piece for b in buffers for piece in b.owned_pieces(sharded)]
+    grads = [n * 4 for n in padded] + ([n * 4 for n in owned] if sharded else [])
+    per_owned = [4] * (element != 4) + [4, 4]  # fp32 master unless params are fp32; m; v
+    optimizer = [n * k for n in owned for k in per_owned]
+    optimizer.append(min(max(owned, default=0), OPTIMIZER_CHUNK[device]) * 4)
+    rotary = [n * element for b in buffers for n in b.module_buffers]
+    return [
+        Part("parameters", sum(padded) * element, tuple(n * element for n in padded)),
+        Part("buffers", sum(rotary), tuple(rotary)),
+        Part("gradients", sum(grads), tuple(grads)),
+        Part("optimizer", sum(optimizer), tuple(optimizer)),
+    ]
+
+
+@dataclass
+class _Chunk:
+    """What one micro-batch of one local chunk keeps, and the transients it runs with."""
+
+    kept: list[int]
+    head_grad: int
+    forward_working: int
+    backward_working: int
+
+
+def _chunk_activations(x: act.Shapes, stage: int, layers: range, n_stages: int) -> _Chunk:
+    t, h = x.cfg.train, x.cfg.model.hidden
+    first, last = stage == 0, stage == n_stages - 1
+    n = len(layers)
+    layer_input = x.stream_tokens * h * x.element
+    body = act.layer_body(x)
+    kept = act.embedding_kept(x) if first else []
+    working = 0
+    if t.recompute == "segments":  # sqrt(L) checkpointing: each segment keeps its input
+        size = max(1, round(math.sqrt(n)))
+        kept += [layer_input] * -(-n // size)
+        working = size * (sum(body) + layer_input)
+    else:
+        recomputed = 0
+        if t.recompute == "full":
+            recomputed = n if t.recompute_layers is None else min(t.recompute_layers, n)
+            working = sum(body) if recomputed else 0
+        for i in range(n):
+            # A layer's input is held by a pipeline receive (a chunk's first layer off stage
+            # 0), by recompute, or else by its first norm when that norm keeps its input.
+            held = (i == 0 and not first) or i < recomputed or act.norm_keeps_input(x)
+            kept += [layer_input] * held + (body if i >= recomputed else [])
+    if last:
+        kept += act.head_kept(x)
+    return _Chunk(
+        kept=kept,
+        head_grad=act.head_weight_grad(x) if last else 0,
+        forward_working=act.logits_working_set(x) if last else 0,
+        backward_working=working,
+    )
+
+
+def _activation_parts(
+    cfg: Config, x: act.Shapes, pp_rank: int, chunks: list[tuple[int, range]], m: int
+) -> tuple[int, list[Part]]:
+    """Walk the rank's schedule: each forward adds its chunk's kept tensors, each backward
+    frees them; the peak counts the transient of the compute running at that moment too."""
+    p = cfg.parallel
+    n_stages = p.pp * p.vpp
+    per_chunk = [_chunk_activations(x, stage, layers, n_stages) for stage, layers in chunks]
+    actions = build_schedule(p.schedule, p.pp, pp_rank, m, p.vpp, p.microbatch_group_size)
+    alive: list[int] = []  # local chunk of each (micro-batch, chunk) held
+    best: tuple[int, list[int], int, str] = (-1, [], 0, "")
+    for action in actions:
+        c = per_chunk[action.chunk] if action.op in (Op.FORWARD, Op.BACKWARD) else None
+        if c is None:
+            continue
+        if action.op is Op.FORWARD:
+            alive.append(action.chunk)
+            transient, what = c.forward_working, "logits chunk"
+        else:
+            transient, what = c.backward_working, "recompute working set"
+        held = sum(sum(per_chunk[k].kept) + per_chunk[k].head_grad for k in alive)
+        if held + transient > best[0]:
+            best = (held + transient, list(alive), transient, what)
+        if action.op is Op.BACKWARD:
+            alive.remove(action.chunk)
+    _, at_peak, transient, what = best
+    kept = tuple(s for k in at_peak for s in per_chunk[k].kept)
+    head = tuple(per_chunk[k].head_grad for k in at_peak if per_chunk[k].head_grad)
+    parts = [Part("activations", sum(kept), kept), Part("head weight grads", sum(head), head)]
+    if transient:
+        parts.append(Part(what, transient))
+    return len(at_peak), parts
+
+
+def estimate_layout(
+    cfg: Config, world_size: int, device: str = "cuda", cuda_context: int = CUDA_CONTEXT_BYTES
+) -> LayoutEstimate:
+    """Bytes per part of every pipeline rank of `cfg` on `world_size` ranks. `device`: "cuda"
+    (Triton kernels, bf16 for precision=auto) or "cpu" (what a CPU run keeps: the PyTorch
+    reference kernels, fp32 for auto). Raises ConfigError for a layout that cannot run."""
+    dp, m = cfg.layout_for_world(world_size)
+    precision = resolve_precision(cfg.train.precision, device)
+    element = ELEMENT_BYTES[precision]
+    x = act.Shapes(cfg, element, device)
+    p = cfg.parallel
+    last = p.pp * p.vpp - 1
+    stages = []
+    for pp_rank in range(p.pp):
+        chunks = chunk_layers(cfg, pp_rank)
+        in_flight, activation = _activation_parts(cfg, x, pp_rank, chunks, m)
+        params = sum(
+            param.numel
+            for stage, layers in chunks
+            for param in chunk_parameters(cfg, layers, stage == 0, stage == last)
+        )
+        static = _static_parts(cfg, pp_rank, dp, element, device)
+        stages.append(StageEstimate(pp_rank, chunks, params, in_flight, static + activation))
+    return LayoutEstimate(cfg, world_size, dp, m, precision, device, stages, cuda_context)
+
+
+def zero_paper_bytes(parameters: float, dp: int, zero: int) -> float:
+    """Rajbhandari et al. (2020)'s model-state accounting: 2 + 2 + K bytes per parameter
+    (16-bit params and grads, K = 12 of fp32 master, momentum and variance), the K part
+    divided by dp under ZeRO-1 (P_os). megalite keeps fp32 gradients (4 bytes, not 2)."""
+    k = 12
+    return parameters * (4 + k / (dp if zero else 1))

@@ -1,0 +1,127 @@
+"""A model chunk's parameters and megalite's gradient-buffer layout, in closed form: the names,
+sizes and order `models/` registers them in (so the estimate needs no model build), and the
+buckets `optimizer.grad_buffer` cuts them into (padding and ZeRO-1 ownership included).
+`tests/unit/test_estimate.py` checks both against a model built on the meta device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config import Config
+from megalite.pipeline.partition import chunk_layers
+from megalite.profiling.activations import head_rows
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    numel: int
+    """On one tp rank."""
+    own_bucket: bool = False
+    """GPT's embedding shared by the first and last pipeline stage gets a bucket of its own."""
+
+
+def _layer(cfg: Config, i: int) -> list[Param]:
+    m, tp = cfg.model, cfg.parallel.tp
+    h, f, hd = m.hidden, m.ffn_hidden // tp, m.head_dim
+    q = h // tp
+    kv = (m.n_kv_heads // tp if m.n_kv_heads >= tp else m.n_kv_heads) * hd
+    pre = f"layers.{i}."
+    if m.arch == "gpt":
+        shapes = [
+            ("attn_norm.weight", h), ("attn_norm.bias", h),
+            ("attn.wq.weight", q * h), ("attn.wq.bias", q),
+            ("attn.wk.weight", kv * h), ("attn.wk.bias", kv),
+            ("attn.wv.weight", kv * h), ("attn.wv.bias", kv),
+            ("attn.wo.weight", h * q), ("attn.wo.bias", h),
+            ("mlp_norm.weight", h), ("mlp_norm.bias", h),
+            ("mlp.fc.weight", f * h), ("mlp.fc.bias", f),
+            ("mlp.proj.weight", h * f), ("mlp.proj.bias", h),
+        ]  # fmt: skip
+    else:
+        shapes = [
+            ("attn_norm.weight", h),
+            ("attn.wq.weight", q * h), ("attn.wk.weight", kv * h), ("attn.wv.weight", kv * h),
+            ("attn.wo.weight", h * q),
+            ("mlp_norm.weight", h),
+            ("mlp.gate.weight", f * h), ("mlp.up.weight", f * h), ("mlp.down.weight", h * f),
+        ]  # fmt: skip
+    return [Param(pre + name, n) for name, n in shapes]
+
+
+def chunk_parameters(
+    cfg: Config, layers: range, has_embedding: bool, has_head: bool
+) -> list[Param]:
+    """One tp rank's parameters of a chunk, in `chunk.parameters()` order."""
+    m = cfg.model
+    vocab = head_rows(cfg) * m.hidden
+    gpt = m.arch == "gpt"
+    params = []
+    if has_embedding:
+        if gpt:  # wpe is the chunk's own parameter, so it comes before the submodules'
+            params.append(Param("wpe", m.max_positions * m.hidden))
+        name = "wte.weight" if gpt else "tok_embeddings.weight"
+        params.append(Param(name, vocab, own_bucket=gpt and not has_head))
+    for i in layers:
+        params += _layer(cfg, i)
+    if has_head:
+        params.append(Param("final_norm.weight", m.hidden))
+        if gpt:
+            params.append(Param("final_norm.bias", m.hidden))
+        if not (gpt and has_embedding):  # GPT's head on the embedding's chunk is the same tensor
+            params.append(Param("lm_head.weight", vocab, own_bucket=gpt))
+    return params
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """One chunk's flat parameter / gradient buffer."""
+
+    buckets: list[int]
+    """Elements of each bucket, padded to a multiple of dp."""
+    dp: int
+    module_buffers: list[int]
+    """Elements of the chunk's non-parameter buffers (Llama's rotary cos / sin per layer)."""
+
+    @property
+    def padded(self) -> int:
+        return sum(self.buckets)
+
+    def owned_pieces(self, sharded: bool) -> list[int]:
+        """Elements of each piece whose optimizer state this rank holds (1/dp of every bucket
+        under ZeRO-1, else whole buckets)."""
+        return [n // self.dp for n in self.buckets] if sharded else list(self.buckets)
+
+
+def buckets_of(params: list[Param], bucket_numel: int, dp: int) -> list[int]:
+    """Bucket sizes as `GradBuffer` cuts them: parameters in backward (reverse) order, a bucket
+    closed once it reaches `bucket_numel` or around an own-bucket parameter, padded to dp."""
+    buckets, current = [], 0
+
+    def close() -> None:
+        nonlocal current
+        if current:
+            buckets.append(-(-current // dp) * dp)
+            current = 0
+
+    for param in reversed(params):
+        if param.own_bucket:
+            close()
+        current += param.numel
+        if param.own_bucket or current >= bucket_numel:
+            close()
+    close()
+    return buckets
+
+
+def layout_buffers(cfg: Config, pp_rank: int, dp: int) -> list[BufferLayout]:
+    """The gradient buffers of `pp_rank`'s chunks (one each: a chunk has one dtype)."""
+    p, m = cfg.parallel, cfg.model
+    last = p.pp * p.vpp - 1
+    bucket_numel = max(1, int(p.bucket_mb * 2**20 / 4))
+    rotary = [m.max_positions * m.head_dim] * 2 if m.arch == "llama" else []
+    layouts = []
+    for stage, layers in chunk_layers(cfg, pp_rank):
+        params = chunk_parameters(cfg, layers, stage == 0, stage == last)
+        layouts.append(BufferLayout(buckets_of(params, bucket_numel, dp), dp, rotary * len(layers)))
+    return layouts
