@@ -4,14 +4,15 @@ Every function takes the process group it works on; a group of None means a grou
 where collectives are identities and nothing touches torch.distributed. That keeps the
 single-process path free of any distributed setup. `record_collectives` lets tests count the
 bytes each collective moves; `comm_trace` records every call so that tests can check that the
-ranks of each group agree on them.
+ranks of each group agree on them, and keeps the last call entered and the one this rank waits
+in (for the watchdog); a call that fails raises `CollectiveError` naming it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,9 +53,30 @@ def _count(op: str, tensor: torch.Tensor, group_size: int) -> None:
         log.append(CollectiveRecord(op, tensor.numel() * tensor.element_size(), group_size))
 
 
-def _record(op: str, tensor: torch.Tensor, group: Any) -> None:
-    comm_trace.record_collective(op, tensor, group)
+def _record(op: str, tensor: torch.Tensor, group: Any) -> comm_trace.Call:
     _count(op, tensor, size(group))
+    return comm_trace.record_collective(op, tensor, group)
+
+
+class _Tracked:
+    """The handle of an asynchronous call: its wait is watched like a blocking call."""
+
+    def __init__(self, work: Any, call: comm_trace.Call) -> None:
+        self.work, self.call = work, call
+
+    def wait(self) -> bool:
+        with comm_trace.progress.blocking(self.call):
+            return self.work.wait()
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def _issue(call: comm_trace.Call, issue: Callable[[bool], Any], async_op: bool) -> Any:
+    """Run `issue(async_op)`: watched while it blocks, or its handle tracked when asynchronous."""
+    with comm_trace.progress.blocking(call):
+        work = issue(async_op)
+    return _Tracked(work, call) if async_op else work
 
 
 def size(group: Any) -> int:
@@ -69,14 +91,15 @@ def all_reduce(tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
     """Sum `tensor` in place over the group."""
     if size(group) == 1:
         return None
-    _record("all_reduce", tensor, group)
-    return dist.all_reduce(tensor, group=group, async_op=async_op)
+    call = _record("all_reduce", tensor, group)
+    return _issue(call, lambda a: dist.all_reduce(tensor, group=group, async_op=a), async_op)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: Any) -> None:
     if size(group) > 1:
-        comm_trace.record_collective("all_reduce_max", tensor, group)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        call = comm_trace.record_collective("all_reduce_max", tensor, group)
+        with comm_trace.progress.blocking(call):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
 
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Any, async_op=False) -> Any:
@@ -84,8 +107,10 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Any, async
     if size(group) == 1:
         output.copy_(shard)
         return None
-    _record("all_gather", output, group)
-    return _all_gather_flat(output, shard, group=group, async_op=async_op)
+    call = _record("all_gather", output, group)
+    return _issue(
+        call, lambda a: _all_gather_flat(output, shard, group=group, async_op=a), async_op
+    )
 
 
 def reduce_scatter_flat(
@@ -95,8 +120,10 @@ def reduce_scatter_flat(
     if size(group) == 1:
         shard.copy_(full)
         return None
-    _record("reduce_scatter", full, group)
-    return _reduce_scatter_flat(shard, full, group=group, async_op=async_op)
+    call = _record("reduce_scatter", full, group)
+    return _issue(
+        call, lambda a: _reduce_scatter_flat(shard, full, group=group, async_op=a), async_op
+    )
 
 
 def all_gather(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
@@ -151,16 +178,20 @@ def post_p2p(
     NCCL: a send completes only once its receiver announces that it has posted the receive, and
     the batch completes before this returns, so the next one cannot start earlier.
     """
-    for tensor, peer in sends:
-        comm_trace.record_p2p("send", tensor, peer)
+    for tensor, _ in sends:
         _count("send", tensor, 1)
-    for tensor, peer in recvs:
-        comm_trace.record_p2p("recv", tensor, peer)
+    calls = [comm_trace.record_p2p("send", t, peer) for t, peer in sends]
+    calls += [comm_trace.record_p2p("recv", t, peer) for t, peer in recvs]
+    if not calls:
+        return []
     if os.environ.get(NCCL_LIKE_P2P_ENV) == "1":
-        return _post_p2p_blocking(sends, recvs)
+        with comm_trace.progress.blocking(calls[-1]):
+            return _post_p2p_blocking(sends, recvs)
     ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-    return dist.batch_isend_irecv(ops)
+    with comm_trace.progress.blocking(calls[-1]):
+        works = dist.batch_isend_irecv(ops)
+    return [_Tracked(work, call) for work, call in zip(works, calls)]
 
 
 def _post_p2p_blocking(
@@ -194,5 +225,6 @@ _COMPLETED = _Completed()
 
 def barrier(group: Any = None) -> None:
     if dist.is_initialized():
-        comm_trace.record_collective("barrier", None, group)
-        dist.barrier(group=group)
+        call = comm_trace.record_collective("barrier", None, group)
+        with comm_trace.progress.blocking(call):
+            dist.barrier(group=group)

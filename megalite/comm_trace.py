@@ -10,11 +10,19 @@ With `MEGALITE_COLLECTIVE_TRACE=<dir>` set (the multi-process tests always set i
 appends one line per call to `<dir>/rank<N>.trace` *before* issuing it, so the record survives a
 rank that aborts inside the call. `check_traces(dir)` then compares the ranks' records and names
 the first call on which the members of a group disagree.
+
+Always on, and cheap (no formatting, no I/O): `progress` keeps the last call this rank entered,
+the call it is blocked in, and when it last moved on. The watchdog (`training/watchdog.py`)
+publishes it and reads it to name a hang; a call that fails is named from it (`CollectiveError`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -61,21 +69,101 @@ _trace = _Trace()
 
 
 def _shape(tensor: torch.Tensor | None) -> str:
-    return "-" if tensor is None else f"{str(tensor.dtype).removeprefix('torch.')}x{tensor.numel()}"
+    return "-" if tensor is None else _dtype_x_count(tensor.dtype, tensor.numel())
 
 
-def record_collective(op: str, tensor: torch.Tensor | None, group: Any) -> None:
+def _dtype_x_count(dtype: torch.dtype, numel: int) -> str:
+    return f"{str(dtype).removeprefix('torch.')}x{numel}"
+
+
+class CollectiveError(RuntimeError):
+    """A collective or p2p message failed (a time-out, a peer that died): torch's error, with the
+    rank and the call it failed in named. Not a user error: its traceback is shown."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective or p2p message, as the in-memory record keeps it (no formatting until
+    someone asks: `describe`)."""
+
+    number: int
+    """This rank's count of calls so far, this one included."""
+    op: str
+    group: Any
+    """The process group (None: the world); for p2p, None."""
+    dtype: torch.dtype | None
+    numel: int
+    peer: int | None = None
+    """The other end of a p2p message (global rank)."""
+
+    def describe(self) -> str:
+        """e.g. 'all_reduce over ranks 0,1 (float32x4, call #57)'."""
+        where = f"with rank {self.peer}" if self.peer is not None else f"over ranks {self.ranks()}"
+        shape = "-" if self.dtype is None else _dtype_x_count(self.dtype, self.numel)
+        return f"{self.op} {where} ({shape}, call #{self.number})"
+
+    def ranks(self) -> str:
+        return _trace.ranks_of(self.group) if dist.is_initialized() else "?"
+
+
+class Progress:
+    """This process's last call entered, the call it is blocked in (None when it is not), and
+    when it last moved on (time.monotonic()). Written by the training thread; read by the
+    watchdog's threads (single attribute reads and writes: no lock needed)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.entered: Call | None = None
+        self.blocked_in: Call | None = None
+        self.moved_at = time.monotonic()
+
+    def enter(self, op: str, tensor: torch.Tensor | None, group: Any, peer: int | None) -> Call:
+        self.calls += 1
+        dtype, numel = (None, 0) if tensor is None else (tensor.dtype, tensor.numel())
+        self.entered = Call(self.calls, op, group, dtype, numel, peer)
+        self.moved_at = time.monotonic()
+        return self.entered
+
+    def moved_on(self) -> None:
+        """Progress that is no collective (a finished step)."""
+        self.moved_at = time.monotonic()
+
+    def idle_s(self) -> float:
+        """Seconds since this process last entered or finished a call or a step."""
+        return time.monotonic() - self.moved_at
+
+    @contextlib.contextmanager
+    def blocking(self, call: Call) -> Iterator[None]:
+        """Around the wait for `call`: marks this process as blocked in it, and names it (and
+        this rank) when it fails."""
+        self.blocked_in = call
+        try:
+            yield
+        except RuntimeError as error:  # torch.distributed's errors (time-outs, closed peers)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise CollectiveError(f"rank {rank}: {call.describe()} failed: {error}") from error
+        finally:
+            self.blocked_in = None
+            self.moved_at = time.monotonic()
+
+
+progress = Progress()
+
+
+def record_collective(op: str, tensor: torch.Tensor | None, group: Any) -> Call:
     """Note a collective over `group` on the tensor that every member passes with equal size."""
     writer = _trace.writer()
     if writer is not None:
         writer.write(f"group {_trace.ranks_of(group)} {op} {_shape(tensor)}\n")
+    return progress.enter(op, tensor, group, None)
 
 
-def record_p2p(op: str, tensor: torch.Tensor, peer: int) -> None:
+def record_p2p(op: str, tensor: torch.Tensor, peer: int) -> Call:
     """Note a send or receive (op 'send' / 'recv') with global rank `peer`."""
     writer = _trace.writer()
     if writer is not None:
         writer.write(f"{op} {peer} {_shape(tensor)}\n")
+    return progress.enter(op, tensor, None, peer)
 
 
 def _read(directory: Path) -> dict[int, list[str]]:

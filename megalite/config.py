@@ -337,11 +337,12 @@ class FaultConfig:
     collective_timeout_s: float = 1800.0
     """Seconds a collective may wait for its peers before the process group fails it (the gloo
     and NCCL time-out; NCCL then tears the process down). The backstop behind the watchdog."""
-    watchdog_timeout_s: float = 600.0
+    watchdog_timeout_s: float | None = None
     """End the job when a rank makes no progress (no collective entered or completed, no step
     finished) for this long, naming the rank that went silent, its step and the last collective
-    it entered; 0 turns the watchdog off. Must exceed the longest pause between collectives
-    (a checkpoint save, the first step's compilation) and stay below collective_timeout_s."""
+    it entered; 0 turns the watchdog off, None means a third of collective_timeout_s. Must
+    exceed the longest pause between collectives (a checkpoint save, the first step's
+    compilation) and stay below collective_timeout_s."""
     max_bad_steps: int = 5
     """Stop the run after this many bad steps in a row (a NaN/inf loss or gradient norm, or a
     loss spike), naming the step and the last good checkpoint. A bad step skips its update."""
@@ -354,6 +355,8 @@ class FaultConfig:
 
     def __post_init__(self) -> None:
         _require(self.collective_timeout_s > 0, "fault.collective_timeout_s must be > 0")
+        if self.watchdog_timeout_s is None:
+            self.watchdog_timeout_s = self.collective_timeout_s / 3
         _require(
             self.watchdog_timeout_s >= 0, "fault.watchdog_timeout_s must be >= 0 (0 turns it off)"
         )

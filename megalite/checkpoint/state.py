@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from megalite.data.sampler import GlobalBatchSampler
+from megalite.optimizer.bad_steps import BadStepPolicy
 from megalite.optimizer.loss_scale import LossScaler
 from megalite.optimizer.zero1 import DistributedOptimizer
 from megalite.parallel_state import ParallelState
@@ -59,6 +60,8 @@ class RunState:
     sampler: GlobalBatchSampler
     """The data position."""
     scaler: LossScaler
+    bad_steps: BadStepPolicy
+    """The bad-step counters (in total, in a row) and the recent losses spikes are judged by."""
     config: dict[str, Any]
     """The run's resolved config: a resume says what changed since, generation rebuilds the
     model from it."""
@@ -73,6 +76,7 @@ class RunState:
             "step": self.step,
             "sampler": self.sampler.state_dict(),
             "scaler": self.scaler.state_dict(),
+            "bad_steps": self.bad_steps.state_dict(),
             "config": self.config,
             "tracker_id": self.tracker_id,
         }
@@ -82,5 +86,7 @@ class RunState:
         order the saved run did not have (another seed, batch size or dataset)."""
         self.sampler.load_state_dict(saved["sampler"])
         self.scaler.load_state_dict(saved["scaler"])
+        if "bad_steps" in saved:  # absent in checkpoints from before the bad-step policy
+            self.bad_steps.load_state_dict(saved["bad_steps"])
         self.step = saved["step"]
         self.tracker_id = saved.get("tracker_id")  # absent in checkpoints from before trackers

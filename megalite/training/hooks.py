@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megalite.errors import MegaliteError
+from megalite.optimizer.bad_steps import BadStepPolicy
 from megalite.training.metrics import MetricsLogger, summary_line
 from megalite.training.step import StepMetrics
 
@@ -50,16 +51,29 @@ def due(step: int, interval: int, last: int) -> bool:
     return (interval > 0 and step % interval == 0) or step == last
 
 
-class NanGuard(Hook):
-    """Stop at the first loss that is not a number, naming the step and the usual remedies:
-    nothing after it (an evaluation, a checkpoint) would be worth having."""
+class BadSteps(Hook):
+    """The bad-step policy's (`optimizer/bad_steps.py`) count in the metrics row (`bad_steps`),
+    and the stop after fault.max_bad_steps bad steps in a row, naming the step and the last good
+    checkpoint (saved after a step that was not bad; else the one the run resumed from). First
+    in the list: on the stopping step nothing after it (an evaluation, a save) is worth having."""
+
+    def __init__(self, policy: BadStepPolicy, resumed_from: Path | None) -> None:
+        self.policy, self.last_good = policy, resumed_from
+        self.previous: StepRecord | None = None
 
     def after_step(self, record: StepRecord) -> None:
-        loss = record.metrics.loss
-        if not math.isfinite(loss):
+        previous, self.previous = self.previous, record
+        if previous is not None and previous.checkpoint and previous.metrics.bad is None:
+            self.last_good = previous.checkpoint  # saved by a later hook, after this one ran
+        record.row["bad_steps"] = self.policy.total
+        if record.metrics.bad is not None and self.policy.exhausted:
+            good = self.last_good
+            where = f"{good} (checkpoint.resume={good} continues from it)" if good else "none"
             raise TrainingError(
-                f"loss became {loss} at step {record.step}: lower optim.lr, raise "
-                "optim.warmup_steps, or use train.precision=bf16/fp32 instead of fp16"
+                f"{self.policy.in_a_row} bad steps in a row, the last at step {record.step} "
+                f"({record.metrics.bad}): stopping. Last good checkpoint: {where}; lower "
+                "optim.lr, raise optim.warmup_steps, or use train.precision=bf16/fp32 instead "
+                "of fp16"
             )
 
 

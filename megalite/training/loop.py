@@ -43,11 +43,11 @@ from megalite.parallel_state import (
     init_distributed,
 )
 from megalite.training.hooks import (
+    BadSteps,
     Checkpointing,
     Evaluation,
     Hook,
     MetricsLogging,
-    NanGuard,
     StepRecord,
     Summary,
     TrainingError,
@@ -57,6 +57,7 @@ from megalite.training.run_lock import lock_out_dir
 from megalite.training.setup import Run, build_run
 from megalite.training.step import eval_loss, train_step
 from megalite.training.trackers import new_tracker_id
+from megalite.training.watchdog import Watchdog, collective_timeout
 
 
 def train(cfg: Config) -> dict[str, float]:
@@ -96,14 +97,19 @@ def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
     saver = CheckpointSaver(
         ckpt_root, cfg.checkpoint.keep, data.tokenizer_path, cfg.checkpoint.async_save
     )
+    watchdog = Watchdog.for_run(cfg.fault, ps, state.step)
     hooks = [
-        NanGuard(),
+        watchdog,
+        BadSteps(run.bad_steps, resume_from),
         Evaluation(lambda: evaluate(run, data.val), t.eval_interval, t.steps, logger.write),
         MetricsLogging(logger, t.log_interval, t.steps),
         Checkpointing(lambda: saver.save(state), cfg.checkpoint.interval, t.steps, saver.finish),
         summary,
     ]
-    row = run_steps(run, state, data.train, cost, hooks)
+    try:
+        row = run_steps(run, state, data.train, cost, hooks)
+    finally:
+        watchdog.close()  # its threads must not outlive the steps, however they end
     for hook in hooks:
         hook.close()
     if ps.rank == 0:
@@ -138,7 +144,7 @@ def setup_topology(cfg: Config) -> ParallelState:
     size before any process group exists."""
     cfg.layout_for_world(int(os.environ.get("WORLD_SIZE", 1)))
     device = choose_device(cfg.train.device)
-    init_distributed(device)
+    init_distributed(device, collective_timeout(cfg.fault))
     return build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, device)
 
 
@@ -174,6 +180,7 @@ def run_state(run: Run, sampler: GlobalBatchSampler) -> RunState:
         rng=RngStreams(run.tp_random),
         sampler=sampler,
         scaler=run.scaler,
+        bad_steps=run.bad_steps,
         config=config_to_dict(run.cfg),
     )
 

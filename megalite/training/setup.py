@@ -13,6 +13,7 @@ from torch import nn
 from megalite.checkpoint.initial import load_initial_weights
 from megalite.config import Config
 from megalite.models import CausalLM, build_chunks
+from megalite.optimizer.bad_steps import BadStepPolicy
 from megalite.optimizer.grad_buffer import GradBuffer, build_grad_buffers
 from megalite.optimizer.loss_scale import LossScaler
 from megalite.optimizer.zero1 import DistributedOptimizer
@@ -43,6 +44,8 @@ class Run:
     scaler: LossScaler
     executor: PipelineExecutor
     tp_random: TPRandom
+    bad_steps: BadStepPolicy
+    """Judges each step (NaN / inf, loss spikes); its counters are part of the run state."""
     names: dict[nn.Parameter, str] = field(default_factory=dict)
     _schedules: dict[tuple[int, bool], list[Action]] = field(default_factory=dict)
 
@@ -118,5 +121,6 @@ def build_run(
         scaler=LossScaler.for_precision(precision),
         executor=executor,
         tp_random=tp_random,
+        bad_steps=BadStepPolicy.from_config(cfg.fault),
         names=names,
     )

@@ -1,5 +1,6 @@
 """One training step, as data flows (DESIGN.md): micro-batches through the schedule, gradient
-fix-ups, overflow check, global norm and clipping, the optimizer step on this rank's shard."""
+fix-ups, overflow check, global norm, the bad-step verdict (`optimizer/bad_steps.py`), clipping,
+the optimizer step on this rank's shard."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ class StepMetrics:
     compute time, summed over the pipeline ((p - 1) / m for a balanced 1F1B schedule)."""
     peak_in_flight: int
     """Most micro-batch activations this rank held at once."""
+    bad: str | None = None
+    """Why the bad-step policy skipped the update (a NaN loss, a spike); None when it did not."""
 
 
 def micro_batches(tokens: torch.Tensor, micro_batch_size: int) -> list[MicroBatch]:
@@ -55,18 +58,18 @@ def train_step(run: Run, tokens: torch.Tensor, lr: float) -> StepMetrics:
     )
     finalize_grads(run.buffers, run.ps)
 
+    loss = global_loss(local_loss, run)
     skipped = run.scaler.dynamic and run.scaler.update(run.optimizer.found_non_finite())
     grad_norm = run.optimizer.grad_norm() / run.scaler.scale
-    if not skipped:
+    bad = None if skipped else run.bad_steps.judge(loss, grad_norm, run.ps)
+    if not skipped and bad is None:
         coefficient = clip_coefficient(grad_norm, cfg.optim.grad_clip)
         run.optimizer.step(lr, grad_scale=coefficient / run.scaler.scale)
     wait_and_compute = torch.tensor([times.wait_s, times.compute_s], device=run.ps.device)
     comm.all_reduce(wait_and_compute, run.ps.pp_group)
     wait, compute = wait_and_compute.tolist()
     bubble = wait / compute if compute else 0.0
-    return StepMetrics(
-        global_loss(local_loss, run), grad_norm, skipped, bubble, times.peak_in_flight
-    )
+    return StepMetrics(loss, grad_norm, skipped, bubble, times.peak_in_flight, bad)
 
 
 @torch.no_grad()

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from megalite.optimizer.bad_steps import BadStepPolicy
 from megalite.optimizer.loss_scale import LossScaler
 from megalite.training.hooks import (
+    BadSteps,
     Checkpointing,
     Evaluation,
     MetricsLogging,
-    NanGuard,
     StepRecord,
     Summary,
     TrainingError,
@@ -69,12 +70,34 @@ def test_metrics_row():
     assert (row["tflops"], row["mfu"], row["tokens_per_sec"]) == (1.0, 0.5, 400.0)
 
 
-@pytest.mark.parametrize("loss", [math.nan, math.inf])
-def test_nan_guard_stops_at_the_first_loss_that_is_not_a_number(loss):
-    guard = NanGuard()
-    run_hook(guard, range(1, 3))
-    with pytest.raises(TrainingError, match=rf"loss became {loss} at step 3: lower optim.lr"):
-        guard.after_step(record(3, loss=loss))
+def test_bad_steps_counts_and_stops_after_k_in_a_row_naming_the_last_good_checkpoint():
+    policy = BadStepPolicy(max_in_a_row=3)
+    hook = BadSteps(policy, resumed_from=Path("ckpt/step_000002"))
+    bad_at, saved_at = {4, 6, 7, 8}, {4, 5, 7}  # the save at step 4 followed a bad step
+    for step in range(3, 9):
+        r = record(step)
+        r.metrics.bad = "loss is nan" if step in bad_at else None
+        policy.count(r.metrics.bad, r.metrics.loss)
+        if step == 8:
+            with pytest.raises(
+                TrainingError,
+                match=r"3 bad steps in a row, the last at step 8 \(loss is nan\): stopping. "
+                r"Last good checkpoint: ckpt/step_000005 \(checkpoint.resume=ckpt/step_000005",
+            ):
+                hook.after_step(r)
+            break
+        hook.after_step(r)
+        assert r.row["bad_steps"] == len([s for s in bad_at if s <= step])
+        r.checkpoint = Path(f"ckpt/step_{step:06d}") if step in saved_at else None
+
+
+def test_bad_steps_before_any_checkpoint_say_there_is_none():
+    policy = BadStepPolicy(max_in_a_row=1)
+    r = record(1)
+    r.metrics.bad = "gradient norm is not finite"
+    policy.count(r.metrics.bad, r.metrics.loss)
+    with pytest.raises(TrainingError, match=r"at step 1 \(gradient norm is not finite\).*: none;"):
+        BadSteps(policy, resumed_from=None).after_step(r)
 
 
 def test_evaluation_adds_val_loss_on_its_steps_and_says_so():

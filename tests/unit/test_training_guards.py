@@ -1,5 +1,7 @@
-"""The training loop's guards: a NaN loss stops the run with a clear error, and Weights &
-Biases without an API key logs offline instead of failing or hanging."""
+"""The training loop's guards: the bad-step policy (NaN / inf losses and gradients, loss spikes)
+skips updates and stops after K in a row with a clear error, the watchdog's report names the
+silent rank, the fault config governs the collective time-out, and Weights & Biases without an
+API key logs offline instead of failing or hanging."""
 
 import math
 
@@ -7,23 +9,135 @@ import pytest
 from run_configs import ONE_LAYER
 
 import megalite.training.loop as loop
-from megalite.config import load_config
+import megalite.training.step as step_module
+from megalite.config import ConfigError, load_config
+from megalite.optimizer.bad_steps import BadStepPolicy
+from megalite.parallel_state import ParallelState
+from megalite.training.watchdog import Heartbeat, hang_report
 
 TINY = ONE_LAYER
 
 
-def test_nan_loss_stops_training_clearly(builtin_corpus, tmp_path, monkeypatch):
-    real_step = loop.train_step
+def test_nan_losses_skip_their_updates_then_stop_naming_the_last_good_checkpoint(
+    builtin_corpus, tmp_path, monkeypatch
+):
+    real_loss, losses, runs = step_module.global_loss, [], []
 
-    def diverging_step(run, tokens, lr):
-        metrics = real_step(run, tokens, lr)
-        metrics.loss = math.nan if run.optimizer.step_count == 3 else metrics.loss
-        return metrics
+    def nan_from_step_3(local, run):
+        losses.append(real_loss(local, run))
+        runs.append(run)
+        return math.nan if len(losses) >= 3 else losses[-1]
 
-    monkeypatch.setattr(loop, "train_step", diverging_step)
-    cfg = load_config(None, [*TINY, "train.steps=5", f"train.out_dir={tmp_path}"])
-    with pytest.raises(loop.TrainingError, match=r"loss became nan at step 3: lower optim.lr"):
+    monkeypatch.setattr(step_module, "global_loss", nan_from_step_3)
+    overrides = ["train.steps=8", "checkpoint.interval=2", "fault.max_bad_steps=2"]
+    cfg = load_config(None, [*TINY, *overrides, f"train.out_dir={tmp_path}"])
+    last_good = tmp_path / "checkpoints" / "step_000002"
+    with pytest.raises(
+        loop.TrainingError,
+        match=rf"2 bad steps in a row, the last at step 4 \(loss is nan\): stopping. Last good "
+        rf"checkpoint: {last_good} \(checkpoint.resume=",
+    ):
         loop.train(cfg)
+    run = runs[-1]
+    assert run.optimizer.step_count == 2  # steps 3 and 4 skipped their updates
+    assert run.bad_steps.state_dict() == {"total": 2, "in_a_row": 2, "recent": losses[:2]}
+
+
+def test_a_loss_spike_is_bad_once_the_window_is_full():
+    policy = BadStepPolicy(max_in_a_row=2, spike_factor=3.0, window=4)
+    for loss in (9.0, 8.0, 30.0, 7.0):  # a spike before the window is full passes
+        assert policy.reason(loss, non_finite_grad=False) is None
+        policy.count(None, loss)
+    assert policy.reason(25.5, False) is None  # 25.5 < 3 x median(8, 30, 7, 9) = 25.5
+    spike = policy.reason(25.6, False)
+    assert spike == "loss spike: 25.6 > 3 x 8.5, the median of the last 4 good losses"
+    policy.count(spike, 25.6)
+    assert list(policy.recent) == [9.0, 8.0, 30.0, 7.0]  # a bad loss joins no median
+    assert (policy.total, policy.in_a_row, policy.exhausted) == (1, 1, False)
+    policy.count("loss is nan", math.nan)
+    assert policy.exhausted
+    policy.count(None, 6.0)
+    assert (policy.total, policy.in_a_row, list(policy.recent)) == (2, 0, [8.0, 30.0, 7.0, 6.0])
+
+
+@pytest.mark.parametrize(
+    "loss, grad_norm, reason",
+    [
+        (math.nan, 1.0, "loss is nan"),
+        (math.inf, 1.0, "loss is inf"),
+        (2.0, math.inf, "gradient norm is not finite"),
+        (2.0, math.nan, "gradient norm is not finite"),
+        (2.0, 1.0, None),
+    ],
+)
+def test_non_finite_losses_and_gradients_are_bad(loss, grad_norm, reason):
+    policy = BadStepPolicy()
+    assert policy.judge(loss, grad_norm, ParallelState.single()) == reason
+    assert policy.total == (reason is not None)
+
+
+def test_the_policy_state_round_trips():
+    policy = BadStepPolicy(window=3)
+    for loss, reason in ((4.0, None), (math.nan, "loss is nan"), (3.0, None), (2.0, None)):
+        policy.count(reason, loss)
+    policy.count("x", 9.0)
+    restored = BadStepPolicy(window=3)
+    restored.load_state_dict(policy.state_dict())
+    assert restored.state_dict() == {"total": 2, "in_a_row": 1, "recent": [4.0, 3.0, 2.0]}
+
+
+def test_fault_config_is_validated():
+    with pytest.raises(ConfigError, match=r"watchdog_timeout_s \(900.0\) must be below"):
+        load_config(None, ["fault.watchdog_timeout_s=900", "fault.collective_timeout_s=600"])
+    with pytest.raises(ConfigError, match="fault.loss_spike_factor must be > 1"):
+        load_config(None, ["fault.loss_spike_factor=0.5"])
+    with pytest.raises(ConfigError, match="fault.max_bad_steps must be >= 1"):
+        load_config(None, ["fault.max_bad_steps=0"])
+
+
+def test_the_collective_timeout_reaches_the_process_group(monkeypatch):
+    seen = []
+    monkeypatch.setattr(loop, "init_distributed", lambda device, timeout_s: seen.append(timeout_s))
+    cfg = load_config(None, [*TINY, "fault.collective_timeout_s=42"])
+    assert cfg.fault.watchdog_timeout_s == 14.0  # a third of it, unless set
+    loop.setup_topology(cfg)
+    assert seen == [42.0]
+
+
+def _beat(
+    rank, wrote_at, blocked_in=None, entered="all_reduce over ranks 0,1,2 (float32x1, call #9)"
+):
+    return Heartbeat(rank, 4, blocked_in, entered, 0.5, wrote_at, "node7", 100 + rank)
+
+
+def test_the_hang_report_names_the_silent_rank_its_step_and_last_collective():
+    me = Heartbeat(
+        0, 4, "all_reduce over ranks 0,1,2 (float32x64, call #12)", "x", 3.2, 100.0, "n", 1
+    )
+    others = {1: _beat(1, 96.5), 2: _beat(2, 99.9, blocked_in="all_reduce ...")}
+    report = hang_report(me, others, now=100.0, timeout_s=3, stale_after_s=1.8)
+    assert report.splitlines() == [
+        "watchdog: rank 0 made no progress for 3.2 s (fault.watchdog_timeout_s=3) at step 5: "
+        "waits in all_reduce over ranks 0,1,2 (float32x64, call #12) (3.2 s)",
+        "rank 1 (node7 pid 101) went silent 3.5 s ago; its last heartbeat: step 5, outside "
+        "collectives, the last collective it entered: all_reduce over ranks 0,1,2 (float32x1, "
+        "call #9)",
+        "1 other rank(s) alive and waiting in a collective",
+        "ending the job (exit status 124)",
+    ]
+
+
+def test_the_hang_report_without_a_silent_rank_names_the_busy_one_or_a_mismatch():
+    me = Heartbeat(0, 4, "barrier over ranks 0,1,2 (-, call #12)", "x", 3.2, 100.0, "n", 1)
+    busy = {1: _beat(1, 99.9), 2: _beat(2, 99.9, blocked_in="barrier")}
+    assert "rank 1 (node7 pid 101) busy outside collectives for 0.5 s, after all_reduce" in (
+        hang_report(me, busy, 100.0, 3, 1.8)
+    )
+    waiting = {1: _beat(1, 99.9, blocked_in="all_reduce"), 2: _beat(2, 99.9, blocked_in="x")}
+    assert "they disagree on which one" in hang_report(me, waiting, 100.0, 3, 1.8)
+    never = hang_report(me, {1: None, 2: busy[2]}, 100.0, 3, 1.8)
+    assert "rank 1 went silent: no heartbeat from it ever arrived" in never
+    assert "the store did not answer" in hang_report(me, None, 100.0, 3, 1.8)
 
 
 def test_wandb_without_api_key_logs_offline(builtin_corpus, tmp_path, monkeypatch):
