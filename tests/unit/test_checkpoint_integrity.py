@@ -11,14 +11,19 @@ import signal
 from pathlib import Path
 
 import pytest
-from run_configs import TWO_LAYERS
+from run_configs import ONE_LAYER, TWO_LAYERS
 
+import megalite.checkpoint.saver as saver_module
+from megalite.checkpoint.saver import CheckpointSaver
 from megalite.checkpoint.sharded import Checkpoint, CheckpointError, read_manifest
 from megalite.checkpoint.writer import STALL_ENV
 from megalite.config import load_config
-from megalite.training.loop import train
+from megalite.data import GlobalBatchSampler
+from megalite.parallel_state import ParallelState
+from megalite.training.loop import run_state, train
 from megalite.training.metrics import drop_rows_after
 from megalite.training.run_lock import LOCK_FILE, RunLock, RunLockError
+from megalite.training.setup import build_run
 
 STEPS = 4
 
@@ -162,3 +167,26 @@ def test_async_saves_write_what_sync_saves_do_while_training_goes_on(
         assert ours["files"] == theirs["files"], step  # the same bytes as the sync run's
     assert (out_dir / "checkpoints" / "latest").read_text() == "step_000004"
     assert not list((out_dir / "checkpoints").glob("*.tmp"))
+
+
+def test_a_failed_background_write_is_raised_at_finish_and_publishes_nothing(tmp_path, monkeypatch):
+    cfg = load_config(None, ONE_LAYER)
+    run = build_run(cfg, ParallelState.single())
+    state = run_state(run, GlobalBatchSampler(50, 2, cfg.train.seed))
+    saver = CheckpointSaver(tmp_path, keep=2, async_save=True)
+    state.step = 1
+    saver.save(state)
+    assert saver.pending and saver.finish() == tmp_path / "step_000001"
+
+    def disk_full(snapshot) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(saver_module, "write_snapshot", disk_full)
+    state.step = 2
+    saver.save(state)  # training goes on; the failure surfaces on the main thread
+    with pytest.raises(CheckpointError) as info:
+        saver.finish()
+    assert "checkpoint of step 2 was not saved (rank 0: OSError" in str(info.value)
+    assert "No space left on device" in str(info.value)
+    assert (tmp_path / "latest").read_text() == "step_000001"
+    assert not saver.pending and saver.finish() is None
