@@ -10,6 +10,7 @@ from run_configs import ONE_LAYER
 
 import megalite.training.loop as loop
 import megalite.training.step as step_module
+from megalite.checkpoint.sharded import read_manifest
 from megalite.config import ConfigError, load_config
 from megalite.optimizer.bad_steps import BadStepPolicy
 from megalite.parallel_state import ParallelState
@@ -41,6 +42,22 @@ def test_nan_losses_skip_their_updates_then_stop_naming_the_last_good_checkpoint
     run = runs[-1]
     assert run.optimizer.step_count == 2  # steps 3 and 4 skipped their updates
     assert run.bad_steps.state_dict() == {"total": 2, "in_a_row": 2, "recent": losses[:2]}
+
+
+def test_bad_step_counters_survive_a_resume(builtin_corpus, tmp_path, monkeypatch):
+    real_loss, calls = step_module.global_loss, []
+
+    def nan_at_step_2(local, run):
+        calls.append(real_loss(local, run))
+        return math.nan if len(calls) == 2 else calls[-1]
+
+    monkeypatch.setattr(step_module, "global_loss", nan_at_step_2)
+    overrides = [*TINY, "checkpoint.interval=3", f"train.out_dir={tmp_path}"]
+    loop.train(load_config(None, [*overrides, "train.steps=3"]))
+    saved = read_manifest(tmp_path / "checkpoints" / "step_000003")["trainer"]["bad_steps"]
+    assert saved == {"total": 1, "in_a_row": 0, "recent": [calls[0], calls[2]]}
+    row = loop.train(load_config(None, [*overrides, "train.steps=4"]))
+    assert row["step"] == 4 and row["bad_steps"] == 1
 
 
 def test_a_loss_spike_is_bad_once_the_window_is_full():
