@@ -22,6 +22,7 @@ from megalite import comm
 from megalite.config import Config, config_to_dict
 from megalite.pipeline.schedule import build_schedule, virtual_stage
 from megalite.pipeline.simulate import simulate
+from megalite.profiling.estimate import LayoutEstimate, estimate_layout
 from megalite.profiling.step_timing import TIME_PARTS
 from megalite.training.metrics import StepCost
 from megalite.training.setup import Run
@@ -97,6 +98,15 @@ def rank_entry(row: dict[str, float], cost: StepCost) -> dict[str, Any]:
     return entry
 
 
+def add_estimates(ranks: list[dict[str, Any]], estimate: LayoutEstimate) -> None:
+    """Put the closed-form estimate of each rank's pipeline stage beside its measurement
+    (`estimate_bytes` by part, `estimate_total_bytes` at the rank's peak)."""
+    for entry in ranks:
+        stage = estimate.stages[entry["pp_rank"]]
+        entry["estimate_bytes"] = {part.name: part.bytes for part in stage.parts}
+        entry["estimate_total_bytes"] = stage.total_bytes
+
+
 def build_report(
     run: Run, cost: StepCost, times: dict[str, float], memory: dict[str, int]
 ) -> dict[str, Any]:
@@ -105,6 +115,7 @@ def build_report(
     coords = {"rank": ps.rank, "tp_rank": ps.tp_rank, "pp_rank": ps.pp_rank, "dp_rank": ps.dp_rank}
     row = {**coords, **times, **{f"mem.{k}": v for k, v in memory.items()}}
     ranks = [rank_entry(r, cost) for r in gather_ranks(run, row)]
+    add_estimates(ranks, estimate_layout(cfg, ps.world_size, device=ps.device.type))
     layout = layout_of(cfg, ps.world_size)
     straggler = max(ranks, key=lambda r: r["step_time_s"])
     worst = straggler["step_time_s"]
@@ -144,27 +155,28 @@ def format_table(report: dict[str, Any]) -> str:
     head = (
         f"{'rank':>4} {'tp':>2} {'pp':>2} {'dp':>2} {'step ms':>8} {'tok/s':>9} {'TFLOP/s':>8} "
         f"{'MFU':>6} | " + " ".join(f"{p[:8]:>8}" for p in TIME_PARTS) + f" {'overlap':>8} | "
-        f"{'mem MiB':>8}"
+        f"{'mem MiB':>8} {'est MiB':>8}"
     )
     lines = [head, "-" * len(head)]
 
-    def row(label: str, coords: str, entry: dict[str, Any], parts: str, mem: float) -> str:
+    def row(label: str, coords: str, entry: dict[str, Any], parts: str, mem: str) -> str:
         mfu = "n/a" if entry["mfu"] is None else f"{entry['mfu']:.1%}"
         return (
             f"{label:>4} {coords} {entry['step_time_s'] * 1e3:8.1f} "
-            f"{entry['tokens_per_sec']:9,.0f} {entry['tflops']:8.3f} {mfu:>6} | {parts} | "
-            f"{_mib(mem):>8}"
+            f"{entry['tokens_per_sec']:9,.0f} {entry['tflops']:8.3f} {mfu:>6} | {parts} | {mem}"
         )
 
     for r in report["ranks"]:
         parts = " ".join(f"{r['time_s'][p] * 1e3:8.1f}" for p in TIME_PARTS)
         parts += f" {r['comm_overlapped_s'] * 1e3:8.1f}"
         coords = f"{r['tp_rank']:>2} {r['pp_rank']:>2} {r['dp_rank']:>2}"
-        lines.append(row(str(r["rank"]), coords, r, parts, r["memory_total_bytes"]))
+        mem = f"{_mib(r['memory_total_bytes']):>8} {_mib(r['estimate_total_bytes']):>8}"
+        lines.append(row(str(r["rank"]), coords, r, parts, mem))
     total = report["total"]
     blank = " ".join(f"{'':>8}" for _ in range(len(TIME_PARTS) + 1))
     lines.append("-" * len(head))
-    lines.append(row("all", "  worst ", total, blank, total["memory_total_bytes_max"]))
+    worst_memory = f"{_mib(total['memory_total_bytes_max']):>8}"
+    lines.append(row("all", "  worst ", total, blank, worst_memory))
     lines.append(
         f"(times in ms per step, mean of the measured steps; total at the slowest rank "
         f"{total['straggler_rank']}) pipeline bubble (idle / compute): measured "

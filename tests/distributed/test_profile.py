@@ -32,6 +32,8 @@ RANK_KEYS = {
     "bubble",
     "memory_bytes",
     "memory_total_bytes",
+    "estimate_bytes",
+    "estimate_total_bytes",
 }
 TOTAL_KEYS = {
     "step_time_s",
@@ -43,6 +45,14 @@ TOTAL_KEYS = {
     "bubble_simulated",
     "memory_total_bytes_max",
 }
+
+
+@pytest.fixture(scope="module")
+def profiler_imported():
+    """The first torch.profiler start imports torch._dynamo, sympy and more (seconds): do it
+    once here, so that the forked ranks inherit those modules instead of each importing them."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        pass
 
 
 def _profile(overrides: tuple[str, ...], out_dir: str, trace: bool) -> tuple[dict, dict]:
@@ -73,6 +83,12 @@ def _check_report(report: dict, world_size: int, live: list[dict]) -> None:
         for name in ("params", "grads", "optimizer"):
             assert memory[name] == live_counts[name] > 0
         assert memory["activations"] > 0
+        estimate = entry["estimate_bytes"]  # the closed form beside it agrees on the state
+        assert (estimate["parameters"], estimate["gradients"], estimate["optimizer"]) == (
+            memory["params"],
+            memory["grads"],
+            memory["optimizer"],
+        )
         assert entry["memory_total_bytes"] == sum(memory.values())
     slowest = max(report["ranks"], key=lambda r: r["step_time_s"])
     assert report["total"]["step_time_s"] == slowest["step_time_s"]
@@ -94,7 +110,9 @@ def test_one_rank(builtin_corpus, tmp_path):
     assert not (tmp_path / "trace").exists()  # traced only when asked (starting it takes seconds)
 
 
-def test_pipeline_has_a_measured_and_a_simulated_bubble(builtin_corpus, tmp_path):
+def test_pipeline_has_a_measured_and_a_simulated_bubble(
+    builtin_corpus, profiler_imported, tmp_path
+):
     layout = ("parallel.pp=2", "parallel.schedule=1f1b", "train.micro_batch_size=1")
     results = run_ranks(2, _profile, layout, str(tmp_path), True)
     report = results[0][0]
