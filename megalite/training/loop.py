@@ -21,6 +21,7 @@ from megalite.checkpoint.sharded import (
     complete_checkpoints,
     find_checkpoint,
     load_checkpoint,
+    read_manifest,
 )
 from megalite.checkpoint.state import RngStreams, RunState
 from megalite.checkpoint.writer import check_shared_directory, remove_unfinished
@@ -41,6 +42,8 @@ from megalite.parallel_state import (
     build_parallel_state,
     choose_device,
     init_distributed,
+    layout_change,
+    node_presence,
 )
 from megalite.training.hooks import (
     BadSteps,
@@ -53,6 +56,7 @@ from megalite.training.hooks import (
     TrainingError,
 )
 from megalite.training.metrics import MetricsLogger, StepCost, metrics_row, reset_peak_memory
+from megalite.training.preemption import Preempted, Preemption
 from megalite.training.run_lock import lock_out_dir
 from megalite.training.setup import Run, build_run
 from megalite.training.step import eval_loss, train_step
@@ -65,12 +69,13 @@ def train(cfg: Config) -> dict[str, float]:
     returns the last metrics row, empty when an earlier run already got there. The run holds
     its out_dir's lock throughout: a second run there stops at once."""
     ps = setup_topology(cfg)
-    lock = lock_out_dir(Path(cfg.train.out_dir), ps)
-    try:
-        return train_locked(cfg, ps)
-    finally:
-        if lock is not None:
-            lock.release()
+    with node_presence(ps):  # each node's first process says when it joins and leaves
+        lock = lock_out_dir(Path(cfg.train.out_dir), ps)
+        try:
+            return train_locked(cfg, ps)
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
@@ -105,16 +110,26 @@ def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
         MetricsLogging(logger, t.log_interval, t.steps),
         Checkpointing(lambda: saver.save(state), cfg.checkpoint.interval, t.steps, saver.finish),
         summary,
+        Preemption(ps, lambda: saver.save(state), saver.finish),  # last: sees the step's save
     ]
     try:
         row = run_steps(run, state, data.train, cost, hooks)
+    except Preempted as stop:  # a clean stop, its step saved: close the logs and sum up
+        summary.checkpoint = stop.checkpoint
+        close_run(hooks, summary, ps)
+        raise
     finally:
         watchdog.close()  # its threads must not outlive the steps, however they end
+    close_run(hooks, summary, ps)
+    return row
+
+
+def close_run(hooks: list[Hook], summary: Summary, ps: ParallelState) -> None:
+    """Close every hook and print the closing summary line (rank 0)."""
     for hook in hooks:
         hook.close()
     if ps.rank == 0:
         print(summary.line())
-    return row
 
 
 def run_steps(
@@ -305,6 +320,11 @@ def announce_resume(ckpt: Checkpoint, cfg: Config, ps: ParallelState) -> None:
     if ps.rank != 0:
         return
     print(f"resumed from {ckpt.path} at step {ckpt.step}")
+    saved_layout = read_manifest(ckpt.path, verify_files=False)["layout"]
+    t = cfg.train
+    layout = layout_change(saved_layout, ps, t.global_batch_size, t.micro_batch_size)
+    if layout:
+        print(f"resuming in another layout: {layout}")
     changes = config_changes(ckpt.config, cfg)
     if changes:
         print(f"changed since the checkpoint: {', '.join(changes)}")

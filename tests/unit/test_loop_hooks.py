@@ -3,6 +3,8 @@ and must act on exactly the steps its policy names (evaluation, metrics rows, ch
 on a NaN loss with the documented message, and sum up the run for its closing line."""
 
 import math
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -172,3 +174,47 @@ def test_summary_of_a_resumed_run():
     expected = summary_line(10, 4, 2.0, 2.5, 4 * 100 / (4 * 0.5), Path("ckpt/step_000008"))
     assert summary.line() == expected
     assert summary.line().startswith("trained to step 10 (4 steps in this run): loss 2.0000")
+
+
+def test_preemption_saves_the_signalled_step_once_and_exits_with_its_code():
+    from megalite.parallel_state import ParallelState
+    from megalite.training.preemption import (
+        PREEMPTED_EXIT_CODE,
+        Preempted,
+        Preemption,
+        StopSignals,
+    )
+
+    saved, finished = [], []
+    before = signal.getsignal(signal.SIGTERM)
+    hook = Preemption(
+        ParallelState.single(),
+        save=lambda: saved.append(1) or Path("checkpoints/step_000004"),
+        finish=lambda: finished.append(1),
+        signals=StopSignals(),
+    )
+    try:
+        hook.after_step(record(3))  # no signal: the run goes on
+        assert saved == finished == []
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal is only noted
+        with pytest.raises(Preempted) as stop:
+            hook.after_step(record(4))
+    finally:
+        hook.close()
+    assert stop.value.code == PREEMPTED_EXIT_CODE
+    assert str(stop.value).startswith("preempted (SIGUSR1) after step 4, saved as checkpoints/")
+    assert saved == finished == [1]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+    saved.clear()
+    hook = Preemption(ParallelState.single(), lambda: saved.append(1), lambda: None)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        already = record(5)
+        already.checkpoint = Path("checkpoints/step_000005")  # the checkpoint hook saved it
+        with pytest.raises(Preempted) as stop:
+            hook.after_step(already)
+    finally:
+        hook.close()
+    assert saved == [] and stop.value.checkpoint == already.checkpoint

@@ -1,0 +1,94 @@
+"""Preemption: SIGTERM or SIGUSR1 makes every rank finish its step, save it and exit with
+PREEMPTED_EXIT_CODE, even when only one rank got the signal; a second signal during the save
+changes nothing; the run continues from that checkpoint with the uninterrupted run's losses."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megalite.benchmarks.restarts import TRIAL_CONFIG
+from megalite.checkpoint.sharded import complete_checkpoints, step_dir
+from megalite.config import load_config
+from megalite.launch import run_ranks
+from megalite.training.preemption import PREEMPTED_EXIT_CODE, Preempted
+
+CONFIG = (*TRIAL_CONFIG, "checkpoint.interval=0")
+
+
+def _losses(out_dir: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(row["step"], row["loss"]) for row in rows]
+
+
+def _train(overrides: tuple[str, ...]) -> None:
+    from megalite.training.loop import train
+
+    train(load_config(None, list(overrides)))
+
+
+def _signalled_run(overrides: tuple[str, ...], signal_rank: int, at_step: int):
+    """Train; rank `signal_rank` sends itself SIGTERM during step `at_step`, and SIGUSR1 while
+    saving. Returns what stopped the run: (exit code, step, checkpoint), or None."""
+    import megalite.training.loop as loop
+
+    train_step, save = loop.train_step, loop.CheckpointSaver.save
+    steps_done = []
+
+    def step_then_signal(run, batch, lr):
+        steps_done.append(1)
+        if run.ps.rank == signal_rank and len(steps_done) == at_step:
+            os.kill(os.getpid(), signal.SIGTERM)  # mid-step: the step still finishes
+        return train_step(run, batch, lr)
+
+    def save_under_fire(self, state):
+        if state.ps.rank == signal_rank:
+            os.kill(os.getpid(), signal.SIGUSR1)  # a second signal while saving: ignored
+        return save(self, state)
+
+    loop.train_step, loop.CheckpointSaver.save = step_then_signal, save_under_fire
+    try:
+        _train(overrides)
+    except Preempted as stop:
+        return stop.code, stop.step, stop.checkpoint
+    return None
+
+
+def test_a_signal_to_one_rank_stops_all_after_one_saved_step_and_resume_continues(
+    builtin_corpus, tmp_path
+):
+    steps, at_step = 6, 3
+    out, plain = tmp_path / "preempted", tmp_path / "plain"
+    run = (*CONFIG, f"train.steps={steps}")
+    stops = run_ranks(2, _signalled_run, (*run, f"train.out_dir={out}"), 1, at_step)
+    saved = step_dir(out / "checkpoints", at_step)
+    assert stops == [(PREEMPTED_EXIT_CODE, at_step, saved)] * 2
+    assert complete_checkpoints(out / "checkpoints") == [saved]
+    assert _losses(out)[-1][0] == at_step
+
+    run_ranks(2, _train, (*run, f"train.out_dir={out}"))  # resumes from the preempted step
+    run_ranks(2, _train, (*run, f"train.out_dir={plain}"))
+    assert _losses(out) == _losses(plain)
+
+
+def test_sigterm_to_a_process_exits_with_the_preemption_code_after_saving(builtin_corpus, tmp_path):
+    command = [sys.executable, "-m", "megalite", "train", *CONFIG, "train.steps=100000"]
+    job = subprocess.Popen(
+        [*command, f"train.out_dir={tmp_path}"], stdout=subprocess.PIPE, text=True
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert job.poll() is None and time.monotonic() < deadline, "the run never got going"
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == PREEMPTED_EXIT_CODE, out
+    last_step = _losses(tmp_path)[-1][0]
+    assert complete_checkpoints(tmp_path / "checkpoints") == [
+        step_dir(tmp_path / "checkpoints", last_step)
+    ]
+    assert f"preempted (SIGTERM) after step {last_step}" in out
