@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from equivalence import TINY
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megalite.config import load_config
 from megalite.launch import run_ranks
@@ -103,11 +104,19 @@ def _check_traces(out_dir: Path, world_size: int) -> None:
 
 
 def test_one_rank(builtin_corpus, tmp_path):
-    [(report, live)] = run_ranks(1, _profile, (), str(tmp_path), False)
+    tensorboard = ("logging.tensorboard=true", "logging.run_name=prof")
+    [(report, live)] = run_ranks(1, _profile, tensorboard, str(tmp_path), False)
     _check_report(report, 1, [live])
     assert report["total"]["bubble_measured"] == report["total"]["bubble_simulated"] == 0
     assert json.loads((tmp_path / "profile.json").read_text())["ranks"] == report["ranks"]
     assert not (tmp_path / "trace").exists()  # traced only when asked (starting it takes seconds)
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "prof"))
+    events.Reload()
+    for key in ("tokens_per_sec", "mfu", "step_time_s"):
+        [logged] = events.Scalars(f"profile/{key}")
+        assert logged.value == pytest.approx(report["total"][key], rel=1e-6)
+    [forward] = events.Scalars("profile/rank0/time_s/forward")
+    assert forward.value == pytest.approx(report["ranks"][0]["time_s"]["forward"], rel=1e-6)
 
 
 def test_pipeline_has_a_measured_and_a_simulated_bubble(
