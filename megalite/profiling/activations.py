@@ -23,8 +23,9 @@ against `SavedActivationTracker`):
 - full recompute keeps each recomputed layer's input only; the layer being recomputed in
   backward briefly holds one layer's worth again (the working set);
 - the fused LM head + loss keeps the gradient of its input and of its weight (so the weight
-  gradient is held once per micro-batch in flight), and in forward works on a chunk of fp32
-  logits at a time (`tensor_parallel.cross_entropy.chunk_tokens`).
+  gradient is held once per micro-batch in flight), in forward works on a chunk of fp32 logits
+  at a time (`tensor_parallel.cross_entropy.chunk_tokens`), and in backward scales both kept
+  gradients into new tensors.
 """
 
 from __future__ import annotations
@@ -188,3 +189,13 @@ def logits_working_set(x: Shapes) -> int:
     if e != 4:
         working += chunk * rows * e + rows * h * 4 + rows * h * e
     return working
+
+
+def head_backward_working_set(x: Shapes) -> int:
+    """What the head's backward allocates while its kept gradients are still alive: both scaled
+    by the incoming gradient (the weight's becomes the parameter's .grad until it is added into
+    the fp32 main gradient)."""
+    return (
+        head_rows(x.cfg) * x.cfg.model.hidden * x.element
+        + x.tokens * x.cfg.model.hidden * x.element
+    )

@@ -13,8 +13,9 @@ is a table of parts, each on a device ("gpu" or, for state a future option moves
   chunk) pairs the rank's schedule holds at its peak, found by walking its action list (the
   order `pipeline.simulate` runs); the LM head's kept weight gradient is its own part (one per
   micro-batch in flight on the last stage), and so are the transient working sets at that peak:
-  a chunk of logits in the head's forward, or the layer (full) or segment (segments, sqrt(L)
-  checkpointing) that recompute runs again in backward.
+  a chunk of logits in the head's forward, the head's gradients scaled in its backward, or the
+  layer (full) or segment (segments, sqrt(L) checkpointing) that recompute runs again in
+  backward.
 
 Beside the bytes, what `nvidia-smi` would show: each tensor rounded the way PyTorch's CUDA
 caching allocator rounds it (512-byte blocks; requests up to 1 MiB from 2 MiB segments, up to
@@ -159,7 +160,8 @@ class _Chunk:
     kept: list[int]
     head_grad: int
     forward_working: int
-    backward_working: int
+    backward_working: tuple[int, str]
+    """The larger transient of the chunk's backward, and its name."""
 
 
 def _chunk_activations(x: act.Shapes, stage: int, layers: range, n_stages: int) -> _Chunk:
@@ -190,7 +192,10 @@ def _chunk_activations(x: act.Shapes, stage: int, layers: range, n_stages: int) 
         kept=kept,
         head_grad=act.head_weight_grad(x) if last else 0,
         forward_working=act.logits_working_set(x) if last else 0,
-        backward_working=working,
+        backward_working=max(
+            (working, "recompute working set"),
+            (act.head_backward_working_set(x) if last else 0, "head backward"),
+        ),
     )
 
 
@@ -213,7 +218,7 @@ def _activation_parts(
             alive.append(action.chunk)
             transient, what = c.forward_working, "logits chunk"
         else:
-            transient, what = c.backward_working, "recompute working set"
+            transient, what = c.backward_working
         held = sum(sum(per_chunk[k].kept) + per_chunk[k].head_grad for k in alive)
         if held + transient > best[0]:
             best = (held + transient, list(alive), transient, what)
