@@ -15,6 +15,8 @@ from megalite.cli import main
 from megalite.config import load_config
 from megalite.optimizer.grad_buffer import GradBuffer
 from megalite.parallel_state import ParallelState
+from megalite.pipeline.schedule import build_schedule
+from megalite.pipeline.simulate import simulate
 from megalite.profiling.activations import Shapes, layer_body
 from megalite.profiling.estimate import estimate_layout, reserved_bytes, zero_paper_bytes
 from megalite.profiling.memory import activation_bytes_per_layer
@@ -174,3 +176,26 @@ def test_cli_table_json_and_error(capsys):
     assert main(["estimate", "--world-size", "3", "parallel.tp=2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: world size 3")
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.pp=4", "parallel.schedule=1f1b"],
+        ["parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved"],
+        ["parallel.pp=2", "parallel.schedule=gpipe"],
+    ],
+)
+def test_in_flight_at_the_peak_is_the_simulators(layout):
+    """The estimate walks each rank's action list; its peak holds as many (micro-batch, chunk)
+    activations as `pipeline.simulate` counts under NCCL's semantics: pp - r for 1F1B, more
+    when interleaved, every micro-batch for GPipe."""
+    cfg = load_config(
+        None, ["model.n_layers=8", "train.micro_batch_size=1", "train.global_batch_size=8", *layout]
+    )
+    p = cfg.parallel
+    schedules = [
+        build_schedule(p.schedule, p.pp, r, 8, p.vpp, p.microbatch_group_size) for r in range(p.pp)
+    ]
+    peak = simulate(schedules, p.pp, p.vpp).peak_in_flight
+    assert [stage.in_flight for stage in estimate_layout(cfg, p.pp).stages] == peak
