@@ -90,9 +90,16 @@ def notes(est: LayoutEstimate) -> list[str]:
             f"{format_bytes(est.cuda_context)} CUDA context (--cuda-context to change)"
         )
     if est.precision != "fp32":
+        from megalite.profiling.estimate import zero_paper_bytes
+
+        fullest = max(est.stages, key=lambda s: s.total_bytes)
+        paper = zero_paper_bytes(fullest.parameters, est.dp, est.cfg.parallel.zero)
+        ours = sum(fullest.part(n) for n in ("parameters", "gradients", "optimizer"))
         out.append(
             "note: per parameter megalite keeps 2 B (16-bit param) + 4 B (fp32 main grad) + "
-            "12 B (fp32 master, Adam m, v; / dp under ZeRO-1); the ZeRO paper counts 2 + 2 + 12"
+            "12 B (fp32 master, Adam m, v; / dp under ZeRO-1, which adds a 4 B / dp reduced-"
+            f"gradient shard); the ZeRO paper counts 2 + 2 + 12: {format_bytes(paper)} of "
+            f"model state on pp rank {fullest.pp_rank}, against {format_bytes(ours)} here"
         )
     return out
 
