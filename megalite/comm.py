@@ -59,7 +59,8 @@ def _record(op: str, tensor: torch.Tensor, group: Any) -> comm_trace.Call:
 
 
 class _Tracked:
-    """The handle of an asynchronous call: its wait is watched like a blocking call."""
+    """The handle of an asynchronous call: its wait is watched like a blocking call; everything
+    else (is_completed, get_future) is the backend's own handle's."""
 
     def __init__(self, work: Any, call: comm_trace.Call) -> None:
         self.work, self.call = work, call
@@ -68,8 +69,10 @@ class _Tracked:
         with comm_trace.progress.blocking(self.call):
             return self.work.wait()
 
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
+    def __getattr__(self, name: str) -> Any:
+        if name == "work":  # not set yet (a copy under construction): no recursion
+            raise AttributeError(name)
+        return getattr(self.work, name)
 
 
 def _issue(call: comm_trace.Call, issue: Callable[[bool], Any], async_op: bool) -> Any:
