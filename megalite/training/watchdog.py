@@ -9,9 +9,12 @@ it entered, how long it has been idle, and the wall-clock time it wrote. A rank 
 thread has made no progress (no call entered or completed, no step finished:
 `comm_trace.progress`) for the time-out, typically because it waits in a collective a peer never
 joins, reads every heartbeat: ranks whose heartbeat went stale are silent (stopped or dead);
-the others wait in a collective or are busy outside one. It prints the report and exits with
+the others wait in a collective or work outside one. It prints the report and exits with
 HANG_EXIT_CODE; torchrun then tears the job down (or restarts it). The process group's own
 time-out (`fault.collective_timeout_s`, longer) stays the backstop.
+
+On NCCL a collective returns once queued and the host waits later (for a result it reads),
+so there a stuck rank shows as outside any collective, idle since the last call it entered.
 
 Heartbeats compare wall clocks across hosts, which NTP keeps within milliseconds of each other
 (far below the seconds a heartbeat may age). If the store itself does not answer (the process
@@ -91,7 +94,7 @@ def _status(beat: Heartbeat) -> str:
     """What a live rank was doing when it last wrote."""
     if beat.blocked_in is not None:
         return f"waits in {beat.blocked_in} ({beat.idle_s:.1f} s)"
-    return f"busy outside collectives for {beat.idle_s:.1f} s, after {beat.entered or 'no call'}"
+    return f"outside any collective for {beat.idle_s:.1f} s, the last it entered: {beat.entered}"
 
 
 def hang_report(
@@ -102,7 +105,7 @@ def hang_report(
     stale_after_s: float,
 ) -> str:
     """The watchdog's message: this rank's state, then the ranks that went silent (their
-    heartbeat older than `stale_after_s`, or none ever), else the ranks busy outside any
+    heartbeat older than `stale_after_s`, or none ever), else the ranks outside any
     collective, else a hint that the ranks wait in different collectives. `others`: None when
     the store did not answer."""
     lines = [

@@ -144,10 +144,10 @@ def test_the_hang_report_names_the_silent_rank_its_step_and_last_collective():
     ]
 
 
-def test_the_hang_report_without_a_silent_rank_names_the_busy_one_or_a_mismatch():
+def test_the_hang_report_without_a_silent_rank_names_the_one_outside_or_a_mismatch():
     me = Heartbeat(0, 4, "barrier over ranks 0,1,2 (-, call #12)", "x", 3.2, 100.0, "n", 1)
     busy = {1: _beat(1, 99.9), 2: _beat(2, 99.9, blocked_in="barrier")}
-    assert "rank 1 (node7 pid 101) busy outside collectives for 0.5 s, after all_reduce" in (
+    assert "rank 1 (node7 pid 101) outside any collective for 0.5 s, the last it entered: all" in (
         hang_report(me, busy, 100.0, 3, 1.8)
     )
     waiting = {1: _beat(1, 99.9, blocked_in="all_reduce"), 2: _beat(2, 99.9, blocked_in="x")}
