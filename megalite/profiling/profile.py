@@ -47,8 +47,8 @@ def profile(
 
     t = cfg.train
     ps = setup_topology(cfg)
-    cost = StepCost.of(cfg, ps)  # first: measuring a CPU's peak draws random numbers
-    torch.manual_seed(t.seed)
+    cost = StepCost.of(cfg, ps)
+    torch.manual_seed(t.seed)  # dropout on tp-replicated activations: same on all ranks
     data = open_data(cfg)
     run = build_run(cfg, ps)
     sampler = GlobalBatchSampler(data.train.sizes, t.global_batch_size, t.seed, data.train.weights)
