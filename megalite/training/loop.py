@@ -1,7 +1,8 @@
 """The training run, as every rank runs it: `train` below reads from the top. Join the world,
 find where the run stands, open the data, build (or resume) this rank's share of the run, then
-train. What follows each step (the NaN guard, evaluation, metrics, checkpoints, the closing
-summary) is a list of small hooks (`training/hooks.py`); everything a resume restores is one
+train. What follows each step (the watchdog, the bad-step stop, evaluation, metrics,
+checkpoints, the closing summary) is a list of small hooks (`training/hooks.py`,
+`training/watchdog.py`); everything a resume restores is one
 `RunState` (`checkpoint/state.py`), saved and loaded by the checkpoint module alone."""
 
 from __future__ import annotations
