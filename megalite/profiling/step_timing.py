@@ -6,7 +6,9 @@ update and the ZeRO parameter all-gather, less their collectives), communication
 time the rank is blocked in a collective, in waiting for an asynchronous one, or in posting
 pipeline messages), bubble (waiting for a pipeline receive) and other (the executor's
 bookkeeping). Communication overlapped, the rest of an asynchronous collective's duration from
-issue to completion, runs beside compute and is reported apart.
+issue to completion, runs beside compute and is reported apart. The bubble is receive waits
+only: a rank that finishes its last backward before the others (the pipeline's flush) idles in
+the step's next collective, which reads as exposed communication.
 """
 
 from __future__ import annotations
