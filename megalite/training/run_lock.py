@@ -2,12 +2,13 @@
 checkpoints and interleave metrics.jsonl, so global rank 0 holds an exclusive `flock` on
 `<out_dir>/run.lock` for as long as the run lives, with its pid and host written in the file for
 the message a second run prints. The kernel drops the lock when the process ends, however it
-ends: a run that crashed or was killed never leaves it stuck, and no stale-lock clean-up exists
-to get wrong. (On NFS, Linux emulates flock with POSIX locks, which the server also releases
-when the client process dies.)"""
+ends: a run that crashed or was killed never leaves it stuck (its file stays, unlocked), and no
+stale-lock clean-up exists to get wrong. (On NFS, Linux emulates flock with POSIX locks, which
+the server also releases when the client process dies.)"""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -30,12 +31,14 @@ class RunLockError(MegaliteError):
 class RunLock:
     """An exclusive lock on `<out_dir>/run.lock`, held by this process until `release` or its
     end. Taking it again in the process that holds it succeeds (a test or notebook may call
-    `train` again after a failed run), since flock would otherwise refuse the process itself."""
+    `train` again after a failed run), since flock would otherwise refuse the process itself.
+    The file exists while a run holds it (and after a crash, unlocked: harmless); a run that
+    created the out_dir and left nothing in it removes the directory too."""
 
     _held: dict[Path, RunLock] = {}
 
-    def __init__(self, path: Path, fd: int) -> None:
-        self.path, self._fd = path, fd
+    def __init__(self, path: Path, fd: int, created_dir: bool) -> None:
+        self.path, self._fd, self._created_dir = path, fd, created_dir
 
     @classmethod
     def acquire(cls, out_dir: Path) -> RunLock:
@@ -43,28 +46,47 @@ class RunLock:
         path = (Path(out_dir) / LOCK_FILE).resolve()
         if path in cls._held:
             return cls._held[path]
+        created_dir = not path.parent.exists()
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            holder = path.read_text().strip() or "a run that has not written its name yet"
-            raise RunLockError(
-                f"another run is using {Path(out_dir)} ({holder}): wait for it to end, stop it, "
-                "or use another train.out_dir"
-            ) from None
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                holder = path.read_text().strip() or "a run that has not written its name yet"
+                raise RunLockError(
+                    f"another run is using {Path(out_dir)} ({holder}): wait for it to end, "
+                    "stop it, or use another train.out_dir"
+                ) from None
+            if _same_file(fd, path):
+                break
+            os.close(fd)  # locked a file its holder removed on release: lock the current one
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n".encode())
-        lock = cls._held[path] = cls(path, fd)
+        lock = cls._held[path] = cls(path, fd, created_dir)
         return lock
 
     def release(self) -> None:
-        """Let other runs use the out_dir (the file stays; only the lock matters)."""
-        if self._held.pop(self.path, None) is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
+        """Let other runs use the out_dir: remove the file (still locked, so that no one takes
+        the lock of a removed file, see `acquire`), then unlock."""
+        if self._held.pop(self.path, None) is None:
+            return
+        self.path.unlink(missing_ok=True)
+        if self._created_dir:
+            with contextlib.suppress(OSError):  # not empty: the run wrote something
+                self.path.parent.rmdir()
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `fd` is still the file at `path` (not one removed and re-created since)."""
+    try:
+        return os.fstat(fd).st_ino == path.stat().st_ino
+    except FileNotFoundError:
+        return False
 
 
 def lock_out_dir(out_dir: Path, ps: ParallelState) -> RunLock | None:

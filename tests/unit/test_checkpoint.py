@@ -15,7 +15,6 @@ from megalite.checkpoint.sharded import CheckpointError, read_manifest
 from megalite.config import load_config
 from megalite.profiling.flops import peak_flops
 from megalite.training.loop import TrainingError, train
-from megalite.training.run_lock import LOCK_FILE
 
 STEPS, INTERVAL, KEEP = 6, 2, 2
 
@@ -213,7 +212,7 @@ def test_resume_from_missing_directory(tmp_path, builtin_corpus):
     with pytest.raises(CheckpointError) as info:
         train(tiny_config(tmp_path / "run", f"checkpoint.resume={missing}"))
     assert f"checkpoint.resume={missing}: no such directory" in str(info.value)
-    assert [p.name for p in (tmp_path / "run").iterdir()] == [LOCK_FILE]  # nothing but the lock
+    assert not (tmp_path / "run").exists()
 
 
 def test_resume_from_a_directory_that_is_not_a_checkpoint(tmp_path, builtin_corpus):
@@ -224,16 +223,11 @@ def test_resume_from_a_directory_that_is_not_a_checkpoint(tmp_path, builtin_corp
     assert "step_* directory" in message
 
 
-def unlocked_snapshot(out_dir: Path) -> dict:
-    """`snapshot` without the run lock, which every start rewrites with its pid."""
-    return {path: info for path, info in snapshot(out_dir).items() if path != LOCK_FILE}
-
-
 def test_fresh_run_into_a_used_out_dir_is_refused_and_touches_nothing(run_copy):
-    before = unlocked_snapshot(run_copy)
+    before = snapshot(run_copy)
     with pytest.raises(TrainingError) as info:
         train(tiny_config(run_copy, "checkpoint.resume=none"))
     message = str(info.value)
     assert str(run_copy / "checkpoints") in message and "checkpoint.resume=auto" in message
     assert "train.out_dir" in message
-    assert unlocked_snapshot(run_copy) == before
+    assert snapshot(run_copy) == before

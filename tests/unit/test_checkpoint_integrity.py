@@ -126,6 +126,7 @@ def test_a_second_run_on_an_out_dir_is_refused_and_a_killed_runs_lock_does_not_b
     assert f"pid {holder.pid}" in (halfway / LOCK_FILE).read_text()  # stale, and harmless
     final = train(config(halfway))
     assert final["step"] == STEPS
+    assert not (halfway / LOCK_FILE).exists()  # a run that ends removes its lock
 
 
 # ----------------------------------------------------------------------------- metrics rows
