@@ -164,7 +164,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--cuda-context",
         type=float,
         metavar="GIB",
-        help="CUDA context per process added to the nvidia-smi view (default 0.5)",
+        help="CUDA context per process added to the nvidia-smi view (default 0.75)",
     )
     cmd.add_argument("--json", action="store_true", help="print JSON instead of the table")
     cmd.add_argument("overrides", nargs="*", metavar="section.key=value")
