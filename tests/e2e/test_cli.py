@@ -178,7 +178,9 @@ def test_resume_after_interrupt_repeats_the_losses_exactly(runs):
     (again,) = run_all(resume_command(out_dir))
     ok(again)
     assert "resumed from" in again.stdout and "at step 10" in again.stdout
-    resumed = metrics(out_dir)[len(uninterrupted) :]
+    rows = metrics(out_dir)  # the rows of steps 11-20 replaced by the resumed run's, not repeated
+    assert [r["step"] for r in rows] == [r["step"] for r in uninterrupted]
+    resumed = rows[10:]
     assert [r["step"] for r in resumed] == list(range(11, 21))
     for before, after in zip(uninterrupted[10:], resumed):
         assert (after["step"], after["loss"]) == (before["step"], before["loss"])
