@@ -193,6 +193,22 @@ def cpu_peak_flops(precision: str, cache_dir: Path | None = None) -> float:
         return float(peaks[key])
 
 
+def raise_cpu_peak_flops(precision: str, achieved: float, cache_dir: Path | None = None) -> None:
+    """Record that this machine achieved `achieved` FLOP/s: a peak measured while the cores were
+    busy with other work reads low, and the machine has just shown it can do more. The cached
+    peak only ever rises, so MFU never reads above 1 because of when the peak was taken."""
+    from megalite.data.builtin import cache_root
+
+    root = cache_root(cache_dir)
+    path, key = root / PEAK_CACHE_FILE, cpu_peak_key(precision)
+    with open(root / (PEAK_CACHE_FILE + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        peaks = _read_peaks(path)
+        if achieved > peaks.get(key, 0.0):
+            peaks[key] = achieved
+            _write_atomically(path, json.dumps(peaks, indent=1, sort_keys=True))
+
+
 def _read_peaks(path: Path) -> dict[str, float]:
     """The cached peaks; none when the file is missing or damaged (then measured again)."""
     try:

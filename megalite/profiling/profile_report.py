@@ -80,7 +80,7 @@ def rank_entry(row: dict[str, float], cost: StepCost) -> dict[str, Any]:
     """One rank's part of the report from its gathered row."""
     step_s = row["step"]
     tflops = cost.flops / cost.devices / step_s / 1e12
-    peak = cost.device_peak_flops
+    peak = cost.peak_for(tflops * 1e12)
     memory = {k.removeprefix("mem."): int(v) for k, v in row.items() if k.startswith("mem.")}
     entry: dict[str, Any] = {k: int(row[k]) for k in COORDS}
     entry.update(
@@ -120,7 +120,7 @@ def build_report(
     straggler = max(ranks, key=lambda r: r["step_time_s"])
     worst = straggler["step_time_s"]
     tflops = cost.flops / cost.devices / worst / 1e12
-    peak = cost.device_peak_flops
+    peak = cost.peak_for(tflops * 1e12)
     compute = sum(r["time_s"]["forward"] + r["time_s"]["backward"] for r in ranks)
     total = {
         "step_time_s": worst,

@@ -24,13 +24,19 @@ from megalite import comm
 from megalite.config import Config
 from megalite.optimizer.loss_scale import LossScaler
 from megalite.parallel_state import ParallelState
-from megalite.profiling.flops import flops_per_token, host_id, peak_flops, unknown_peak_message
+from megalite.profiling.flops import (
+    flops_per_token,
+    host_id,
+    peak_flops,
+    raise_cpu_peak_flops,
+    unknown_peak_message,
+)
 from megalite.training.setup import resolve_precision
 from megalite.training.step import StepMetrics
 from megalite.training.trackers import Tracker, start_trackers
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepCost:
     """What one step processes, for the rates in its row."""
 
@@ -43,6 +49,19 @@ class StepCost:
     device_peak_flops: float | None
     """Dense peak FLOP/s of one device; None when unknown (a GPU missing from the table), so
     that MFU is logged as null."""
+    measured_precision: str | None = None
+    """Set when the peak is this CPU's measured one (not a datasheet's or the user's): a step
+    that beats it raises it (`peak_for`)."""
+
+    def peak_for(self, achieved: float) -> float | None:
+        """The device peak to divide `achieved` FLOP/s by. A measured CPU peak that a step beats
+        was taken while the machine was busy: it rises to what the step achieved, here and in
+        the machine's cache, so MFU stays at most 1."""
+        peak = self.device_peak_flops
+        if peak is not None and achieved > peak and self.measured_precision is not None:
+            raise_cpu_peak_flops(self.measured_precision, achieved)
+            self.device_peak_flops = peak = achieved
+        return peak
 
     @classmethod
     def of(cls, cfg: Config, ps: ParallelState) -> StepCost:
@@ -53,13 +72,16 @@ class StepCost:
             devices = ps.world_size
         else:
             devices = count_hosts(ps.world_group)
+        precision = resolve_precision(cfg.train.precision, ps.device)
+        measured = None
         if cfg.logging.peak_tflops is not None:
             peak = cfg.logging.peak_tflops * 1e12
         else:
-            peak = peak_flops(ps.device, resolve_precision(cfg.train.precision, ps.device))
+            peak = peak_flops(ps.device, precision)
             if peak is None and ps.rank == 0:
                 print(unknown_peak_message(ps.device))
-        return cls(tokens, flops_per_token(cfg.model) * tokens, devices, peak)
+            measured = precision if ps.device.type == "cpu" else None
+        return cls(tokens, flops_per_token(cfg.model) * tokens, devices, peak, measured)
 
 
 def count_hosts(group: Any) -> int:
@@ -79,6 +101,7 @@ def metrics_row(
     """The row of a finished step (`step` counts it), before evaluation adds its val loss.
     `tflops` is achieved model TFLOP/s per device and `mfu` that over the device's peak."""
     per_device = cost.flops / elapsed_s / cost.devices
+    peak = cost.peak_for(per_device)
     return {
         "step": step,
         "loss": metrics.loss,
@@ -87,7 +110,7 @@ def metrics_row(
         "tokens_per_sec": cost.tokens / elapsed_s,
         "step_time_s": elapsed_s,
         "tflops": per_device / 1e12,
-        "mfu": None if cost.device_peak_flops is None else per_device / cost.device_peak_flops,
+        "mfu": None if peak is None else per_device / peak,
         "bubble_fraction": metrics.bubble_fraction,
         "skipped_steps": scaler.skipped_steps,
         "loss_scale": scaler.scale,

@@ -150,3 +150,22 @@ def test_cpu_peak_is_measured_once_per_cache_and_key(monkeypatch, tmp_path):
     (tmp_path / flops.PEAK_CACHE_FILE).write_text('{"half a fi')  # damaged: measured again
     assert flops.cpu_peak_flops("fp32", tmp_path) == 5e10
     assert measured == ["fp32", "bf16", "fp32", "fp32"]
+
+
+def test_a_step_that_beats_the_measured_cpu_peak_raises_it(monkeypatch, tmp_path):
+    """A peak measured while the cores were busy reads low; the first step that beats it sets
+    the peak (here and in the machine's cache), so MFU never reads above 1 because of when the
+    peak was taken. A datasheet or user-given peak is never changed."""
+    monkeypatch.setenv("MEGALITE_CACHE", str(tmp_path))
+    flops.peak_flops.cache_clear()
+    monkeypatch.setattr(flops, "measure_cpu_peak_flops", lambda precision: 1e10)
+    try:
+        cost = StepCost.of(load_config(None, []), single_rank(torch.device("cpu")))
+    finally:
+        flops.peak_flops.cache_clear()
+    assert cost.peak_for(5e9) == 1e10
+    assert cost.peak_for(3e10) == 3e10  # beaten: MFU of that step is exactly 1
+    assert cost.peak_for(2e10) == 3e10
+    assert flops.cpu_peak_flops("fp32", tmp_path) == 3e10  # the next run starts from it
+    given = StepCost(tokens=1, flops=1.0, devices=1, device_peak_flops=1e10)
+    assert given.peak_for(3e10) == 1e10
