@@ -119,6 +119,9 @@ def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
         summary.checkpoint = stop.checkpoint
         close_run(hooks, summary, ps)
         raise
+    except TrainingError:  # every rank stops alike: publish the save still being written,
+        saver.finish()  # which the error may name as the last good checkpoint
+        raise
     finally:
         watchdog.close()  # its threads must not outlive the steps, however they end
     close_run(hooks, summary, ps)

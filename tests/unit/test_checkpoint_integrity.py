@@ -4,6 +4,7 @@ lock never blocks), metrics keep one row per step after a resume, and asynchrono
 exactly what synchronous ones do while training goes on."""
 
 import json
+import math
 import multiprocessing
 import os
 import shutil
@@ -14,13 +15,14 @@ import pytest
 from run_configs import ONE_LAYER, TWO_LAYERS
 
 import megalite.checkpoint.saver as saver_module
+import megalite.training.step as step_module
 from megalite.checkpoint.saver import CheckpointSaver
 from megalite.checkpoint.sharded import Checkpoint, CheckpointError, read_manifest
 from megalite.checkpoint.writer import STALL_ENV
 from megalite.config import load_config
 from megalite.data import GlobalBatchSampler
 from megalite.parallel_state import ParallelState
-from megalite.training.loop import run_state, train
+from megalite.training.loop import TrainingError, run_state, train
 from megalite.training.metrics import drop_rows_after
 from megalite.training.run_lock import LOCK_FILE, RunLock, RunLockError
 from megalite.training.setup import build_run
@@ -191,3 +193,26 @@ def test_a_failed_background_write_is_raised_at_finish_and_publishes_nothing(tmp
     assert "No space left on device" in str(info.value)
     assert (tmp_path / "latest").read_text() == "step_000001"
     assert not saver.pending and saver.finish() is None
+
+
+def test_a_run_stopped_by_bad_steps_publishes_its_pending_async_save(
+    tmp_path, monkeypatch, builtin_corpus
+):
+    """The async save of step 4 is not yet published when steps 5-7 turn bad and stop the run:
+    it is published before the error names it as the last good checkpoint."""
+    real_finalize, steps = step_module.finalize_grads, []
+
+    def finalize_grads(buffers, ps):
+        real_finalize(buffers, ps)
+        steps.append(None)
+        if len(steps) in (5, 6, 7):
+            buffers[0].owned_grads[0] = math.nan
+
+    monkeypatch.setattr(step_module, "finalize_grads", finalize_grads)
+    extra = ["checkpoint.async_save=true", "checkpoint.interval=4", "fault.max_bad_steps=3"]
+    with pytest.raises(TrainingError) as info:
+        train(config(tmp_path, "train.steps=10", *extra))
+    step_4 = tmp_path / "checkpoints" / "step_000004"
+    assert f"Last good checkpoint: {step_4}" in str(info.value)
+    assert read_manifest(step_4)["step"] == 4
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000004"
