@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import comm_trace
+from megalite.parallel_state import init_distributed
 
 
 def free_port() -> int:
@@ -167,7 +168,7 @@ def run_or_join(world_size: int, fn: Callable, *args: Any, timeout: float = 600.
         except RanksFailed as failure:  # a command-line tool: the message, not our traceback
             raise SystemExit(str(failure)) from None
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    init_distributed(torch.device("cpu"), timeout)  # gloo, in a key space of this start's own
     if dist.get_world_size() != world_size:
         raise SystemExit(f"this needs --nproc-per-node {world_size}")
     result = fn(*args)
