@@ -114,7 +114,7 @@ def kill_one_rank_trial(
             killed = time.monotonic()
             exit_code = job.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(job.pid, signal.SIGKILL)  # the agent and its workers: a session of ours
+            _kill_job(job)
             exit_code = job.wait()
     saved = complete_checkpoints(out_dir / "checkpoints")
     last_step = int(saved[-1].name.removeprefix("step_")) if saved else 0
@@ -125,6 +125,17 @@ def kill_one_rank_trial(
         seconds_to_finish=time.monotonic() - killed,
         log=log,
     )
+
+
+def _kill_job(job: subprocess.Popen) -> None:
+    """SIGKILL a hung job: its workers (torchrun starts each in a session of its own), then the
+    agent's session."""
+    for pid in worker_pids(job.pid).values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.killpg(job.pid, signal.SIGKILL)
 
 
 def _kill_after_first_checkpoint(job: subprocess.Popen, root: Path, rank: int) -> int | None:
