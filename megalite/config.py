@@ -142,7 +142,7 @@ class ParallelConfig:
     """Sequence parallelism: norms, dropout and residuals run on sequence shards (needs tp > 1)."""
     zero: int = 0
     """0: every data-parallel rank keeps the full optimizer; 1: shard master weights and Adam
-    state over data-parallel ranks (ZeRO-1)."""
+    state over data-parallel ranks (ZeRO-1); 2: shard the fp32 gradients too (ZeRO-2)."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b or interleaved."""
     microbatch_group_size: int | None = None
@@ -160,7 +160,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):
             _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1")
-        _require(self.zero in (0, 1), f"parallel.zero must be 0 or 1, got {self.zero}")
+        _require(self.zero in (0, 1, 2), f"parallel.zero must be 0, 1 or 2, got {self.zero}")
         _schedule_rule(check_chunks, self.schedule, self.pp, self.vpp)
         # The schedule also builds gpipe with virtual stages (evaluation runs their forwards);
         # training offers virtual stages only interleaved.

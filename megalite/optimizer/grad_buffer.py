@@ -8,6 +8,17 @@ the parameter dtype). Buckets are laid out in backward order, so the first bucke
 During the backward of the last micro-batch, a bucket is reduced as soon as all its gradients
 are in: reduce-scattered when the optimizer is sharded (ZeRO-1), all-reduced otherwise.
 
+ZeRO-2 (sharded gradients) keeps no full-size gradient buffer: a bucket's fp32 gradients are
+staged in a bucket-sized tensor taken when its first gradient of a backward arrives, and every
+micro-batch's bucket is reduce-scattered as soon as it is complete and added into this rank's
+owned piece, then released (the caching allocator reuses it). At most two buckets of staging
+are alive at once: the one just completed and the one before it whose reduction is in flight.
+
+After the optimizer step, the updated parameters are all-gathered asynchronously, bucket by
+bucket in the order the next forward uses them (Megatron-LM's overlapped parameter gather):
+a forward pre-hook on every module that owns parameters waits for their buckets only, so layer
+0 computes while later layers' parameters are still arriving.
+
 Ownership (Megatron's distributed optimizer): every bucket is padded to a multiple of dp and
 data-parallel rank r owns the r-th contiguous piece of each bucket. With ZeRO-0 a rank owns
 everything. "Owned coordinates" index the concatenation of a rank's owned pieces, which is how
@@ -16,6 +27,7 @@ the optimizer lays out its master weights and Adam state.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +47,14 @@ class Bucket:
     handle: Any = None
     owned: slice = field(default_factory=lambda: slice(0, 0))
     """This rank's piece of the bucket in owned coordinates (its place in `owned_grads`)."""
+    staging: torch.Tensor | None = None
+    """ZeRO-2: this backward's fp32 gradients of the bucket, until their reduction is added."""
+    received: torch.Tensor | None = None
+    """ZeRO-2: this rank's piece of the reduced staging, while its reduce-scatter is in flight."""
+    reduced: bool = False
+    """ZeRO-2: the owned piece already holds a micro-batch's gradient of this step."""
+    gather: tuple[Any, torch.Tensor] | None = None
+    """(handle, source) of the parameter all-gather in flight for this bucket."""
 
     @property
     def numel(self) -> int:
@@ -52,10 +72,13 @@ class GradBuffer:
     own_bucket: set[nn.Parameter] = field(default_factory=set)
     """Parameters that get a bucket to themselves (tied embeddings under ZeRO-1, so the first
     and last pipeline stage shard them identically and can sum their owned pieces)."""
+    shard_grads: bool = False
+    """ZeRO-2: keep fp32 gradients for the owned pieces only (needs shard_optimizer)."""
 
     def __post_init__(self) -> None:
         dp = self.ps.dp_size
         self.sharded = self.shard_optimizer and dp > 1
+        self.grads_sharded = self.shard_grads and self.sharded
         self.buckets: list[Bucket] = []
         self.offsets: dict[nn.Parameter, int] = {}
         offset, current = 0, []
@@ -78,9 +101,13 @@ class GradBuffer:
                 close()
         close()
 
-        dtype, device = self.params[0].dtype, self.params[0].device
-        self.params_flat = torch.zeros(offset, dtype=dtype, device=device)
-        self.grads_flat = torch.zeros(offset, dtype=torch.float32, device=device)
+        dtype, self.device = self.params[0].dtype, self.params[0].device
+        self.params_flat = torch.zeros(offset, dtype=dtype, device=self.device)
+        self.grads_flat = (
+            None
+            if self.grads_sharded
+            else torch.zeros(offset, dtype=torch.float32, device=self.device)
+        )
         self.bucket_of: dict[nn.Parameter, Bucket] = {}
         for bucket in self.buckets:
             for param in bucket.params:
@@ -93,10 +120,15 @@ class GradBuffer:
             offset += end - start
         owned = sum(end - start for start, end in self.owned_ranges)
         self.owned_grads = (
-            torch.zeros(owned, dtype=torch.float32, device=device)
+            torch.zeros(owned, dtype=torch.float32, device=self.device)
             if self.sharded
             else self.grads_flat
         )
+        self.in_flight: list[Bucket] = []
+        """ZeRO-2: staged buckets whose reduce-scatter is launched, oldest first."""
+        self.staging_bytes = 0
+        self.staging_peak = 0
+        """ZeRO-2: most bytes of staging (and received pieces) held at once so far."""
         self.sync_enabled = False
         self.reset()
 
@@ -105,7 +137,8 @@ class GradBuffer:
         view = self.params_flat[start : start + param.numel()]
         view.copy_(param.data.view(-1))
         param.data = view.view_as(param)
-        param.main_grad = self.grads_flat[start : start + param.numel()].view_as(param)
+        if self.grads_flat is not None:
+            param.main_grad = self.grads_flat[start : start + param.numel()].view_as(param)
         param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def owned_range(self, bucket: Bucket) -> tuple[int, int]:
@@ -131,6 +164,12 @@ class GradBuffer:
             owned_offset += end - start
         return segments
 
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """The long-lived fp32 gradient storage: the full buffer and (ZeRO-1) the owned shard it
+        is reduce-scattered into, or (ZeRO-2) the owned shard alone."""
+        tensors = [] if self.grads_flat is None else [self.grads_flat]
+        return tensors + ([self.owned_grads] if self.sharded else [])
+
     # ------------------------------------------------------------------ gradient sync
 
     def reset(self) -> None:
@@ -140,9 +179,12 @@ class GradBuffer:
         for param in self.params:
             param.grad = None
         for bucket in self.buckets:
-            bucket.pending, bucket.handle = len(bucket.params), None
+            bucket.pending, bucket.handle, bucket.reduced = len(bucket.params), None, False
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if self.grads_sharded:
+            self._stage(param)
+            return
         if param not in self.arrived:
             self.arrived.add(param)
             param.main_grad.copy_(param.grad)
@@ -174,6 +216,12 @@ class GradBuffer:
 
     def finish_sync(self) -> None:
         """Wait for every bucket (launching any whose gradients never arrived)."""
+        if self.grads_sharded:
+            self.end_backward()
+            for bucket in self.buckets:
+                if not bucket.reduced:  # no gradient this step: zero, not last step's
+                    self.owned_grads[bucket.owned].zero_()
+            return
         for param in self.params:
             if param not in self.arrived:  # no gradient this step: zero, not last step's
                 param.main_grad.zero_()
@@ -185,18 +233,113 @@ class GradBuffer:
                 bucket.handle.wait()
         self.sync_enabled = False
 
+    # ------------------------------------------------------------------ ZeRO-2 staging
+
+    def _stage(self, param: nn.Parameter) -> None:
+        """Add a micro-batch's gradient of `param` into its bucket's staging (taken now if this
+        is the bucket's first gradient of the backward); reduce the bucket once complete."""
+        bucket = self.bucket_of[param]
+        if bucket.handle is not None:  # a gradient after the bucket was complete: start anew
+            self.in_flight.remove(bucket)
+            self._add_reduced(bucket)
+        if bucket.staging is None:
+            bucket.staging = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
+            bucket.pending = len(bucket.params)
+            self._count_staging(bucket.staging.nbytes)
+        start = self.offsets[param] - bucket.start
+        bucket.staging[start : start + param.numel()].add_(param.grad.view(-1))
+        param.grad = None
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._reduce_staged(bucket)
+
+    def _reduce_staged(self, bucket: Bucket) -> None:
+        """Launch the bucket's reduce-scatter, then fold in every earlier one: their reductions
+        overlapped the backward that filled this bucket."""
+        bucket.received = torch.empty(
+            bucket.numel // self.ps.dp_size, dtype=torch.float32, device=self.device
+        )
+        self._count_staging(bucket.received.nbytes)
+        bucket.handle = comm.reduce_scatter_flat(
+            bucket.received, bucket.staging, self.ps.dp_group, async_op=True
+        )
+        self.in_flight.append(bucket)
+        while len(self.in_flight) > 1:
+            self._add_reduced(self.in_flight.pop(0))
+
+    def _add_reduced(self, bucket: Bucket) -> None:
+        bucket.handle.wait()
+        owned = self.owned_grads[bucket.owned]
+        if bucket.reduced:
+            owned.add_(bucket.received)
+        else:
+            owned.copy_(bucket.received)
+        bucket.reduced = True
+        self._count_staging(-bucket.staging.nbytes - bucket.received.nbytes)
+        bucket.staging = bucket.received = bucket.handle = None
+
+    def _count_staging(self, nbytes: int) -> None:
+        self.staging_bytes += nbytes
+        self.staging_peak = max(self.staging_peak, self.staging_bytes)
+
+    def end_backward(self) -> None:
+        """ZeRO-2, after each backward of this chunk: reduce the buckets some of whose
+        parameters got no gradient, and add every reduction in, so no staging outlives the
+        backward that filled it."""
+        if not self.grads_sharded:
+            return
+        for bucket in self.buckets:
+            if bucket.staging is not None and bucket.handle is None:
+                self._reduce_staged(bucket)
+        while self.in_flight:
+            self._add_reduced(self.in_flight.pop(0))
+
     # ------------------------------------------------------------------ parameter sync
 
-    def all_gather_params(self) -> None:
-        """After the optimizer updated this rank's owned pieces, give every dp rank all of
-        them (ZeRO-1); nothing to do when every rank owns everything."""
+    def start_param_gather(self) -> None:
+        """After the optimizer updated this rank's owned pieces, start giving every dp rank all
+        of them (ZeRO-1/2): one asynchronous all-gather per bucket, in forward order (the
+        reverse of the buckets' backward order). Nothing to do when every rank owns
+        everything."""
         if not self.sharded:
             return
-        for bucket, (start, end) in zip(self.buckets, self.owned_ranges):
-            comm.all_gather_flat(
-                self.params_flat[bucket.start : bucket.end],
-                self.params_flat[start:end].clone(),
-                self.ps.dp_group,
+        for bucket, (start, end) in reversed(list(zip(self.buckets, self.owned_ranges))):
+            source = self.params_flat[start:end].clone()
+            full = self.params_flat[bucket.start : bucket.end]
+            handle = comm.all_gather_flat(full, source, self.ps.dp_group, async_op=True)
+            bucket.gather = (handle, source)
+
+    def wait_param_gather(self, bucket: Bucket) -> None:
+        """Block until the bucket's parameters have arrived (a no-op when they have)."""
+        if bucket.gather is not None:
+            bucket.gather[0].wait()
+            bucket.gather = None
+
+    def finish_param_gather(self) -> None:
+        """Wait for every bucket's parameters: before anything reads them all (evaluation, a
+        checkpoint, the next update)."""
+        for bucket in self.buckets:
+            self.wait_param_gather(bucket)
+
+
+def _wait_for_parameters(pairs: list[tuple[GradBuffer, Bucket]], *_: Any) -> None:
+    for buffer, bucket in pairs:
+        buffer.wait_param_gather(bucket)
+
+
+def _install_gather_waits(chunk: nn.Module, buffers: list[GradBuffer]) -> None:
+    """A forward pre-hook on each module of `chunk` that owns parameters waits for their
+    buckets' all-gathers, so a forward blocks only on the parameters it is about to use."""
+    for module in chunk.modules():
+        pairs = {
+            id(bucket): (buffer, bucket)
+            for param in module.parameters(recurse=False)
+            for buffer in buffers
+            if (bucket := buffer.bucket_of.get(param)) is not None
+        }
+        if pairs:
+            module.register_forward_pre_hook(
+                functools.partial(_wait_for_parameters, list(pairs.values()))
             )
 
 
@@ -204,16 +347,22 @@ def build_grad_buffers(
     chunks: list[nn.Module],
     ps: ParallelState,
     bucket_mb: float,
-    shard_optimizer: bool,
+    zero: int,
     own_bucket: set[nn.Parameter] = frozenset(),
 ) -> list[GradBuffer]:
-    """One buffer per (model chunk, parameter dtype), parameters in reverse (backward) order."""
+    """One buffer per (model chunk, parameter dtype), parameters in reverse (backward) order.
+    `zero`: 0 (everything replicated), 1 (optimizer state sharded), 2 (gradients too)."""
     buffers = []
     bucket_numel = max(1, int(bucket_mb * 2**20 / 4))
     for chunk in chunks:
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for param in reversed(list(chunk.parameters())):
             by_dtype.setdefault(param.dtype, []).append(param)
-        for params in by_dtype.values():
-            buffers.append(GradBuffer(params, ps, bucket_numel, shard_optimizer, set(own_bucket)))
+        chunk_buffers = [
+            GradBuffer(params, ps, bucket_numel, zero >= 1, set(own_bucket), zero == 2)
+            for params in by_dtype.values()
+        ]
+        if any(buffer.sharded for buffer in chunk_buffers):
+            _install_gather_waits(chunk, chunk_buffers)
+        buffers += chunk_buffers
     return buffers

@@ -3,8 +3,10 @@
 With ZeRO-1 (Rajbhandari et al. 2020; Megatron-LM's distributed optimizer) each data-parallel
 rank owns 1/dp of every gradient bucket: it keeps fp32 master weights and Adam moments for that
 piece only (12 bytes per owned element), steps on it, and the updated values are all-gathered
-back into the model. With ZeRO-0 a rank owns every element, and this is plain mixed-precision
-AdamW. The update matches torch.optim.AdamW (decoupled weight decay, bias-corrected moments).
+back into the model, overlapped with the next forward (`GradBuffer.start_param_gather`). ZeRO-2
+changes only where the gradients live: the owned pieces are the same. With ZeRO-0 a rank owns
+every element, and this is plain mixed-precision AdamW. The update matches torch.optim.AdamW
+(decoupled weight decay, bias-corrected moments).
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ class DistributedOptimizer:
         multiplied by grad_scale (the clip coefficient divided by the loss scale), which is
         folded into the moment updates rather than a scaled copy of the gradients."""
         cfg = self.cfg
+        self.finish_param_gather()  # the last step's gather must not land on this update
         self.step_count += 1
         bias1 = 1.0 - cfg.beta1**self.step_count
         bias2_sqrt = (1.0 - cfg.beta2**self.step_count) ** 0.5
@@ -152,8 +155,15 @@ class DistributedOptimizer:
                 p.addcdiv_(m, denom, value=-lr / bias1)
             if state.master is not state.params:
                 state.params.copy_(state.master)
+        for buffer in self.buffers:  # chunk order, each in forward order: the next forward's
+            buffer.start_param_gather()
+
+    def finish_param_gather(self) -> None:
+        """Wait until every parameter updated by the last step has arrived on this rank (the
+        next forward waits bucket by bucket; evaluation, checkpoints and the end of training
+        read them all)."""
         for buffer in self.buffers:
-            buffer.all_gather_params()
+            buffer.finish_param_gather()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -181,6 +191,7 @@ class DistributedOptimizer:
         """Restore the owned state; `read(param, kind)` gives the state of the whole local
         parameter, flattened (read once per owned range, so host memory stays at one
         parameter's piece)."""
+        self.finish_param_gather()
         self.step_count = step_count
         for param, lo, hi, views in self.owned_pieces():
             for kind, view in views.items():

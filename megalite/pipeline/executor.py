@@ -213,7 +213,7 @@ class PipelineExecutor:
     dtype: torch.dtype
     buffers_of_chunk: list[list[GradBuffer]] = field(default_factory=list)
     """Gradient buffers of each chunk, told to start their dp reduction before the chunk's
-    last backward."""
+    last backward (ZeRO-2: to finish each backward's reductions after it)."""
     last_times: StepTimes | None = field(default=None, init=False)
     """The timings of the latest `run`, for a profiler that reaches it through `train_step`."""
 
@@ -257,6 +257,8 @@ class PipelineExecutor:
                             for buffer in self.buffers_of_chunk[action.chunk]:
                                 buffer.start_sync()
                         self._backward(step, action, inputs)
+                        for buffer in self.buffers_of_chunk[action.chunk]:
+                            buffer.end_backward()
             with timer.interval("p2p"):
                 for work in step.sends:
                     work.wait()

@@ -8,7 +8,9 @@ is a table of parts, each on a device ("gpu" or, for state a future option moves
 - parameters, module buffers (rotary tables), fp32 gradients and optimizer state, counted as
   megalite lays them out: one flat buffer per chunk, cut into buckets padded to a multiple of
   dp, with ZeRO-1 owning 1/dp of each bucket (fp32 master where params are 16-bit, Adam m and
-  v, the reduced-gradient shard, the update's scratch);
+  v, the reduced-gradient shard, the update's scratch); ZeRO-2 keeps only the shard, and its
+  backward stages two consecutive buckets at most (`GradBuffer`: the bucket just completed and
+  the one whose reduce-scatter is in flight, each with its received piece);
 - activations saved for backward (`profiling.activations`) summed over the (micro-batch,
   chunk) pairs the rank's schedule holds at its peak, found by walking its action list (the
   order `pipeline.simulate` runs); the LM head's kept weight gradient is its own part (one per
@@ -140,10 +142,14 @@ def resolve_precision(precision: str, device: str) -> str:
 def _static_parts(cfg: Config, pp_rank: int, dp: int, element: int, device: str) -> list[Part]:
     """Parameters, buffers, gradients and optimizer state of one rank's chunks."""
     buffers = layout_buffers(cfg, pp_rank, dp)
-    sharded = cfg.parallel.zero == 1 and dp > 1
+    sharded = cfg.parallel.zero >= 1 and dp > 1
+    grads_sharded = cfg.parallel.zero == 2 and dp > 1  # ZeRO-2: no full-size gradient buffer
     padded = [b.padded for b in buffers]
     owned = [piece for b in buffers for piece in b.owned_pieces(sharded)]
-    grads = [n * 4 for n in padded] + ([n * 4 for n in owned] if sharded else [])
+    grads = [] if grads_sharded else [n * 4 for n in padded]
+    grads += [n * 4 for n in owned] if sharded else []
+    # ZeRO-2's buckets are staged during each backward only, one chunk's at a time
+    staging = max((b.staging_pieces() for b in buffers), key=sum) if grads_sharded else []
     per_owned = [4] * (element != 4) + [4, 4]  # fp32 master unless params are fp32; m; v
     optimizer = [n * k for n in owned for k in per_owned]
     optimizer.append(min(max(owned, default=0), OPTIMIZER_CHUNK[device]) * 4)
@@ -152,6 +158,7 @@ def _static_parts(cfg: Config, pp_rank: int, dp: int, element: int, device: str)
         Part("parameters", sum(padded) * element, tuple(n * element for n in padded)),
         Part("buffers", sum(rotary), tuple(rotary)),
         Part("gradients", sum(grads), tuple(grads)),
+        Part("gradient staging", 4 * sum(staging), tuple(4 * n for n in staging)),
         Part("optimizer", sum(optimizer), tuple(optimizer)),
     ]
 
@@ -265,6 +272,7 @@ def estimate_layout(
 def zero_paper_bytes(parameters: float, dp: int, zero: int) -> float:
     """Rajbhandari et al. (2020)'s model-state accounting: 2 + 2 + K bytes per parameter
     (16-bit params and grads, K = 12 of fp32 master, momentum and variance), the K part
-    divided by dp under ZeRO-1 (P_os). megalite keeps fp32 gradients (4 bytes, not 2)."""
+    divided by dp under ZeRO-1 (P_os), the gradients' 2 too under ZeRO-2 (P_os+g). megalite
+    keeps fp32 gradients (4 bytes, not 2)."""
     k = 12
-    return parameters * (4 + k / (dp if zero else 1))
+    return parameters * (2 + 2 / (dp if zero >= 2 else 1) + k / (dp if zero else 1))

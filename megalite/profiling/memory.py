@@ -45,13 +45,10 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
 def live_bytes(run: Run) -> dict[str, int]:
     """Bytes of one rank's long-lived training state, counted from its tensors: the model's
     parameter buffers (bucket padding included) and non-parameter buffers (rotary tables), the
-    fp32 gradient buffers (and the owned-gradient shards ZeRO-1 reduces into), and the
+    fp32 gradient buffers (and the owned-gradient shards ZeRO-1 reduces into; ZeRO-2 keeps the
+    shards alone, its bucket staging lives only inside a backward), and the
     optimizer's fp32 master copies (where params are 16-bit), Adam moments and update scratch."""
-    grads = 0
-    for buffer in run.buffers:
-        grads += buffer.grads_flat.nbytes
-        if buffer.owned_grads is not buffer.grads_flat:
-            grads += buffer.owned_grads.nbytes
+    grads = sum(t.nbytes for buffer in run.buffers for t in buffer.gradient_tensors())
     optimizer = run.optimizer.scratch.nbytes
     for state in run.optimizer.states:
         optimizer += state.exp_avg.nbytes + state.exp_avg_sq.nbytes

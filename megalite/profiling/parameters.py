@@ -1,10 +1,11 @@
 """A model chunk's parameters and megalite's gradient-buffer layout, in closed form: the names,
 sizes and order `models/` registers them in (so the estimate needs no model build), and the
-buckets `optimizer.grad_buffer` cuts them into (padding and ZeRO-1 ownership included).
+buckets `optimizer.grad_buffer` cuts them into (padding and ZeRO ownership included).
 `tests/unit/test_estimate.py` checks both against a model built on the meta device."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from megalite.config import Config
@@ -82,6 +83,8 @@ class BufferLayout:
     dp: int
     module_buffers: list[int]
     """Elements of the chunk's non-parameter buffers (Llama's rotary cos / sin per layer)."""
+    arrival: tuple[int, ...] = ()
+    """The bucket of each parameter's gradient, in the order backward delivers them."""
 
     @property
     def padded(self) -> int:
@@ -92,26 +95,57 @@ class BufferLayout:
         under ZeRO-1, else whole buckets)."""
         return [n // self.dp for n in self.buckets] if sharded else list(self.buckets)
 
+    def staging_pieces(self) -> list[int]:
+        """ZeRO-2: elements of the fp32 staging alive at once at this buffer's peak, replaying
+        `GradBuffer`'s policy over the order the gradients arrive: a bucket's staging is taken
+        at its first gradient; once complete it gets its received piece, its reduce-scatter is
+        launched and every earlier one is added in and released."""
+        pending = Counter(self.arrival)
+        alive: dict[int, list[int]] = {}
+        in_flight: list[int] = []
+        peak: list[int] = []
+        for bucket in self.arrival:
+            if bucket not in alive:
+                alive[bucket] = [self.buckets[bucket]]
+            pending[bucket] -= 1
+            if pending[bucket] == 0:
+                alive[bucket].append(self.buckets[bucket] // self.dp)
+                in_flight.append(bucket)
+            held = [n for tensors in alive.values() for n in tensors]
+            peak = max(peak, held, key=sum)
+            while len(in_flight) > 1:
+                del alive[in_flight.pop(0)]
+        return peak
+
+
+def _cut(params: list[Param], bucket_numel: int) -> list[list[Param]]:
+    """The parameters of each bucket as `GradBuffer` cuts them: in backward (reverse) order, a
+    bucket closed once it reaches `bucket_numel` or around an own-bucket parameter."""
+    buckets: list[list[Param]] = [[]]
+    for param in reversed(params):
+        if param.own_bucket and buckets[-1]:
+            buckets.append([])
+        buckets[-1].append(param)
+        if param.own_bucket or sum(p.numel for p in buckets[-1]) >= bucket_numel:
+            buckets.append([])
+    return [bucket for bucket in buckets if bucket]
+
 
 def buckets_of(params: list[Param], bucket_numel: int, dp: int) -> list[int]:
-    """Bucket sizes as `GradBuffer` cuts them: parameters in backward (reverse) order, a bucket
-    closed once it reaches `bucket_numel` or around an own-bucket parameter, padded to dp."""
-    buckets, current = [], 0
+    """Bucket sizes as `GradBuffer` cuts them, each padded to a multiple of dp."""
+    return [-(-sum(p.numel for p in bucket) // dp) * dp for bucket in _cut(params, bucket_numel)]
 
-    def close() -> None:
-        nonlocal current
-        if current:
-            buckets.append(-(-current // dp) * dp)
-            current = 0
 
-    for param in reversed(params):
-        if param.own_bucket:
-            close()
-        current += param.numel
-        if param.own_bucket or current >= bucket_numel:
-            close()
-    close()
-    return buckets
+def gradient_arrival(params: list[Param], bucket_numel: int) -> tuple[int, ...]:
+    """The bucket of each gradient in the order backward delivers them: reverse registration
+    order, except that GPT's position table (added after the token lookup, and a leaf: autograd
+    accumulates it at once) arrives before the token embedding, whose gradient comes last."""
+    bucket_of = {p.name: i for i, bucket in enumerate(_cut(params, bucket_numel)) for p in bucket}
+    names = [p.name for p in reversed(params)]
+    if "wpe" in names:
+        names.remove("wte.weight")
+        names.append("wte.weight")
+    return tuple(bucket_of[name] for name in names)
 
 
 def layout_buffers(cfg: Config, pp_rank: int, dp: int) -> list[BufferLayout]:
@@ -123,5 +157,7 @@ def layout_buffers(cfg: Config, pp_rank: int, dp: int) -> list[BufferLayout]:
     layouts = []
     for stage, layers in chunk_layers(cfg, pp_rank):
         params = chunk_parameters(cfg, layers, stage == 0, stage == last)
-        layouts.append(BufferLayout(buckets_of(params, bucket_numel, dp), dp, rotary * len(layers)))
+        buckets = buckets_of(params, bucket_numel, dp)
+        arrival = gradient_arrival(params, bucket_numel)
+        layouts.append(BufferLayout(buckets, dp, rotary * len(layers), arrival))
     return layouts

@@ -104,14 +104,19 @@ def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
         ckpt_root, cfg.checkpoint.keep, data.tokenizer_path, cfg.checkpoint.async_save
     )
     watchdog = Watchdog.for_run(cfg.fault, ps, state.step)
+
+    def save() -> Path:
+        run.optimizer.finish_param_gather()  # the overlapped gather: all weights, then save
+        return saver.save(state)
+
     hooks = [
         watchdog,
         BadSteps(run.bad_steps, resume_from),
         Evaluation(lambda: evaluate(run, data.val), t.eval_interval, t.steps, logger.write),
         MetricsLogging(logger, t.log_interval, t.steps),
-        Checkpointing(lambda: saver.save(state), cfg.checkpoint.interval, t.steps, saver.finish),
+        Checkpointing(save, cfg.checkpoint.interval, t.steps, saver.finish),
         summary,
-        Preemption(ps, lambda: saver.save(state), saver.finish),  # last: sees the step's save
+        Preemption(ps, save, saver.finish),  # last: sees the step's save
     ]
     try:
         row = run_steps(run, state, data.train, cost, hooks)
@@ -155,6 +160,7 @@ def run_steps(
         record = StepRecord(state.step, metrics, lr, elapsed, row)
         for hook in hooks:
             hook.after_step(record)
+    run.optimizer.finish_param_gather()  # the last update's weights, whole on every rank
     return row
 
 

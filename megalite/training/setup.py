@@ -96,10 +96,9 @@ def build_run(
     for chunk in chunks:
         chunk.to(DTYPES[precision])
     names = {param: name for chunk in chunks for name, param in chunk.named_parameters()}
-    shard = cfg.parallel.zero == 1
     tied = {param for param in names if param.meta.pp_tied}
     buffers_of_chunk = [
-        build_grad_buffers([chunk], ps, cfg.parallel.bucket_mb, shard, own_bucket=tied)
+        build_grad_buffers([chunk], ps, cfg.parallel.bucket_mb, cfg.parallel.zero, tied)
         for chunk in chunks
     ]
     buffers = [b for chunk_buffers in buffers_of_chunk for b in chunk_buffers]

@@ -1,0 +1,73 @@
+"""The ZeRO parameter all-gather overlaps the next step's forward, early layers first: after the
+optimizer step one asynchronous all-gather per bucket is issued in the order the forward uses
+them (embedding first, head last), the step returns with them in flight, and the next forward
+waits for each bucket only when the first module using it runs, so layer 0 computes before the
+head's parameters were waited for. Evaluation, checkpoints and the end of training see every
+gather finished (the equivalence tests of zero 1 and 2 check the values)."""
+
+import pytest
+import torch
+from equivalence import TINY
+
+from megalite import comm
+from megalite.config import load_config
+from megalite.launch import run_ranks
+from megalite.parallel_state import build_parallel_state
+from megalite.training.setup import build_run
+from megalite.training.step import train_step
+
+
+def _record_step_boundary(zero: int) -> tuple[list[tuple], int]:
+    """Two training steps with the gathers, the waits and the start of the forwards logged."""
+    overrides = [*TINY, "model.arch=gpt", "parallel.bucket_mb=0.05", f"parallel.zero={zero}"]
+    cfg = load_config(None, overrides)
+    ps = build_parallel_state(1, 1, torch.device("cpu"))
+    run = build_run(cfg, ps)
+    (buffer,) = run.buffers
+    chunk = run.chunks[0]
+    index_of = {id(b): i for i, b in enumerate(buffer.buckets)}
+    by_address = {
+        buffer.params_flat[b.start : b.end].data_ptr(): i for i, b in enumerate(buffer.buckets)
+    }
+    log: list[tuple] = []
+
+    real_gather, real_wait = comm.all_gather_flat, buffer.wait_param_gather
+
+    def gather(output, shard, group, async_op=False):
+        log.append(("issue", by_address[output.data_ptr()]))
+        return real_gather(output, shard, group, async_op)
+
+    def wait(bucket):
+        if bucket.gather is not None:
+            log.append(("wait", index_of[id(bucket)]))
+        real_wait(bucket)
+
+    comm.all_gather_flat, buffer.wait_param_gather = gather, wait
+    chunk.register_forward_pre_hook(lambda *_: log.append(("forward",)), prepend=True)
+    chunk.layers["0"].register_forward_pre_hook(lambda *_: log.append(("layer 0",)))
+    torch.manual_seed(ps.dp_rank)
+    for step in (1, 2):
+        train_step(run, torch.randint(0, 500, (4, 33)), 1e-3)
+        log.append(("step done", step))
+    run.optimizer.finish_param_gather()
+    assert all(bucket.gather is None for bucket in buffer.buckets)
+    comm.all_gather_flat = real_gather
+    return log, len(buffer.buckets)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_gathers_overlap_the_next_forward_early_layers_first(zero):
+    log, buckets = run_ranks(2, _record_step_boundary, zero)[0]
+    assert buckets > 3
+    step_one = log[: log.index(("step done", 1))]
+    step_two = log[log.index(("step done", 1)) : log.index(("step done", 2))]
+    forward_order = list(reversed(range(buckets)))  # buckets are laid out in backward order
+    assert [e[1] for e in step_one if e[0] == "issue"] == forward_order, "issued early first"
+    assert [e for e in step_one if e[0] == "wait"] == [], "step 1 returns with them in flight"
+    waits = [e[1] for e in step_two if e[0] == "wait"]
+    assert waits == forward_order, "each waited for by the first forward that uses it"
+    first_forward = step_two.index(("forward",))
+    assert step_two.index(("wait", forward_order[0])) > first_forward
+    assert step_two.index(("layer 0",)) < step_two.index(("wait", forward_order[-1])), (
+        "layer 0 must compute before the last bucket (the head's) was waited for"
+    )
