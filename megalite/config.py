@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -247,6 +248,13 @@ class OptimConfig:
     """Adam epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
+    offload: str = "none"
+    """none, or cpu (ZeRO-Offload): the fp32 master weights and Adam moments live in host memory
+    (pinned on CUDA) and the update runs on the CPU; gradients go down and updated parameters
+    come back bucket by bucket, overlapped with the CPU's update."""
+    state_dtype: str = "fp32"
+    """Storage of Adam's moments: fp32, or bf16 (half their memory; the update still computes
+    in fp32, exp_avg rounded to nearest, exp_avg_sq stochastically). Master weights stay fp32."""
 
     def __post_init__(self) -> None:
         _require(self.lr > 0 and 0 <= self.min_lr <= self.lr, "need 0 <= optim.min_lr <= optim.lr")
@@ -255,6 +263,13 @@ class OptimConfig:
         _require(self.weight_decay >= 0, "optim.weight_decay must be >= 0")
         _require(self.grad_clip >= 0, "optim.grad_clip must be >= 0 (0 disables clipping)")
         _require(self.eps > 0, "optim.eps must be > 0")
+        _require(
+            self.offload in ("none", "cpu"), f"optim.offload must be none or cpu, got {self.offload}"
+        )
+        _require(
+            self.state_dtype in ("fp32", "bf16"),
+            f"optim.state_dtype must be fp32 or bf16, got {self.state_dtype}",
+        )
         _require(
             self.decay_steps is None or self.decay_steps >= 1,
             "optim.decay_steps must be >= 1 (or omitted: decay until train.steps)",
@@ -430,10 +445,12 @@ class Config:
 # ----------------------------------------------------------------------------- loading
 
 
+@functools.cache  # the planner builds thousands of configs; the annotations never change
 def _sections() -> dict[str, type]:
     return typing.get_type_hints(Config)
 
 
+@functools.cache
 def _section_types(section_cls: type) -> dict[str, Any]:
     return typing.get_type_hints(section_cls)
 

@@ -24,6 +24,13 @@ def partition_layers(
 ) -> list[range]:
     """Contiguous layer ranges, one per virtual stage, each non-empty, minimising the largest
     stage cost; ties go to the most even split."""
+    return list(_partition(n_layers, n_stages, embedding_weight, head_weight))
+
+
+@cache  # the planner asks for the same splits across thousands of layouts
+def _partition(
+    n_layers: int, n_stages: int, embedding_weight: float, head_weight: float
+) -> tuple[range, ...]:
     if n_layers < n_stages:
         raise ValueError(f"{n_layers} layers cannot fill {n_stages} pipeline chunks")
 
@@ -48,7 +55,7 @@ def partition_layers(
 
     ends = best(0, 0)[2]
     starts = (0, *ends[:-1])
-    return [range(s, e) for s, e in zip(starts, ends)]
+    return tuple(range(s, e) for s, e in zip(starts, ends))
 
 
 class PartFlops(NamedTuple):
@@ -65,6 +72,12 @@ class PartFlops(NamedTuple):
 def part_flops(model: ModelConfig) -> PartFlops:
     """Split `flops_per_token` into one layer, the embedding and the head (by differencing the
     formula over the layer count, so the parts always add up to the whole)."""
+    return _part_flops(dataclasses.astuple(model))
+
+
+@cache  # the planner asks for thousands of layouts of one model
+def _part_flops(fields: tuple) -> PartFlops:
+    model = ModelConfig(*fields)
     one, two = (flops_per_token(dataclasses.replace(model, n_layers=n)) for n in (1, 2))
     layer = two - one
     return PartFlops(layer=layer, embedding=0.0, head=one - layer)
