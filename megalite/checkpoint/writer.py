@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 from megalite import comm
@@ -44,16 +44,58 @@ from megalite.checkpoint.state import RunState
 from megalite.data.tokenizer import tokenizer_files
 from megalite.parallel_state import ParallelState
 
+Chunk = bytes | np.ndarray
+"""Something a file write and a hash take as it is (the buffer protocol)."""
 
-def _write_atomic(path: Path, data: bytes) -> str:
-    """Write bytes under a temporary name, fsync, rename; returns the sha256."""
+
+def _write_atomic(path: Path, *chunks: Chunk) -> str:
+    """Write the chunks one after another under a temporary name, fsync, rename; returns the
+    sha256 of the file, hashed as it is written."""
+    digest = hashlib.sha256()
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(data)
+        for chunk in chunks:
+            f.write(chunk)
+            digest.update(chunk)
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)
-    return hashlib.sha256(data).hexdigest()
+    return digest.hexdigest()
+
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def safetensors_chunks(tensors: dict[str, torch.Tensor]) -> list[Chunk]:
+    """A safetensors file as chunks to write: its header, then each (CPU) tensor's own memory,
+    so that a save copies nothing in user space (serializing to one bytes object first cost as
+    much as the write itself). The layout is the format's: an 8-byte little-endian header size,
+    the JSON header padded to 8 bytes, the tensors back to back in the header's order."""
+    header, chunks, offset = {}, [], 0
+    for key, tensor in tensors.items():
+        flat = tensor.detach().reshape(-1).contiguous()
+        size = flat.numel() * flat.element_size()
+        header[key] = {
+            "dtype": SAFETENSORS_DTYPES[flat.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        chunks.append(flat.view(torch.uint8).numpy())
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return [len(text).to_bytes(8, "little"), text, *chunks]
 
 
 def _entry(meta, pieces: int) -> dict[str, Any]:
@@ -194,7 +236,7 @@ def write_snapshot(snapshot: Snapshot) -> None:
     tmp_dir.mkdir(parents=True, exist_ok=True)
     index: dict[str, Any] = {"files": {}, "tensors": snapshot.entries}
     for i, (file, tensors) in enumerate(snapshot.files.items()):
-        index["files"][file] = _write_atomic(tmp_dir / file, safetensors_bytes(tensors))
+        index["files"][file] = _write_atomic(tmp_dir / file, *safetensors_chunks(tensors))
         if i == 0:
             _test_stall(snapshot.step)
     if snapshot.rank == 0 and snapshot.tokenizer is not None:

@@ -3,6 +3,7 @@
 lock never blocks), metrics keep one row per step after a resume, and asynchronous saves write
 exactly what synchronous ones do while training goes on."""
 
+import hashlib
 import json
 import math
 import multiprocessing
@@ -12,13 +13,15 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 from run_configs import ONE_LAYER, TWO_LAYERS
+from safetensors.torch import load_file
 
 import megalite.checkpoint.saver as saver_module
 import megalite.training.step as step_module
 from megalite.checkpoint.saver import CheckpointSaver
 from megalite.checkpoint.sharded import Checkpoint, CheckpointError, read_manifest
-from megalite.checkpoint.writer import STALL_ENV
+from megalite.checkpoint.writer import STALL_ENV, _write_atomic, safetensors_chunks
 from megalite.config import load_config
 from megalite.data import GlobalBatchSampler
 from megalite.parallel_state import ParallelState
@@ -216,3 +219,26 @@ def test_a_run_stopped_by_bad_steps_publishes_its_pending_async_save(
     assert f"Last good checkpoint: {step_4}" in str(info.value)
     assert read_manifest(step_4)["step"] == 4
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000004"
+
+
+def test_streamed_safetensors_files_read_back_exactly(tmp_path):
+    """The writer streams each tensor's memory into the file: safetensors reads back every
+    dtype and shape it writes (bf16, 0-dim, empty, a non-contiguous view), and the returned
+    checksum is the file's."""
+    tensors = {
+        "weight": torch.randn(3, 5),
+        "bf16": torch.randn(4, 4).bfloat16(),
+        "steps": torch.arange(7, dtype=torch.int64),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 3),
+        "mask": torch.tensor([True, False, True]),
+        "column": torch.randn(8, 4)[:, 1],
+        "rng": torch.get_rng_state(),
+    }
+    path = tmp_path / "file.safetensors"
+    digest = _write_atomic(path, *safetensors_chunks(tensors))
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    back = load_file(path)
+    assert sorted(back) == sorted(tensors)
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
