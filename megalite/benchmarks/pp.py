@@ -15,8 +15,9 @@ copies between the first and last stage, and counts them once in the global grad
     python -m megalite.benchmarks.pp               # the same, from an installed megalite
 
 Pipeline bubble, two measures, each averaged over the two ranks:
-- "p2p wait": time blocked waiting for pipeline messages / (that + compute). This is megalite's
-  own `StepMetrics.bubble_fraction` (receive waits). For torch it is the time spent in
+- "p2p wait": time blocked waiting for pipeline messages / compute (the papers' bubble,
+  (p - 1) / (v m) for balanced stages). This is megalite's own `StepMetrics.bubble_fraction`
+  (receive waits). For torch it is the time spent in
   `torch.distributed.pipelining.schedules._wait_batch_p2p` (a private helper, wrapped for the
   run; every p2p wait of the schedule goes through it, including its final send waits).
 - "idle": 1 - compute / schedule wall time, compute being the time inside the chunks' forward
@@ -83,7 +84,9 @@ wraps that module-level helper with this stopwatch for the run."""
 
 
 def bubbles(compute: float, wait: float, wall: float) -> dict[str, float]:
-    return {"bubble_wait": wait / (compute + wait), "bubble_idle": 1.0 - compute / wall}
+    """p2p wait relative to compute (the papers' (p-1)/(v m), as megalite's metrics report it)
+    and the idle share of the schedule's wall time."""
+    return {"bubble_wait": wait / compute, "bubble_idle": 1.0 - compute / wall}
 
 
 # ----------------------------------------------------------------------------- megalite
@@ -277,10 +280,11 @@ def report(args: argparse.Namespace, result: dict) -> None:
     ]
     notes = common_notes(args, PP, harness.global_batch(args) * args.seq)
     notes += [
-        "bubble p2p wait = time blocked on pipeline p2p / (that + compute); bubble idle = "
+        "bubble p2p wait = time blocked on pipeline p2p / compute; bubble idle = "
         "1 - compute / schedule wall time; both averaged over the ranks (see the docstring).",
-        f"textbook interleaved bubble for pp={PP}, vpp={args.vpp}, m={args.microbatches}: "
-        f"(pp-1)/(v*m+pp-1) = {ideal:.3f} of the schedule, with equal chunks.",
+        f"textbook interleaved bubble for pp={PP}, vpp={args.vpp}, m={args.microbatches}, "
+        f"equal chunks: (pp-1)/(v*m) = {(PP - 1) / (args.vpp * args.microbatches):.3f} of the "
+        f"compute, (pp-1)/(v*m+pp-1) = {ideal:.3f} of the schedule (idle).",
         simulated_note(args),
     ]
     for kind, error in result["failures"].items():
