@@ -109,6 +109,7 @@ def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
         run.optimizer.finish_param_gather()  # the overlapped gather: all weights, then save
         return saver.save(state)
 
+    preemption = Preemption(ps, save, saver.finish)
     hooks = [
         watchdog,
         BadSteps(run.bad_steps, resume_from),
@@ -116,7 +117,7 @@ def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
         MetricsLogging(logger, t.log_interval, t.steps),
         Checkpointing(save, cfg.checkpoint.interval, t.steps, saver.finish),
         summary,
-        Preemption(ps, save, saver.finish),  # last: sees the step's save
+        preemption,  # last: it sees whether this step was saved
     ]
     try:
         row = run_steps(run, state, data.train, cost, hooks)
@@ -129,6 +130,7 @@ def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
         raise
     finally:
         watchdog.close()  # its threads must not outlive the steps, however they end
+        preemption.close()  # nor its signal handlers
     close_run(hooks, summary, ps)
     return row
 
