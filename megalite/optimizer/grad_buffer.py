@@ -11,8 +11,10 @@ are in: reduce-scattered when the optimizer is sharded (ZeRO-1), all-reduced oth
 ZeRO-2 (sharded gradients) keeps no full-size gradient buffer: a bucket's fp32 gradients are
 staged in a bucket-sized tensor taken when its first gradient of a backward arrives, and every
 micro-batch's bucket is reduce-scattered as soon as it is complete and added into this rank's
-owned piece, then released (the caching allocator reuses it). At most two buckets of staging
-are alive at once: the one just completed and the one before it whose reduction is in flight.
+owned piece, then released (the caching allocator reuses it). Completing a bucket folds in the
+reductions launched before it, so what is alive is the bucket just completed, the one before it
+whose reduction is in flight, and any begun early (GPT's token embedding, used by the head too,
+gets its gradient last); `profiling.parameters` replays this policy for the estimate.
 
 After the optimizer step, the updated parameters are all-gathered asynchronously, bucket by
 bucket in the order the next forward uses them (Megatron-LM's overlapped parameter gather):
@@ -247,7 +249,7 @@ class GradBuffer:
             bucket.pending = len(bucket.params)
             self._count_staging(bucket.staging.nbytes)
         start = self.offsets[param] - bucket.start
-        bucket.staging[start : start + param.numel()].add_(param.grad.view(-1))
+        bucket.staging[start : start + param.numel()].view_as(param).add_(param.grad)
         param.grad = None
         bucket.pending -= 1
         if bucket.pending == 0:

@@ -98,7 +98,8 @@ def notes(est: LayoutEstimate) -> list[str]:
         out.append(
             "note: per parameter megalite keeps 2 B (16-bit param) + 4 B (fp32 main grad) + "
             "12 B (fp32 master, Adam m, v; / dp under ZeRO-1, which adds a 4 B / dp reduced-"
-            f"gradient shard); the ZeRO paper counts 2 + 2 + 12: {format_bytes(paper)} of "
+            "gradient shard; ZeRO-2 keeps only that shard, plus bucket staging); the ZeRO "
+            f"paper counts 2 + 2 + 12 (P_os: 12 / dp; P_os+g: 14 / dp): {format_bytes(paper)} of "
             f"model state on pp rank {fullest.pp_rank}, against {format_bytes(ours)} here"
         )
     return out
