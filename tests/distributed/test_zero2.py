@@ -14,7 +14,7 @@ from equivalence import TINY, assert_equivalent, reference, run_layout
 from megalite.config import load_config
 from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
-from megalite.profiling.estimate import estimate_layout
+from megalite.profiling.estimate import estimate_layout, zero_paper_bytes
 from megalite.profiling.memory import live_bytes
 from megalite.training.setup import build_run
 from megalite.training.step import train_step
@@ -116,3 +116,10 @@ def test_memory_equals_estimate_for_each_zero_level():
         dp = est.dp
         assert grads[2] * dp == pytest.approx(grads[0], rel=1e-3), layout  # 4/dp per parameter
         assert grads[1] == grads[0] + grads[2]  # ZeRO-1 keeps the full buffer and the shard
+
+
+def test_zero_paper_figures_for_its_7_5b_example():
+    """Rajbhandari et al. (2020), 7.5B parameters on 64 GPUs under its 2 + 2 + 12 accounting:
+    120 GB baseline, 31.4 GB with P_os (ZeRO-1), 16.6 GB with P_os+g (ZeRO-2)."""
+    for zero, gigabytes in ((0, 120), (1, 31.4), (2, 16.6)):
+        assert zero_paper_bytes(7.5e9, 64, zero) == pytest.approx(gigabytes * 1e9, rel=3e-3)

@@ -267,7 +267,7 @@ def test_wrong_type_in_yaml_file(tmp_path):
         ("parallel.tp=0", "parallel.tp must be >= 1"),
         ("parallel.pp=0", "parallel.pp must be >= 1"),
         ("parallel.vpp=0", "parallel.vpp must be >= 1"),
-        ("parallel.zero=2", "parallel.zero must be 0 or 1, got 2"),
+        ("parallel.zero=3", "parallel.zero must be 0, 1 or 2, got 3"),
         ("parallel.schedule=zb", "parallel.schedule must be gpipe, 1f1b or interleaved, got 'zb'"),
         ("parallel.bucket_mb=0", "parallel.bucket_mb must be > 0"),
         ("train.steps=0", "train.steps must be >= 1"),
