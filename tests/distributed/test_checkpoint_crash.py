@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from run_configs import TWO_LAYERS
 
 from megalite.checkpoint.sharded import read_manifest
@@ -67,7 +68,10 @@ def killed(tmp_path_factory, builtin_corpus) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("crash")
     procs = {}
     for name, (step, extra) in SCENARIOS.items():
-        env = {**os.environ, "OMP_NUM_THREADS": "1", STALL_ENV: f"{step}:600"}
+        # as many threads as this process, which trains the reference and the relaunches:
+        # another count sums in another order, and the losses would differ in the last bits
+        threads = str(torch.get_num_threads())
+        env = {**os.environ, "OMP_NUM_THREADS": threads, STALL_ENV: f"{step}:600"}
         command = [sys.executable, "-m", "megalite", "train", *settings(root / name, *extra)]
         procs[name] = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
