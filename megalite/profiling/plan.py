@@ -274,7 +274,7 @@ def _reasons(layout: Layout, prediction: Prediction, need: float, machine: Machi
     if layout.recompute != "none":
         reasons.append(f"needs {layout.recompute} recompute to fit")
     if p.cpu_bound:
-        reasons.append("cores saturated: the bubble costs nothing")
+        reasons.append("cores saturated: idle ranks lend theirs")
     reasons.append(f"{need / GIB:.2f} of {machine.memory_bytes / GIB:.1f} GiB")
     return reasons
 
@@ -283,12 +283,15 @@ def _reasons(layout: Layout, prediction: Prediction, need: float, machine: Machi
 
 DEFAULT_GPU = "H100 SXM"
 # device: (mfu fraction, intra-node Gbit/s, inter-node Gbit/s, optimizer GB/s, ms per layer and
-# micro-batch, ms per message). CPU: 8 gloo ranks of gpt-tiny on 2 cores reached about 80 % of
-# the measured peak, larger micro-batches were not faster (no per-layer overhead to save), and
-# every tp collective or p2p message cost about 5 ms (ranks wait for their peer's turn on a core).
+# micro-batch, ms per message, reduce-scatter / all-gather cost relative to a ring's). CPU, from
+# 8 gloo ranks of gpt-tiny on 2 cores: about 80 % of the measured peak; larger micro-batches were
+# not faster (no per-layer overhead to save); every tp collective or p2p message cost about 5 ms
+# (ranks wait for their peer's turn on a core); an all-reduce of 21 MB took 0.2 s, i.e. each
+# rank's share of the 2 cores moved its ring bytes at about 6 Gbit/s; pipelines lost about 40 %
+# of their bubble (pp 2: 11 %, pp 4: 21 % slower than dp 8), so 60 % of it is lent.
 DEFAULTS = {
-    "cuda": (0.5, 2400.0, 400.0, 2000.0, 0.05, 0.02),
-    "cpu": (0.8, 16.0, 16.0, 4.0, 0.0, 5.0),
+    "cuda": (0.5, 2400.0, 400.0, 2000.0, 0.05, 0.02, 1.0, 1.0),
+    "cpu": (0.8, 6.0, 6.0, 4.0, 0.0, 5.0, 2.0, 0.6),
 }
 
 
@@ -299,7 +302,7 @@ def machine_from_args(args: argparse.Namespace, base: Config) -> Machine:
         args.nodes >= 1 and args.gpus % args.nodes == 0,
         f"--nodes {args.nodes} must divide --gpus {args.gpus} (ranks per node are equal)",
     )
-    mfu, intra, inter, optimizer, overhead_ms, latency_ms = DEFAULTS[args.device]
+    mfu, intra, inter, optimizer, overhead_ms, latency_ms, split, lent = DEFAULTS[args.device]
     mfu = args.mfu_fraction if args.mfu_fraction is not None else mfu
     _check(0 < mfu <= 1, f"--mfu-fraction must be in (0, 1], got {mfu}")
     intra = args.intra_node_gbps if args.intra_node_gbps is not None else intra
@@ -331,6 +334,8 @@ def machine_from_args(args: argparse.Namespace, base: Config) -> Machine:
         memory_bandwidth=optimizer * 1e9,
         layer_overhead_s=overhead_ms / 1e3,
         latency_s=latency_ms / 1e3,
+        split_collective_cost=split,
+        bubble_lent=lent,
         cores=cpu_cores() if args.device == "cpu" else 1,
     )
 

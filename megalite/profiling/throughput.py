@@ -12,9 +12,10 @@ makespan, bubble included, comes from the schedule simulator with the actual sta
 
 On GPUs each rank owns its device, so the step takes as long as its critical path. CPU ranks on
 one machine share its cores (one thread each): the machine's measured peak is divided among the
-ranks that are busy, and a rank that waits in a bubble frees its core for another, so the step
-takes the longer of the critical path at one core per rank and all ranks' work spread over the
-cores. On CPU gloo moves messages with the cores too, so communication counts as work there.
+ranks that are busy, and a rank that waits in a bubble frees its core for another (in part:
+`Machine.bubble_lent`), so the step takes the longer of the critical path at one core per rank
+and all ranks' work spread over the cores. On CPU gloo moves messages with the cores too, so
+communication counts as work there.
 """
 
 from __future__ import annotations
@@ -60,8 +61,16 @@ class Machine:
     latency_s: float
     """Seconds each collective or p2p message costs whatever its size: the link's latency,
     and on CPU ranks that outnumber the cores, waiting for the peer to be scheduled."""
+    split_collective_cost: float = 1.0
+    """A reduce-scatter's or all-gather's time relative to a ring's, (n - 1) / n of the bytes
+    over the link: 1 for NCCL; gloo's take about twice that (8 CPU ranks, 21 MB: all-reduce
+    0.20 s, reduce-scatter 0.16 s, all-gather 0.25 s), so ZeRO's pair costs two all-reduces."""
     cores: int = 1
     """CPU cores the ranks share (cpu only)."""
+    bubble_lent: float = 1.0
+    """CPU only: the share of a waiting rank's core time that the job's busy ranks get. All
+    of it on a machine of its own; less where the OS gives it to other work or a waking rank
+    takes its time (8 gloo ranks on a busy 2-core machine: about 0.6, see plan.DEFAULTS)."""
 
     @property
     def ranks_per_node(self) -> int:
@@ -139,12 +148,13 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
 
     params = max(stage_params(cfg))
     dp_bw = machine.bandwidth(p.tp * dp)
+    split = machine.split_collective_cost
     grads = (dp - 1) / dp * params * 4 / dp_bw  # fp32 main grads, reduce-scattered
-    gather = (dp - 1) / dp * params * element / dp_bw if p.zero else 0.0
+    gather = split * (dp - 1) / dp * params * element / dp_bw if p.zero else 0.0
     # reduce-scattered under the last micro-batch's backward (ZeRO-2: under each one's), an
     # all-reduce without ZeRO; the parameter all-gather under the next step's first forward
     rounds = m if p.zero == 2 else 1
-    reduce = rounds * grads * (1 if p.zero else 2)
+    reduce = rounds * grads * (split if p.zero else 2)
     window = rounds * max(sum(backward[r :: p.pp]) for r in range(p.pp))
     first_forward = min(sum(forward[r :: p.pp]) for r in range(p.pp))
     dp_s = max(0.0, reduce - window) + max(0.0, gather - first_forward)
@@ -159,6 +169,7 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
         p2p_work = 4 * m * boundaries * message  # both ends copy every message
         work = p.tp * dp * (compute + p2p_work + p.pp * (reduce + gather + optimizer))
         shared = work / min(machine.cores, machine.world_size)
+        shared *= 1 + (1 - machine.bubble_lent) * bubble  # the bubble time not lent is lost
         cpu_bound, step = shared > step, max(step, shared)
     step += calls * machine.latency_s  # the ranks meet at every message: nothing hides it
     return Prediction(
@@ -184,6 +195,7 @@ def _stage_times(
     # per layer pass: two all-reduces, or two all-gathers and two reduce-scatters under sp
     per_pass = 0 if p.tp == 1 else 4 if p.sp else 2
     transfer = 4 * (p.tp - 1) / p.tp * act / machine.bandwidth(p.tp)  # same bytes either way
+    transfer *= machine.split_collective_cost if p.sp else 1.0
     forward, backward, tp_s, tp_calls = [], [], [], []
     for cost, layers, rerun in zip(stage_costs(cfg), stage_ranges(cfg), _recomputed_layers(cfg)):
         tp_f, tp_b = len(layers) * transfer, (len(layers) + rerun) * transfer
