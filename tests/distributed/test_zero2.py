@@ -11,6 +11,7 @@ import pytest
 import torch
 from equivalence import TINY, assert_equivalent, reference, run_layout
 
+from megalite import comm
 from megalite.config import load_config
 from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
@@ -60,6 +61,31 @@ def test_zero2_resumes_in_another_layout(builtin_corpus, tmp_path):
         assert abs(loss - ref_loss) <= 1e-5 * ref_loss
 
 
+def _reductions(_) -> tuple[list[str], int, int]:
+    """Collectives and the moments the embedding's gradient (the last one backward produces)
+    arrives, over one step of 2 micro-batches with ZeRO-2."""
+    cfg = load_config(None, [*TINY, *GPT, *SMALL_BUCKETS, "parallel.zero=2"])
+    ps = build_parallel_state(1, 1, torch.device("cpu"))
+    run = build_run(cfg, ps)
+    embedding = run.named_parameters()["wte.weight"]
+    torch.manual_seed(0)
+    with comm.record_collectives() as log:
+        embedding.register_post_accumulate_grad_hook(lambda p: log.append("embedding grad"))
+        train_step(run, torch.randint(0, 500, (4, 33)), 1e-3)
+    events = [e if isinstance(e, str) else e.op for e in log]
+    return events, len(run.buffers[0].buckets), run.buffers[0].staging_peak
+
+
+def test_every_micro_batch_is_reduce_scattered_during_its_backward():
+    events, buckets, staging_peak = run_ranks(2, _reductions, None)[0]
+    assert buckets > 3
+    grads = [i for i, e in enumerate(events) if e == "embedding grad"]
+    scatters = [i for i, e in enumerate(events) if e == "reduce_scatter"]
+    assert len(grads) == 2 and len(scatters) == 2 * buckets, "every bucket of both micro-batches"
+    assert sum(i < grads[0] for i in scatters) == buckets, "micro-batch 1's, in its backward"
+    assert scatters[0] < grads[0] - buckets // 2, "the first buckets overlap the backward"
+
+
 MEMORY_LAYOUTS = [
     ("model.arch=gpt", "train.precision=bf16"),
     ("model.arch=gpt", "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved"),
@@ -95,8 +121,8 @@ def _measure_memory() -> list[tuple[int, dict[str, int], int, int]]:
 def test_memory_equals_estimate_for_each_zero_level():
     """4 ranks: dp 4, or dp 2 with pp 2 or tp 2. Parameters, gradients and optimizer state per
     rank from the live tensors equal the estimate exactly for zero 0, 1 and 2; ZeRO-2's
-    gradients are a quarter or half of ZeRO-0's (padding aside) and its staging peak is the
-    estimator's."""
+    gradients are 1/dp of ZeRO-0's, and its staging peak is the estimator's and under the full
+    buffer it replaces."""
     per_rank = run_ranks(4, _measure_memory, timeout=240)
     i = 0
     for layout in MEMORY_LAYOUTS:
@@ -111,11 +137,12 @@ def test_memory_equals_estimate_for_each_zero_level():
                 assert live["grads"] == stage.part("gradients"), where
                 assert live["optimizer"] == stage.part("optimizer"), where
                 assert staging == stage.part("gradient staging"), where
-                grads[zero] = live["grads"]
+                grads[zero], staged = live["grads"], staging
             i += 1
-        dp = est.dp
-        assert grads[2] * dp == pytest.approx(grads[0], rel=1e-3), layout  # 4/dp per parameter
+        assert grads[2] * est.dp == grads[0], layout  # 4/dp per parameter (padding included)
         assert grads[1] == grads[0] + grads[2]  # ZeRO-1 keeps the full buffer and the shard
+        # no full-size buffer in disguise (though a tiny model's vocabulary is most of a chunk)
+        assert 0 < staged < grads[0], layout
 
 
 def test_zero_paper_figures_for_its_7_5b_example():
