@@ -19,17 +19,20 @@ from torch import nn
 
 from megalite import comm
 from megalite.config import OptimConfig
+from megalite.optimizer.adamw import AdamW
 from megalite.optimizer.clip import sum_of_squares
 from megalite.optimizer.grad_buffer import GradBuffer
+from megalite.optimizer.offload import OnDevice, OnHost
 from megalite.parallel_state import ParallelState
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
-"""The optimizer state kept per owned element, each fp32."""
+"""The optimizer state kept per owned element: fp32 master, moments in optim.state_dtype
+(`optimizer.adamw`), on the device or, with optim.offload=cpu, the host (`optimizer.offload`)."""
 
 
 @dataclass
 class ShardState:
-    """Optimizer state of one owned piece of a bucket (fp32; local coordinates of the piece)."""
+    """Optimizer state of one owned piece of a bucket (local coordinates of the piece)."""
 
     buffer: GradBuffer
     start: int
@@ -39,7 +42,7 @@ class ShardState:
     grads: torch.Tensor
     """Its reduced gradient (a view)."""
     master: torch.Tensor
-    """fp32 master weights: the parameters themselves when they are fp32."""
+    """fp32 master weights: the parameters themselves when they are fp32 and not offloaded."""
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     decay: list[tuple[int, int]]
@@ -76,27 +79,33 @@ class DistributedOptimizer:
         self.buffers, self.names, self.cfg, self.ps = buffers, names, cfg, ps
         self.step_count = 0
         self.states: list[ShardState] = []
-        for buffer in buffers:
-            for bucket, (start, end) in zip(buffer.buckets, buffer.owned_ranges):
-                params = buffer.params_flat[start:end]
-                master = params if params.dtype == torch.float32 else params.float()
-                self.states.append(
-                    ShardState(
-                        buffer=buffer,
-                        start=start,
-                        params=params,
-                        grads=buffer.owned_grads[bucket.owned],
-                        master=master,
-                        exp_avg=torch.zeros_like(master),
-                        exp_avg_sq=torch.zeros_like(master),
-                        decay=_ranges(buffer, start, end, lambda p: p.meta.weight_decay),
-                        counted=_ranges(buffer, start, end, self._counts_in_norm),
-                    )
+        pieces = [
+            (buffer, bucket, start, end, buffer.params_flat[start:end])
+            for buffer in buffers
+            for bucket, (start, end) in zip(buffer.buckets, buffer.owned_ranges)
+        ]
+        self.placement = (
+            OnHost(ps.device, [params for *_, params in pieces])
+            if cfg.offload == "cpu"
+            else OnDevice(ps.device)
+        )
+        largest = max((params.numel() for *_, params in pieces), default=0)
+        self.adamw = AdamW(cfg, self.placement.state_device, largest, ps.rank)
+        for buffer, bucket, start, end, params in pieces:
+            master = self.placement.master_of(params)
+            self.states.append(
+                ShardState(
+                    buffer=buffer,
+                    start=start,
+                    params=params,
+                    grads=buffer.owned_grads[bucket.owned],
+                    master=master,
+                    exp_avg=self.adamw.zeros(master.numel(), self.placement.pin),
+                    exp_avg_sq=self.adamw.zeros(master.numel(), self.placement.pin),
+                    decay=_ranges(buffer, start, end, lambda p: p.meta.weight_decay),
+                    counted=_ranges(buffer, start, end, self._counts_in_norm),
                 )
-        # Elements per chunk of the update: cache-sized on CPU, large on GPUs (fewer launches).
-        self.chunk_numel = 1 << 18 if ps.device.type == "cpu" else 1 << 24
-        largest = max((state.master.numel() for state in self.states), default=0)
-        self.scratch = torch.empty(min(largest, self.chunk_numel), device=ps.device)
+            )
 
     def _counts_in_norm(self, param: nn.Parameter) -> bool:
         replicated_over_tp = param.meta.tp_split_dim is None
@@ -131,30 +140,19 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """One AdamW step on the owned elements (torch.optim.AdamW's update); gradients are
-        multiplied by grad_scale (the clip coefficient divided by the loss scale), which is
-        folded into the moment updates rather than a scaled copy of the gradients."""
-        cfg = self.cfg
+        multiplied by grad_scale (the clip coefficient divided by the loss scale), which the
+        kernel applies as it reads them rather than a scaled copy of the gradients."""
         self.finish_param_gather()  # the last step's gather must not land on this update
         self.step_count += 1
-        bias1 = 1.0 - cfg.beta1**self.step_count
-        bias2_sqrt = (1.0 - cfg.beta2**self.step_count) ** 0.5
-        chunk = self.chunk_numel
-        scratch = self.scratch
-        for state in self.states:
-            for start, end in state.decay if cfg.weight_decay else ():
-                state.master[start:end].mul_(1.0 - lr * cfg.weight_decay)
-            for lo in range(0, state.master.numel(), chunk):
-                # one cache-sized chunk at a time, with a reused buffer for the denominator
-                g, m, v, p = (
-                    t[lo : lo + chunk]
-                    for t in (state.grads, state.exp_avg, state.exp_avg_sq, state.master)
-                )
-                m.mul_(cfg.beta1).add_(g, alpha=(1.0 - cfg.beta1) * grad_scale)
-                v.mul_(cfg.beta2).addcmul_(g, g, value=(1.0 - cfg.beta2) * grad_scale**2)
-                denom = torch.sqrt(v, out=scratch[: v.numel()]).div_(bias2_sqrt).add_(cfg.eps)
-                p.addcdiv_(m, denom, value=-lr / bias1)
-            if state.master is not state.params:
-                state.params.copy_(state.master)
+        self.adamw.begin_step(self.step_count, grad_scale)
+        placement = self.placement
+        # Piece by piece: under offload, piece k's update overlaps the copies of its neighbours.
+        placement.gradients_down([state.grads for state in self.states])
+        for i, state in enumerate(self.states):
+            grads = placement.gradient(i)
+            self.adamw.update(state.master, grads, state.exp_avg, state.exp_avg_sq, state.decay, lr)
+            placement.parameters_up(i, state.master, state.params)
+        placement.finish()
         for buffer in self.buffers:  # chunk order, each in forward order: the next forward's
             buffer.start_param_gather()
 
@@ -164,6 +162,16 @@ class DistributedOptimizer:
         read them all)."""
         for buffer in self.buffers:
             buffer.finish_param_gather()
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the optimizer holds beside the model's, on `placement.state_device`:
+        master copies (not the params themselves), moments, the update's scratch, offload
+        staging. For memory accounting."""
+        held = [self.adamw.scratch, *self.placement.staging()]
+        for state in self.states:
+            held += [state.exp_avg, state.exp_avg_sq]
+            held += [state.master] if state.master is not state.params else []
+        return held
 
     # ------------------------------------------------------------------ checkpoints
 

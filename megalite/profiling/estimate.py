@@ -2,8 +2,8 @@
 estimates in milliseconds.
 
 Per rank (first, middle and last pipeline stage, each with the vpp chunks it holds) the estimate
-is a table of parts, each on a device ("gpu" or, for state a future option moves off it,
-"host"):
+is a table of parts, each on a device ("gpu", or "host" for the optimizer's state under
+optim.offload=cpu):
 
 - parameters, module buffers (rotary tables), fp32 gradients and optimizer state, counted as
   megalite lays them out: one flat buffer per chunk, cut into buckets padded to a multiple of
@@ -31,7 +31,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from megalite.config import Config
+from megalite.config import Config, OptimConfig
+from megalite.optimizer.adamw import SCRATCH_BYTES_PER_ELEMENT, scratch_numel
 from megalite.pipeline.partition import chunk_layers
 from megalite.pipeline.schedule import Op, build_schedule
 from megalite.profiling import activations as act
@@ -45,8 +46,6 @@ gpt2-124m: 8,579 MiB in nvidia-smi against 7,828 MiB reserved, 751 MiB. It depen
 device, driver and libraries: override with `--cuda-context` / `estimate_layout(...,
 cuda_context=...)`."""
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-OPTIMIZER_CHUNK = {"cpu": 1 << 18, "cuda": 1 << 24}
-"""Elements per chunk of the optimizer update (`optimizer.zero1`): its scratch buffer."""
 
 
 @dataclass(frozen=True)
@@ -150,17 +149,32 @@ def _static_parts(cfg: Config, pp_rank: int, dp: int, element: int, device: str)
     grads += [n * 4 for n in owned] if sharded else []
     # ZeRO-2's buckets are staged during each backward only, one chunk's at a time
     staging = max((b.staging_pieces() for b in buffers), key=sum) if grads_sharded else []
-    per_owned = [4] * (element != 4) + [4, 4]  # fp32 master unless params are fp32; m; v
-    optimizer = [n * k for n in owned for k in per_owned]
-    optimizer.append(min(max(owned, default=0), OPTIMIZER_CHUNK[device]) * 4)
     rotary = [n * element for b in buffers for n in b.module_buffers]
     return [
         Part("parameters", sum(padded) * element, tuple(n * element for n in padded)),
         Part("buffers", sum(rotary), tuple(rotary)),
         Part("gradients", sum(grads), tuple(grads)),
         Part("gradient staging", 4 * sum(staging), tuple(4 * n for n in staging)),
-        Part("optimizer", sum(optimizer), tuple(optimizer)),
+        _optimizer_part(cfg.optim, owned, element, device),
     ]
+
+
+def _optimizer_part(o: OptimConfig, owned: list[int], element: int, device: str) -> Part:
+    """The optimizer's tensors for the owned pieces (`optimizer.zero1`, `adamw`, `offload`):
+    fp32 master weights (unless the params are fp32 and stay on the device) and Adam's m and v
+    in optim.state_dtype; with optim.offload=cpu all on the host, plus each piece's fp32
+    gradient staging and, for 16-bit params, its upload staging; a bf16-state update's upcast
+    scratch (sized for the device that runs the update)."""
+    offload = o.offload == "cpu"
+    moment = ELEMENT_BYTES[o.state_dtype]
+    per_owned = [4] * (offload or element != 4) + [moment, moment]
+    if offload:
+        per_owned += [4] + [element] * (element != 4)
+    tensors = [n * k for n in owned for k in per_owned]
+    largest = max(owned, default=0)
+    scratch = scratch_numel(largest, o.state_dtype, "cpu" if offload else device)
+    tensors += [scratch * SCRATCH_BYTES_PER_ELEMENT] if scratch else []
+    return Part("optimizer", sum(tensors), tuple(tensors), "host" if offload else "gpu")
 
 
 @dataclass

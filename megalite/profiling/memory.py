@@ -47,13 +47,11 @@ def live_bytes(run: Run) -> dict[str, int]:
     parameter buffers (bucket padding included) and non-parameter buffers (rotary tables), the
     fp32 gradient buffers (and the owned-gradient shards ZeRO-1 reduces into; ZeRO-2 keeps the
     shards alone, its bucket staging lives only inside a backward), and the
-    optimizer's fp32 master copies (where params are 16-bit), Adam moments and update scratch."""
+    optimizer's fp32 master copies (where params are 16-bit or offloaded), Adam moments (in
+    optim.state_dtype), update scratch and offload staging. `live_devices` says where each
+    part lives."""
     grads = sum(t.nbytes for buffer in run.buffers for t in buffer.gradient_tensors())
-    optimizer = run.optimizer.scratch.nbytes
-    for state in run.optimizer.states:
-        optimizer += state.exp_avg.nbytes + state.exp_avg_sq.nbytes
-        if state.master is not state.params:
-            optimizer += state.master.nbytes
+    optimizer = sum(t.nbytes for t in run.optimizer.state_tensors())
     model_buffers = {
         _storage_key(b): b.untyped_storage().nbytes() for c in run.chunks for b in c.buffers()
     }
@@ -63,6 +61,15 @@ def live_bytes(run: Run) -> dict[str, int]:
         "grads": grads,
         "optimizer": optimizer,
     }
+
+
+def live_devices(run: Run) -> dict[str, str]:
+    """Where each part of `live_bytes` lives, as the estimator's `Part.device` names it: "gpu"
+    (the run's device) or "host" (the optimizer's state under optim.offload=cpu, which is on
+    the host even when host and device are one CPU)."""
+    placement = run.optimizer.placement
+    optimizer = "host" if placement.offloaded else "gpu"
+    return {"params": "gpu", "buffers": "gpu", "grads": "gpu", "optimizer": optimizer}
 
 
 class _Held:
