@@ -62,7 +62,11 @@ def table(est: LayoutEstimate) -> str:
     micro-batches and the GPU view."""
     shown = _shown(est.stages)
     names = list(dict.fromkeys(part.name for stage in est.stages for part in stage.parts))
-    width = max(len(n) for n in [*names, "micro-batches in flight", "nvidia-smi (est.)"]) + 2
+    on_host = {part.name for stage in est.stages for part in stage.parts if part.device == "host"}
+    labels = {n: f"{n} (host)" if n in on_host else n for n in names}
+    width = (
+        max(len(n) for n in [*labels.values(), "micro-batches in flight", "nvidia-smi (est.)"]) + 2
+    )
 
     def row(label: str, cells: list[str]) -> str:
         return f"{label:<{width}}" + "".join(f"{c:>16}" for c in cells)
@@ -70,8 +74,10 @@ def table(est: LayoutEstimate) -> str:
     lines = layout_lines(est)
     lines.append(row("", [f"pp rank {s.pp_rank}" for s in shown]))
     lines.append(row("parameters (M)", [f"{s.parameters / 1e6:,.2f}" for s in shown]))
-    lines += [row(n, [format_bytes(s.part(n)) for s in shown]) for n in names]
-    lines.append(row("total", [format_bytes(s.total_bytes) for s in shown]))
+    lines += [row(labels[n], [format_bytes(s.part(n)) for s in shown]) for n in names]
+    lines.append(
+        row("total (gpu)" if on_host else "total", [format_bytes(s.total_bytes) for s in shown])
+    )
     lines.append(row("micro-batches in flight", [str(s.in_flight) for s in shown]))
     if est.device == "cuda":
         lines.append(row("nvidia-smi (est.)", [format_bytes(est.gpu_bytes(s)) for s in shown]))
@@ -101,6 +107,19 @@ def notes(est: LayoutEstimate) -> list[str]:
             "gradient shard; ZeRO-2 keeps only that shard, plus bucket staging); the ZeRO "
             f"paper counts 2 + 2 + 12 (P_os: 12 / dp; P_os+g: 14 / dp): {format_bytes(paper)} of "
             f"model state on pp rank {fullest.pp_rank}, against {format_bytes(ours)} here"
+        )
+    o = est.cfg.optim
+    if o.offload == "cpu" or o.state_dtype != "fp32":
+        out.append(
+            f"note: optim.state_dtype={o.state_dtype} keeps Adam m and v in "
+            f"{2 if o.state_dtype == 'bf16' else 4} + {2 if o.state_dtype == 'bf16' else 4} B "
+            "per owned element (master weights stay fp32)"
+            + (
+                "; optim.offload=cpu keeps them, the master weights and the offload's gradient "
+                "and upload staging in host memory, outside the GPU total"
+                if o.offload == "cpu"
+                else ""
+            )
         )
     return out
 
