@@ -154,4 +154,7 @@ def test_activations_held_match_the_simulator(schedule):
     simulated = simulate([build_schedule(schedule, pp, r, m) for r in range(pp)], pp, 1)
     assert [peak for peak, _ in measured] == simulated.peak_in_flight
     assert simulated.peak_in_flight == ([2, 1] if schedule == "1f1b" else [6, 6])
-    assert all(0 < bubble < 1 for _, bubble in measured)  # measured and reported on every rank
+    # Measured and reported on every rank alike: idle time relative to compute, which is
+    # positive with pp > 1 and may exceed 1 when the machine is loaded.
+    bubbles = [bubble for _, bubble in measured]
+    assert bubbles[0] > 0 and bubbles == [bubbles[0]] * pp
