@@ -141,7 +141,8 @@ class DistributedOptimizer:
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """One AdamW step on the owned elements (torch.optim.AdamW's update); gradients are
         multiplied by grad_scale (the clip coefficient divided by the loss scale), which the
-        kernel applies as it reads them rather than a scaled copy of the gradients."""
+        kernel applies as it reads them, with no scaled copy (it leaves the owned gradients so
+        scaled)."""
         self.finish_param_gather()  # the last step's gather must not land on this update
         self.step_count += 1
         self.adamw.begin_step(self.step_count, grad_scale)
