@@ -93,7 +93,9 @@ def rank_entry(row: dict[str, float], cost: StepCost) -> dict[str, Any]:
         bubble=row["bubble"] / (row["forward"] + row["backward"]),
         memory_bytes={k: v for k, v in memory.items() if k not in GPU_PEAKS},
     )
-    entry["memory_total_bytes"] = sum(entry["memory_bytes"].values())
+    # what the device holds, like the estimate's total: host-resident parts (`*_host`) aside
+    device_parts = {k: v for k, v in entry["memory_bytes"].items() if not k.endswith("_host")}
+    entry["memory_total_bytes"] = sum(device_parts.values())
     entry.update({f"{k}_bytes": memory[k] for k in GPU_PEAKS if k in memory})
     return entry
 

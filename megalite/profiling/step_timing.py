@@ -27,7 +27,7 @@ import torch
 from megalite import comm
 from megalite.optimizer.lr_schedule import learning_rate
 from megalite.pipeline.executor import IntervalTimer, timed
-from megalite.profiling.memory import SavedActivationTracker, live_bytes
+from megalite.profiling.memory import SavedActivationTracker, live_bytes, live_devices
 from megalite.training.setup import Run
 from megalite.training.step import train_step
 
@@ -166,7 +166,9 @@ def memory_parts(run: Run, saved_activations: int) -> dict[str, int]:
     """Bytes this rank holds: the live training state counted from its tensors and the peak of
     activations saved for backward; on a GPU also what the caching allocator saw at its peak
     (`peak_allocated`, `peak_reserved`, since the last reset)."""
-    parts = {**live_bytes(run), "activations": saved_activations}
+    where = live_devices(run)  # the optimizer's state under offload: named `optimizer_host`
+    parts = {(k if where[k] == "gpu" else f"{k}_host"): v for k, v in live_bytes(run).items()}
+    parts["activations"] = saved_activations
     if run.ps.device.type == "cuda":
         parts["peak_allocated"] = torch.cuda.max_memory_allocated(run.ps.device)
         parts["peak_reserved"] = torch.cuda.max_memory_reserved(run.ps.device)
