@@ -110,16 +110,15 @@ def notes(est: LayoutEstimate) -> list[str]:
         )
     o = est.cfg.optim
     if o.offload == "cpu" or o.state_dtype != "fp32":
+        moment = 2 if o.state_dtype == "bf16" else 4
+        where = (
+            "; optim.offload=cpu keeps them, the fp32 master weights and the offload's gradient "
+            "and upload staging in host memory, outside the GPU total"
+        )
         out.append(
-            f"note: optim.state_dtype={o.state_dtype} keeps Adam m and v in "
-            f"{2 if o.state_dtype == 'bf16' else 4} + {2 if o.state_dtype == 'bf16' else 4} B "
-            "per owned element (master weights stay fp32)"
-            + (
-                "; optim.offload=cpu keeps them, the master weights and the offload's gradient "
-                "and upload staging in host memory, outside the GPU total"
-                if o.offload == "cpu"
-                else ""
-            )
+            f"note: Adam's m and v take {moment} + {moment} B per owned element "
+            f"(optim.state_dtype={o.state_dtype}; master weights stay fp32)"
+            + (where if o.offload == "cpu" else "")
         )
     return out
 
