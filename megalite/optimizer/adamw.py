@@ -32,7 +32,7 @@ STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 UPCAST_CHUNK = {"cpu": 1 << 18, "cuda": 1 << 24}
 """Elements per chunk of a bf16-state update (cache-sized on CPU, large on GPUs): its scratch
 holds two fp32 moments and the int32 rounding noise of one chunk."""
-SCRATCH_BYTES_PER_ELEMENT = 12
+SCRATCH_BYTES_PER_ELEMENT = 3 * 4  # m and v in fp32, the int32 noise
 
 
 def complement(ranges: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
@@ -79,7 +79,9 @@ class AdamW:
         self.cfg, self.device, self.rank = cfg, device, rank
         self.state_dtype = STATE_DTYPES[cfg.state_dtype]
         self.chunk = scratch_numel(largest_piece, cfg.state_dtype, device.type)
-        self.scratch = torch.empty(self.chunk * 3, dtype=torch.float32, device=device)
+        self.scratch = torch.empty(
+            self.chunk * 3, dtype=torch.float32, device=device
+        )  # m, v, noise
         self.step_tensor = torch.zeros((), dtype=torch.float32, device=device)
         self.generator = torch.Generator(device=device)
         self.inverse_scale: torch.Tensor | None = None
