@@ -1,5 +1,5 @@
-"""`megalite <command>`: train, generate, export-hf, data. Launch training on several processes with
-`torchrun --nproc-per-node N -m megalite train ...`.
+"""`megalite <command>`: train, generate, export-hf, data, estimate, plan, profile, plot. Launch
+training (and profile) on several processes with `torchrun --nproc-per-node N -m megalite train`.
 
 Every MegaliteError (bad config, bad data, bad checkpoint, impossible layout) is printed as one
 `error: ...` line with exit code 2, instead of a traceback.

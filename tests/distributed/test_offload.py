@@ -82,9 +82,13 @@ def test_offload_on_cuda(precision):
     state = offloaded.optimizer.state_tensors()
     assert all(t.device.type == "cpu" and t.is_pinned() for t in state if t.numel())
     assert all(b.params_flat.is_cuda and b.grads_flat.is_cuda for b in offloaded.buffers)
+    # With bf16 parameters a last-bit difference between the CPU's and the GPU's fused AdamW
+    # can flip a parameter's bf16 rounding, and five steps of Adam magnify that: 6.6e-4 on an
+    # H100 (fp32 parameters: below 1e-4).
+    tolerance = 1e-4 if precision == "fp32" else 2e-3
     for gpu, host in zip(on_device.optimizer.states, offloaded.optimizer.states, strict=True):
         error = ((host.master.cuda() - gpu.master).norm() / gpu.master.norm()).item()
-        assert error < 1e-4
+        assert error < tolerance
 
 
 MEMORY_CASES = [

@@ -27,6 +27,9 @@ from megalite.launch import free_port
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 420
 TRAIN_SHORT = "train.steps=2 train.eval_steps=1 logging.progress=false"
+PROFILE_SHORT = (
+    "model.seq_len=64 train.micro_batch_size=2 train.global_batch_size=4 --warmup-steps 1 --steps 1"
+)
 
 SHORT = {
     "make train": f'ARGS="{TRAIN_SHORT}"',
@@ -63,6 +66,27 @@ SHORT = {
     'megalite train --config configs/gpt-tiny.yaml data.source="0.7 data/web 0.3 data/books" '
     "train.out_dir=runs/mine": TRAIN_SHORT,
     "megalite export-hf --checkpoint runs/mine --out hf/mine --dtype bf16": "",
+    "megalite estimate --config configs/llama-7b.yaml --world-size 64": "",
+    "megalite plan --config configs/llama-7b.yaml --gpus 64 --gpu-memory 80GB --nodes 8": "",
+    "megalite plan --config configs/gpt-tiny.yaml --gpus 8 --device cpu": "",
+    "megalite profile --config configs/gpt-tiny.yaml train.out_dir=runs/profile": PROFILE_SHORT,
+    "torchrun --nproc-per-node 2 -m megalite profile --config configs/gpt-tiny.yaml "
+    "--trace runs/profile-pp2/trace parallel.pp=2 train.out_dir=runs/profile-pp2": PROFILE_SHORT,
+    "megalite plot runs/gpt-tiny runs/3d": "",
+    "megalite plot runs/profile-pp2/profile.json": "",
+    "torchrun --nproc-per-node 4 --max-restarts 3 -m megalite train --config configs/gpt-tiny.yaml "
+    "train.micro_batch_size=2 checkpoint.interval=50 checkpoint.async_save=true "
+    "train.out_dir=runs/tiny4": TRAIN_SHORT,
+    "RDZV_HOST=localhost NNODES=1 NPROC=2 examples/torchrun_multinode.sh "
+    "--config configs/gpt-tiny.yaml train.out_dir=runs/multinode": TRAIN_SHORT,
+    "python tools/bench_checkpoint.py": "--configs configs/gpt-tiny.yaml --saves 1 --steps-after 1 "
+    "--warmup 0 --seq 32",
+    "megalite estimate --config configs/gpt2-1.3b.yaml --world-size 8 parallel.zero=2 "
+    "optim.offload=cpu optim.state_dtype=bf16": "",
+    "megalite train --config configs/gpt-tiny.yaml parallel.zero=2 optim.state_dtype=bf16 "
+    "train.recompute=segments train.out_dir=runs/lean": TRAIN_SHORT,
+    # tests/distributed/test_restarts.py runs the 4-rank trial; here the tool itself, on 2 ranks.
+    "python tools/restart_trials.py --trials 10": "--trials 1 --nproc 2 --steps 8 --interval 3",
 }
 
 # What a command prints when it worked (besides exiting 0), by the longest prefix that matches.
@@ -87,6 +111,15 @@ EXPECTED = {
     "python tools/estimate_memory.py": "GiB",
     "python tools/bench_init.py": "shard",
     "python tools/bench_prepare.py": "MB/s",
+    "megalite estimate": "peak:",
+    "megalite plan": "--nproc-per-node=8 -m megalite train --config",
+    "megalite profile": "wrote runs/profile/profile.json",
+    "torchrun --nproc-per-node 2 -m megalite profile": "pipeline bubble (idle / compute)",
+    "megalite plot runs/gpt-tiny": "plots/loss.png",
+    "megalite plot runs/profile-pp2": "_time.png",
+    "RDZV_HOST": "trained to step",
+    "python tools/bench_checkpoint.py": "async",
+    "python tools/restart_trials.py": "recovered 1 of 1",
 }
 
 
@@ -108,7 +141,7 @@ def workspace(tmp_path_factory, builtin_corpus_8000):
     from megalite.data.builtin import builtin_corpus_text
 
     root = tmp_path_factory.mktemp("readme")
-    for name in ("configs", "tools"):
+    for name in ("configs", "tools", "examples"):
         (root / name).symlink_to(REPO / name)
     text = builtin_corpus_text()
     (root / "corpus.txt").write_text(text)
@@ -148,6 +181,13 @@ def _argv(command: str, workspace: Path) -> tuple[list[str], Path, dict[str, str
     torchrun, the repository as the directory of make."""
     words = shlex.split(command) + shlex.split(SHORT[command])
     env = {"OMP_NUM_THREADS": "1"}
+    while "=" in words[0]:  # VAR=value before a command sets its environment
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    if words[0].startswith("examples/"):  # a launch script: torchrun from this venv, a free port
+        env.update(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+        env.update(RDZV_PORT=str(free_port()))
+        return ["bash", *words], workspace, env
     if words[0] == "make":
         run_dir = workspace / "runs" / "make-train"
         return [*words, f"RUN_DIR={run_dir}", f"VENV={sys.prefix}"], REPO, env
@@ -183,6 +223,14 @@ def test_readme_command_runs(command, workspace):
         comm_trace.check_traces(workspace / "torchrun-trace")
     if "--out hf/mine" in command:
         _check_own_export(workspace)
+
+
+def test_slurm_example_is_valid_bash():
+    """The sbatch script cannot run without Slurm; its shell syntax at least is checked."""
+    script = REPO / "examples" / "slurm_megalite.sbatch"
+    checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    assert "torchrun" in script.read_text() and "--rdzv-backend c10d" in script.read_text()
 
 
 def _check_own_export(workspace: Path) -> None:
