@@ -10,21 +10,9 @@ import torch
 from torch import nn
 
 from megalite.checkpoint.hf import read_hf
-from megalite.checkpoint.sharded import Checkpoint, CheckpointError, local_piece
+from megalite.checkpoint.sharded import SHAPE_KEYS, Checkpoint, CheckpointError, local_piece
 from megalite.config import ModelConfig, build_config
 from megalite.parallel_state import ParallelState
-
-# The model settings that decide which tensors a checkpoint holds and their shapes.
-SHAPE_KEYS = (
-    "arch",
-    "n_layers",
-    "hidden",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_hidden",
-    "vocab_size",
-    "max_positions",
-)
 
 
 def check_saved_model(path: Path, saved: dict, model: ModelConfig) -> None:

@@ -57,10 +57,7 @@ UNFINISHED_SUFFIX = ".tmp"
 MANIFEST_CHECKSUM = "manifest_sha256"
 """The manifest's key holding the sha256 of the rest of the manifest (`manifest_checksum`)."""
 
-# Model settings that change the function a checkpoint's weights compute: resuming with any of
-# them changed would reinterpret the weights (another head split) or silently drop some (fewer
-# layers) whenever the tensor shapes happen to fit, so a resume refuses it.
-MODEL_IDENTITY = (
+SHAPE_KEYS = (
     "arch",
     "n_layers",
     "hidden",
@@ -69,9 +66,13 @@ MODEL_IDENTITY = (
     "ffn_hidden",
     "vocab_size",
     "max_positions",
-    "norm_eps",
-    "rope_theta",
 )
+"""The model settings that decide which tensors a checkpoint holds and their shapes."""
+
+MODEL_IDENTITY = (*SHAPE_KEYS, "norm_eps", "rope_theta")
+"""The model settings that change the function a checkpoint's weights compute: resuming with any
+of them changed would reinterpret the weights (another head split) or silently drop some (fewer
+layers) whenever the tensor shapes happen to fit, so a resume refuses it."""
 
 
 class CheckpointError(MegaliteError):
