@@ -77,8 +77,8 @@ SHORT = {
     "torchrun --nproc-per-node 4 --max-restarts 3 -m megalite train --config configs/gpt-tiny.yaml "
     "train.micro_batch_size=2 checkpoint.interval=50 checkpoint.async_save=true "
     "train.out_dir=runs/tiny4": TRAIN_SHORT,
-    "RDZV_HOST=localhost NNODES=1 NPROC=2 examples/torchrun_multinode.sh "
-    "--config configs/gpt-tiny.yaml train.out_dir=runs/multinode": TRAIN_SHORT,
+    "RDZV_HOST=localhost NNODES=1 NPROC=2 examples/torchrun_multinode.sh --config "
+    "configs/gpt-tiny.yaml train.micro_batch_size=4 train.out_dir=runs/multinode": TRAIN_SHORT,
     "python tools/bench_checkpoint.py": "--configs configs/gpt-tiny.yaml --saves 1 --steps-after 1 "
     "--warmup 0 --seq 32",
     "megalite estimate --config configs/gpt2-1.3b.yaml --world-size 8 parallel.zero=2 "
@@ -119,7 +119,7 @@ EXPECTED = {
     "megalite plot runs/profile-pp2": "_time.png",
     "RDZV_HOST": "trained to step",
     "python tools/bench_checkpoint.py": "async",
-    "python tools/restart_trials.py": "recovered 1 of 1",
+    "python tools/restart_trials.py": "1 of 1 trials recovered",
 }
 
 
