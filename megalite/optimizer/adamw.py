@@ -18,8 +18,10 @@ the unrounded moments, and the first step equals fp32's exactly), then rounded b
   spacing, and round-to-nearest would freeze it at a stale, too-large value once gradients
   shrink, silently shrinking the steps. Unbiased rounding keeps its expectation exact. Underflow
   is no concern: bf16 has fp32's exponent range, and a v below 1e-16 is dominated by eps^2.
-  The rounding noise is drawn from a generator seeded by (step, rank), so a resumed run draws
-  the same numbers without saving any generator state.
+  The rounding noise is a hash of (step, rank, element index) (`rounding_noise`), not a
+  generator's draw: a resumed run gets the same numbers without saving any generator state, a
+  piece gives the same result in one chunk or many, and it costs a dozen cheap elementwise
+  passes, where torch's (serial) CPU generator took most of the update's time.
 """
 
 from __future__ import annotations
@@ -31,8 +33,48 @@ from megalite.config import OptimConfig
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 UPCAST_CHUNK = {"cpu": 1 << 18, "cuda": 1 << 24}
 """Elements per chunk of a bf16-state update (cache-sized on CPU, large on GPUs): its scratch
-holds two fp32 moments and the int32 rounding noise of one chunk."""
+holds two fp32 moments and the int32 rounding noise of one chunk (the hash's work space is the
+first moment's, free by then)."""
 SCRATCH_BYTES_PER_ELEMENT = 3 * 4  # m and v in fp32, the int32 noise
+
+
+def _int32(value: int) -> int:
+    """`value` mod 2^32 as a signed int32 (what torch's int32 arithmetic wraps to)."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+WEYL, FMIX1, FMIX2 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35  # 2^32 / golden ratio; murmur3's
+
+
+def noise_seed(step: int, rank: int) -> int:
+    """The 32-bit seed of a step's rounding noise on a rank: splitmix64's finalizer of
+    (step, rank), so distinct pairs get unrelated seeds."""
+    z = ((step << 32) + rank) & 0xFFFFFFFFFFFFFFFF
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
+
+def rounding_noise(start: int, seed: int, out: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+    """Fill int32 `out` with the rounding noise, in [0, 2^16), of elements start, start + 1, ...:
+    the top 16 bits of murmur3's fmix32 of (index * WEYL + seed) mod 2^32. `work`: int32 scratch
+    of out's size.
+
+    A counter-based hash rather than torch's generator, whose serial CPU draw took most of a
+    bf16-state update's time: a dozen elementwise integer passes over `out` and `work` instead
+    (no temporaries), which use every core, on CPU and CUDA alike. The value
+    depends only on (seed, index), so a chunk at offset `start` gets the same numbers as the
+    same elements of a larger call, and a resumed run the same as the first. The Weyl step
+    spreads consecutive indices over the 32-bit range before fmix32 (a bijection) mixes them;
+    indices wrap at 2^32. Signed int32 arithmetic wraps as unsigned would; shifts are made
+    logical by masking."""
+    torch.arange(out.numel(), out=out)
+    out.mul_(_int32(WEYL)).add_(_int32(start * WEYL + seed))
+    for shift, multiplier in ((16, FMIX1), (13, FMIX2)):  # h ^= h >> s; h *= c
+        torch.bitwise_right_shift(out, shift, out=work).bitwise_and_((1 << 32 - shift) - 1)
+        out.bitwise_xor_(work).mul_(_int32(multiplier))
+    return out.bitwise_right_shift_(16).bitwise_and_(0xFFFF)  # fmix32's last step keeps these
 
 
 def complement(ranges: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
@@ -83,7 +125,10 @@ class AdamW:
             self.chunk * 3, dtype=torch.float32, device=device
         )  # m, v, noise
         self.step_tensor = torch.zeros((), dtype=torch.float32, device=device)
-        self.generator = torch.Generator(device=device)
+        self.seed = 0
+        self.index = 0
+        """Where the next piece starts in the rounding noise's element index: the rank's pieces
+        count one after another, in update order, so no two of a step share noise."""
         self.inverse_scale: torch.Tensor | None = None
 
     def zeros(self, numel: int, pin: bool) -> torch.Tensor:
@@ -92,14 +137,14 @@ class AdamW:
 
     def begin_step(self, step: int, grad_scale: float) -> None:
         """Set the step count (for bias correction) and the gradient scale of this step; seed
-        the rounding noise from (step, rank)."""
+        the rounding noise from (step, rank) and restart its element index."""
         self.step_tensor.fill_(step)
         self.inverse_scale = (
             None
             if grad_scale == 1.0
             else torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=self.device)
         )
-        self.generator.manual_seed((step << 24) + self.rank)
+        self.seed, self.index = noise_seed(step, self.rank), 0
 
     @torch.no_grad()
     def update(
@@ -113,6 +158,7 @@ class AdamW:
     ) -> None:
         """One AdamW step on a flat piece: fp32 master weights and gradient, moments in the
         state dtype, weight decay on the `decay` ranges."""
+        first, self.index = self.index, self.index + master.numel()
         if self.state_dtype == torch.float32:
             self._kernel(master, grads, exp_avg, exp_avg_sq, decay, lr)
             return
@@ -124,8 +170,8 @@ class AdamW:
             m, v = exp_avg[lo:hi], exp_avg_sq[lo:hi]
             m_up, v_up = m32[: hi - lo].copy_(m), v32[: hi - lo].copy_(v)
             self._kernel(master[lo:hi], grads[lo:hi], m_up, v_up, clip_ranges(decay, lo, hi), lr)
-            m.copy_(m_up)
-            bits = noise[: hi - lo].random_(0, 1 << 16, generator=self.generator)
+            m.copy_(m_up)  # m32 is free now: the hash's work space
+            bits = rounding_noise(first + lo, self.seed, noise[: hi - lo], m_up.view(torch.int32))
             v.copy_(stochastic_round_(v_up, bits))
 
     def _kernel(self, master, grads, exp_avg, exp_avg_sq, decay, lr: float) -> None:

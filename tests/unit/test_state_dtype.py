@@ -1,4 +1,6 @@
-"""Lean optimizer state (optim.state_dtype=bf16): stochastic rounding is unbiased and keeps a
+"""Lean optimizer state (optim.state_dtype=bf16): the rounding noise (a hash of step, rank and
+element index) is uniform, matches its reference, does not depend on chunking and is the same on
+CUDA; stochastic rounding is unbiased and keeps a
 slowly decaying second moment moving where rounding to nearest freezes it; the first step equals
 fp32's and a short run stays close to it; a bf16-state run resumes exactly, and a checkpoint
 resumes into the other state dtype, converted."""
@@ -7,11 +9,12 @@ import pytest
 import torch
 from run_configs import TWO_LAYERS
 
+import megalite.optimizer.adamw as adamw_module
 from megalite.checkpoint.sharded import Checkpoint, load_checkpoint
 from megalite.checkpoint.writer import save_checkpoint
 from megalite.config import OptimConfig, load_config
 from megalite.data import GlobalBatchSampler
-from megalite.optimizer.adamw import AdamW, stochastic_round_
+from megalite.optimizer.adamw import AdamW, noise_seed, rounding_noise, stochastic_round_
 from megalite.parallel_state import ParallelState
 from megalite.training.loop import run_state
 from megalite.training.setup import build_run
@@ -38,12 +41,108 @@ def _moments(run) -> list[torch.Tensor]:
     return [t for s in run.optimizer.states for t in (s.exp_avg, s.exp_avg_sq)]
 
 
+def _noise(start: int, count: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    out, work = (torch.empty(count, dtype=torch.int32, device=device) for _ in range(2))
+    return rounding_noise(start, seed, out, work)
+
+
+def _reference_noise(index: int, seed: int) -> int:
+    """The top 16 bits of murmur3's fmix32 of (index * 0x9E3779B9 + seed) mod 2^32."""
+    h = (index * 0x9E3779B9 + seed) & 0xFFFFFFFF
+    h ^= h >> 16
+    h = h * 0x85EBCA6B & 0xFFFFFFFF
+    h ^= h >> 13
+    h = h * 0xC2B2AE35 & 0xFFFFFFFF
+    return h >> 16
+
+
+@pytest.mark.parametrize("start", [0, 3 << 31])  # past int32, where indices wrap
+def test_rounding_noise_matches_its_reference_and_is_uniform(start):
+    n, bins = 1 << 22, 64
+    seed = noise_seed(7, 3)
+    noise = _noise(start, n, seed)
+    picks = range(0, n, 4099)
+    assert noise[::4099].tolist() == [_reference_noise(start + i, seed) for i in picks]
+    assert 0 <= noise.min().item() and noise.max().item() < 1 << 16
+    sd = ((1 << 32) / 12 / n) ** 0.5  # of the mean of n uniform draws from [0, 2^16)
+    assert abs(noise.double().mean().item() - ((1 << 16) - 1) / 2) < 5 * sd
+    counts = torch.bincount(noise.long() >> 10, minlength=bins).double()
+    chi2 = ((counts - n / bins) ** 2 / (n / bins)).sum().item()
+    assert chi2 < 125  # 63 degrees of freedom: p < 1e-6 above this
+    bits = torch.stack([(noise >> b) & 1 for b in range(16)]).double().mean(1)
+    assert (bits - 0.5).abs().max().item() < 5 * 0.5 / n**0.5
+
+
+def test_rounding_noise_depends_on_step_rank_and_index_only():
+    seed = noise_seed(5, 1)
+    whole = _noise(1000, 3000, seed)
+    pieces = [_noise(1000 + lo, hi - lo, seed) for lo, hi in ((0, 7), (7, 1200), (1200, 3000))]
+    assert torch.equal(torch.cat(pieces), whole)  # one chunk or many
+    assert torch.equal(_noise(1000, 3000, noise_seed(5, 1)), whole)  # no hidden state
+    seeds = {noise_seed(step, rank) for step in range(1, 200) for rank in range(64)}
+    assert len(seeds) == 199 * 64
+    others = [_noise(1000, 3000, noise_seed(6, 1)), _noise(1000, 3000, noise_seed(5, 2))]
+    for other in others:  # another step, another rank: unrelated draws
+        agree = (other == whole).double().mean().item()
+        assert agree < 0.01
+        corr = torch.corrcoef(torch.stack([other, whole]).double())[0, 1].item()
+        assert abs(corr) < 0.1
+
+
+def test_a_bf16_update_is_the_same_in_one_chunk_or_many(monkeypatch):
+    n = 600_000  # three CPU chunks
+    generator = torch.Generator().manual_seed(0)
+    master, grads = (torch.randn(2 * n, generator=generator) for _ in range(2))
+    cfg = OptimConfig(state_dtype="bf16")
+    results = []
+    for chunk in (None, 1 << 20):
+        if chunk:
+            monkeypatch.setitem(adamw_module.UPCAST_CHUNK, "cpu", chunk)
+        adamw = AdamW(cfg, torch.device("cpu"), n, rank=0)
+        state = [master.clone(), adamw.zeros(2 * n, pin=False), adamw.zeros(2 * n, pin=False)]
+        for step in (1, 2):
+            adamw.begin_step(step, 1.0)
+            for lo in (0, n):  # two pieces: the second's noise continues the first's index
+                w, m, v = (t[lo : lo + n] for t in state)
+                adamw.update(w, grads[lo : lo + n], m, v, [(0, n // 2)], lr=1e-3)
+        results.append((adamw.chunk, state))
+    (few, a), (one, b) = results
+    assert few < n <= one
+    for mine, theirs in zip(a, b, strict=True):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_noise_and_a_bf16_update_are_the_same_on_cuda():
+    seed = noise_seed(3, 0)
+    for start in (0, 5 << 30):
+        cpu, gpu = _noise(start, 1 << 20, seed), _noise(start, 1 << 20, seed, "cuda")
+        assert torch.equal(gpu.cpu(), cpu)
+    n = 1 << 20  # a bf16-state update on the GPU rounds as the CPU's does
+    generator = torch.Generator().manual_seed(0)
+    master, grads = (torch.randn(n, generator=generator) for _ in range(2))
+    results = []
+    for device in ("cpu", "cuda"):
+        adamw = AdamW(OptimConfig(state_dtype="bf16"), torch.device(device), n, rank=0)
+        state = [master.to(device, copy=True), adamw.zeros(n, pin=False), adamw.zeros(n, pin=False)]
+        for step in (1, 2, 3):
+            adamw.begin_step(step, 1.0)
+            adamw.update(state[0], grads.to(device), state[1], state[2], [(0, n // 2)], lr=1e-3)
+        results.append([t.cpu().float() for t in state])
+    (cpu_master, *cpu_moments), (gpu_master, *gpu_moments) = results
+    # The kernels differ in last bits: a moment rarely rounds the other way (by one ulp), and
+    # its next step moves the master weight by ~1 % of lr more or less.
+    assert (gpu_master - cpu_master).abs().max().item() < 3e-5
+    for mine, theirs in zip(gpu_moments, cpu_moments, strict=True):
+        assert (mine == theirs).double().mean().item() > 0.999
+        assert torch.allclose(mine, theirs, rtol=2**-7, atol=0)
+
+
 def test_stochastic_rounding_is_unbiased_and_lands_on_the_neighbours():
     value = 1.0 + 2**-10  # 1/8 of the way from 1 to the next bf16 number, 1 + 2^-7
     x = torch.full((200_000,), value)
-    noise = torch.randint(
-        0, 1 << 16, x.shape, dtype=torch.int32, generator=torch.Generator().manual_seed(0)
-    )
+    noise = _noise(0, x.numel(), noise_seed(1, 0))
     rounded = stochastic_round_(x.clone(), noise)
     assert torch.equal(rounded.to(torch.bfloat16).float(), rounded)  # exact in bf16
     assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2**-7}
