@@ -85,10 +85,14 @@ class _TimedWork:
 
     def __init__(self, work: Any, record: _AsyncCollective, times: CollectiveTimes) -> None:
         self.work, self.record, self.times = work, record, times
-        if not times.on_cuda and hasattr(work, "get_future"):
-            # completion as the backend reports it, from its own thread; without a future, the
-            # end of the wait stands for it (an upper bound of the overlapped time)
-            work.get_future().then(self._completed)
+        if not times.on_cuda:
+            # completion as the backend reports it, from its own thread; without a future (gloo's
+            # reduce-scatter has none), the end of the wait stands for it (an upper bound of the
+            # overlapped time)
+            try:
+                work.get_future().then(self._completed)
+            except (AttributeError, RuntimeError):
+                pass
 
     def _completed(self, _future: Any) -> None:
         self.record.completed = time.perf_counter()

@@ -134,10 +134,13 @@ def test_pipeline_has_a_measured_and_a_simulated_bubble(
     _check_traces(tmp_path, 2)
 
 
-def test_data_parallel_gradient_reduction_is_communication(builtin_corpus, tmp_path):
-    """dp 2: the gradient all-reduce starts during the last backward (asynchronous) and is
-    waited for before the update; what the rank waits for is exposed communication."""
-    results = run_ranks(2, _profile, ("train.micro_batch_size=1",), str(tmp_path), False)
+@pytest.mark.parametrize("zero", [0, 1])
+def test_data_parallel_gradient_reduction_is_communication(builtin_corpus, tmp_path, zero):
+    """dp 2: the gradient all-reduce (ZeRO-1: reduce-scatter, whose gloo handle has no future)
+    starts during the last backward (asynchronous) and is waited for before the update; what
+    the rank waits for is exposed communication."""
+    layout = ("train.micro_batch_size=1", f"parallel.zero={zero}")
+    results = run_ranks(2, _profile, layout, str(tmp_path), False)
     report = results[0][0]
     _check_report(report, 2, [live for _, live in results])
     for entry in report["ranks"]:
