@@ -287,11 +287,13 @@ DEFAULT_GPU = "H100 SXM"
 # 8 gloo ranks of gpt-tiny on 2 cores: about 80 % of the measured peak; larger micro-batches were
 # not faster (no per-layer overhead to save); every tp collective or p2p message cost about 5 ms
 # (ranks wait for their peer's turn on a core); an all-reduce of 21 MB took 0.2 s, i.e. each
-# rank's share of the 2 cores moved its ring bytes at about 6 Gbit/s; pipelines lost about 40 %
-# of their bubble (pp 2: 11 %, pp 4: 21 % slower than dp 8), so 60 % of it is lent.
+# rank's share of the 2 cores moved its ring bytes at about 6 Gbit/s. On a machine of its own a
+# rank waiting in a bubble lends all its core time (pp 4 x dp 2 was the fastest layout measured,
+# 24 % ahead of dp 8); only where other work shares the cores is part of it lost (measured while
+# other jobs ran: 40 %; pass a lower `Machine.bubble_lent` to model that).
 DEFAULTS = {
     "cuda": (0.5, 2400.0, 400.0, 2000.0, 0.05, 0.02, 1.0, 1.0),
-    "cpu": (0.8, 6.0, 6.0, 4.0, 0.0, 5.0, 2.0, 0.6),
+    "cpu": (0.8, 6.0, 6.0, 4.0, 0.0, 5.0, 2.0, 1.0),
 }
 
 

@@ -70,7 +70,7 @@ class Machine:
     bubble_lent: float = 1.0
     """CPU only: the share of a waiting rank's core time that the job's busy ranks get. All
     of it on a machine of its own; less where the OS gives it to other work or a waking rank
-    takes its time (8 gloo ranks on a busy 2-core machine: about 0.6, see plan.DEFAULTS)."""
+    takes its time (8 gloo ranks on a 2-core machine that other jobs kept busy: about 0.6)."""
 
     @property
     def ranks_per_node(self) -> int:
