@@ -26,10 +26,12 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from megalite.config import ModelConfig
+
+if TYPE_CHECKING:  # imported where used, so that `megalite plan` starts without torch
+    import torch
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -96,6 +98,8 @@ def gpu_peak_flops(device_name: str, precision: str) -> float | None:
     """Dense peak FLOP/s of a GPU for `precision` (bf16, fp16 or fp32; fp32 matmuls run as
     TF32 unless torch's float32 matmul precision is "highest"), or None for a device missing
     from the table."""
+    import torch
+
     peak = gpu_peak(device_name)
     if peak is None:
         return None
@@ -109,6 +113,8 @@ def gpu_peak_flops(device_name: str, precision: str) -> float | None:
 
 def unknown_peak_message(device: torch.device) -> str:
     """What a run says once when it cannot compute MFU."""
+    import torch
+
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
     return (
         f"unknown peak for {name}: pass logging.peak_tflops=<dense TFLOP/s of one device> "
@@ -120,6 +126,8 @@ def unknown_peak_message(device: torch.device) -> str:
 def peak_flops(device: torch.device, precision: str) -> float | None:
     """Dense peak FLOP/s of one device for the training `precision`: a GPU's datasheet figure
     (None when the GPU is unknown), or the whole machine's for a CPU, which its ranks share."""
+    import torch
+
     if device.type == "cuda":
         return gpu_peak_flops(torch.cuda.get_device_name(device), precision)
     return cpu_peak_flops(precision)
@@ -129,6 +137,7 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 # core without touching the caller's threads, RNG or a forked OpenMP pool.
 _MATMUL_BENCHMARK = """
 import sys, time, torch
+
 threads, n, dtype, repeats = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 torch.set_num_threads(threads)
 g = torch.Generator().manual_seed(0)
@@ -154,6 +163,8 @@ def cpu_cores() -> int:
 
 def cpu_peak_key(precision: str) -> str:
     """What the cached peak belongs to: this host, its CPU, the cores usable, torch and dtype."""
+    import torch
+
     return " | ".join(
         (socket.gethostname(), _cpu_model(), f"{cpu_cores()} cores", torch.__version__, precision)
     )

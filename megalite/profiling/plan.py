@@ -17,7 +17,7 @@ import re
 import shlex
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megalite.config import (
     Config,
@@ -27,9 +27,10 @@ from megalite.config import (
     load_config,
 )
 from megalite.errors import MegaliteError
-from megalite.profiling.estimate import estimate_layout, resolve_precision
 from megalite.profiling.flops import cpu_cores, cpu_peak_flops, gpu_peak_flops
-from megalite.profiling.throughput import Machine, Prediction, predict
+
+if TYPE_CHECKING:  # the estimator and the model import torch: loaded once the config is checked
+    from megalite.profiling.throughput import Machine, Prediction
 
 RECOMPUTE = ("none", "selective", "full")
 MAX_VPP = 8
@@ -163,6 +164,8 @@ def validated(
 def estimated_peak_bytes(cfg: Config, machine: Machine) -> float:
     """The most memory any rank of the layout needs, from the closed-form estimator: on a GPU
     what the caching allocator reserves, CUDA context included."""
+    from megalite.profiling.estimate import estimate_layout
+
     estimate = estimate_layout(cfg, machine.world_size, machine.device)
     if machine.device == "cpu":
         return estimate.peak_bytes
@@ -191,6 +194,8 @@ def plan(
 ) -> list[Proposal]:
     """The `top` fastest layouts that validate and fit in `machine.memory_bytes`, fastest
     first; a layout with recompute only where less recompute would not fit."""
+    from megalite.profiling.throughput import predict
+
     ranked, raw = [], config_to_dict(base)
     for layout in dict.fromkeys(layouts(base, machine.world_size)):
         found = validated(base, layout, machine.world_size, machine.device, raw)
@@ -299,6 +304,9 @@ DEFAULTS = {
 
 def machine_from_args(args: argparse.Namespace, base: Config) -> Machine:
     """The hardware described on the command line, defaults filled in per device."""
+    from megalite.profiling.estimate import resolve_precision
+    from megalite.profiling.throughput import Machine
+
     _check(args.gpus >= 1, f"--gpus must be >= 1, got {args.gpus}")
     _check(
         args.nodes >= 1 and args.gpus % args.nodes == 0,
