@@ -18,6 +18,7 @@ before the abort or time-out it causes.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import shutil
@@ -54,6 +55,9 @@ def _child(
     timeout: float,
 ) -> None:
     status, payload = "error", None
+    # A rank still running just before the parent gives up prints every thread's stack, so a
+    # hang names where it waits.
+    faulthandler.dump_traceback_later(max(1.0, timeout - 10), exit=False)
     try:
         torch.set_num_threads(1)
         os.environ.update(
