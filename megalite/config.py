@@ -264,7 +264,8 @@ class OptimConfig:
         _require(self.grad_clip >= 0, "optim.grad_clip must be >= 0 (0 disables clipping)")
         _require(self.eps > 0, "optim.eps must be > 0")
         _require(
-            self.offload in ("none", "cpu"), f"optim.offload must be none or cpu, got {self.offload}"
+            self.offload in ("none", "cpu"),
+            f"optim.offload must be none or cpu, got {self.offload}",
         )
         _require(
             self.state_dtype in ("fp32", "bf16"),

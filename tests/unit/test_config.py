@@ -275,7 +275,10 @@ def test_wrong_type_in_yaml_file(tmp_path):
         ("train.global_batch_size=0", "train.global_batch_size must be >= 1"),
         ("train.eval_steps=0", "train.eval_steps must be >= 1"),
         ("train.precision=fp8", "train.precision must be fp32, bf16, fp16 or auto, got 'fp8'"),
-        ("train.recompute=some", "train.recompute must be none, selective, full or segments, got 'some'"),
+        (
+            "train.recompute=some",
+            "train.recompute must be none, selective, full or segments, got 'some'",
+        ),
         ("train.device=tpu", "train.device must be auto, cpu or cuda"),
         ("train.recompute_layers=-1", "train.recompute_layers must be >= 0"),
         ("optim.lr=0", "optim.lr"),
