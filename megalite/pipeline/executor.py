@@ -52,9 +52,13 @@ class StepTimes:
 
     @property
     def bubble_fraction(self) -> float:
-        """The papers' bubble: idle time relative to compute time, wait / compute ((p - 1) / m
-        for a balanced 1F1B pipeline, (p - 1) / (v m) interleaved; `SimResult.bubble_ratio`)."""
-        return self.wait_s / self.compute_s if self.compute_s else 0.0
+        return bubble_fraction(self.wait_s, self.compute_s)
+
+
+def bubble_fraction(wait_s: float, compute_s: float) -> float:
+    """The papers' bubble: idle time relative to compute time, wait / compute ((p - 1) / m for a
+    balanced 1F1B pipeline, (p - 1) / (v m) interleaved; `SimResult.bubble_ratio`)."""
+    return wait_s / compute_s if compute_s else 0.0
 
 
 @dataclass

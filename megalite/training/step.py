@@ -11,7 +11,7 @@ import torch
 from megalite import comm
 from megalite.optimizer.clip import clip_coefficient
 from megalite.optimizer.finalize import finalize_grads
-from megalite.pipeline.executor import MicroBatch
+from megalite.pipeline.executor import MicroBatch, bubble_fraction
 from megalite.training.setup import Run
 
 
@@ -67,8 +67,7 @@ def train_step(run: Run, tokens: torch.Tensor, lr: float) -> StepMetrics:
         run.optimizer.step(lr, grad_scale=coefficient / run.scaler.scale)
     wait_and_compute = torch.tensor([times.wait_s, times.compute_s], device=run.ps.device)
     comm.all_reduce(wait_and_compute, run.ps.pp_group)
-    wait, compute = wait_and_compute.tolist()
-    bubble = wait / compute if compute else 0.0
+    bubble = bubble_fraction(*wait_and_compute.tolist())  # of the whole pipeline
     return StepMetrics(loss, grad_norm, skipped, bubble, times.peak_in_flight, bad)
 
 
