@@ -1,9 +1,11 @@
 """Run a function on N gloo ranks on this machine: the one launcher of the multi-process tests
 and the benchmarks.
 
-Ranks are forked from the (already imported) calling process and meet over a tcp:// rendezvous
-on a free port, which starts 8 ranks in about two seconds where `torchrun` takes ~9 (each of its
-ranks imports torch again). Each rank uses one intra-op thread (forked OpenMP pools are not
+Ranks are forked from the (already imported) calling process, which starts 8 ranks in about two
+seconds where `torchrun` takes ~9 (each of its ranks imports torch again). They meet at a store
+the parent hosts, as torchrun's agent does: were it rank 0's, a rank 0 that finished first
+would take it away from ranks still creating their process groups ("Connection reset by
+peer"). Each rank uses one intra-op thread (forked OpenMP pools are not
 safe, and ranks sharing a few cores gain nothing from more), sends back its result or its
 traceback through a pipe, and exits hard so the parent's exit handlers (pytest's) never run
 twice. A run that does not finish within `timeout` is killed and fails, so a deadlock cannot
@@ -68,12 +70,10 @@ def _child(
             MASTER_PORT=str(port),
             **{comm_trace.ENV: trace_dir},
         )
+        limit = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=limit)
         dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=limit
         )
         payload = fn(*args)
         status = "ok"
@@ -128,9 +128,10 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
     Raises RanksFailed with the tracebacks, the time-out, or the first collective the ranks
     disagree on (named first: it is the cause of whatever the ranks then hit)."""
     ctx = mp.get_context("fork")
-    port = free_port()
     trace_dir = tempfile.mkdtemp(prefix="megalite-trace-")
     pipes, procs = [], []
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port  # the kernel's choice: no other process can take it in between
     for rank in range(world_size):
         receive, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(
@@ -148,6 +149,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        del store  # the server stops with it
     try:
         # Ranks stopped early have shorter records: then only compare the calls both made.
         comm_trace.check_traces(Path(trace_dir), complete=not errors)
