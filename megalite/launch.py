@@ -130,8 +130,10 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
     ctx = mp.get_context("fork")
     trace_dir = tempfile.mkdtemp(prefix="megalite-trace-")
     pipes, procs = [], []
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    port = store.port  # the kernel's choice: no other process can take it in between
+    # The store's socket listens before the fork (the ranks connect at once, and no other process
+    # can take its port); its server thread starts after (no child inherits a running thread).
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
     for rank in range(world_size):
         receive, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(
@@ -141,7 +143,16 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
         send.close()
         pipes.append(receive)
         procs.append(proc)
+    store = None
     try:
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),  # the store closes it
+        )
         results, errors = _collect(pipes, world_size, timeout)
     finally:
         for proc in procs:
