@@ -130,14 +130,16 @@ def reduce_scatter_flat(
 
 
 def all_gather(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
-    """Concatenate every rank's `tensor` along `dim`."""
+    """Concatenate every rank's `tensor` along `dim`, contiguous: the layers that read it (q, k
+    and v under SP) then save this one tensor for backward, where a strided view would make
+    each of them keep a contiguous copy of its own."""
     world = size(group)
     if world == 1:
         return tensor
     moved = tensor.movedim(dim, 0).contiguous()
     output = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
     all_gather_flat(output.view(-1), moved.view(-1), group)
-    return output.movedim(0, dim)
+    return output.movedim(0, dim).contiguous()
 
 
 def reduce_scatter(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:

@@ -8,8 +8,8 @@ against `SavedActivationTracker`):
 - norms: LayerNorm keeps its input and two statistics per token; RMSNorm (computed in fp32)
   keeps an fp32 copy of its input (the input itself in fp32), 1/rms per token and the
   normalised tensor before the weight, and its output feeds the linears;
-- column-parallel linears keep their input; under SP with micro-batches above 1 the gathered
-  input is not contiguous and each of them keeps its own copy (q, k, v: three);
+- column-parallel linears keep their input, one tensor for all that read it (q, k, v), under
+  SP the all-gathered sequence (kept, where Megatron gathers it again in backward);
 - attention: with dropout 0 a flash kernel (Triton on GPU, SDPA on CPU) keeps q, k, v (k and v
   with the local kv heads: n_kv/tp, or the one head a rank computes when n_kv < tp), its output
   and a per-row fp32 log-sum-exp; with dropout the math path keeps contiguous copies of q and of
@@ -125,26 +125,22 @@ def layer_body(x: Shapes) -> list[int]:
     residual_mask = [x.stream_tokens * h * x.mask] if x.dropout else []
     middle = [x.stream_tokens * h * e] if norm_keeps_input(x) else []
     selective = x.cfg.train.recompute == "selective"
-    mlp_linears = 1 if x.cfg.model.arch == "gpt" else 2  # fc; or gate and up
     return (
         _norm(x, keeps_input=False)
-        + _linear_inputs(x, 3)  # q, k, v
+        + _linear_input(x)  # q, k, v
         + _attention(x, selective)
         + residual_mask
         + middle
         + _norm(x, keeps_input=False)
-        + _linear_inputs(x, mlp_linears)
+        + _linear_input(x)  # fc; or gate and up
         + _mlp(x)
         + residual_mask
     )
 
 
-def _linear_inputs(x: Shapes, consumers: int) -> list[int]:
-    """The (b, s, h) input that column-parallel linears keep. Under SP it is all-gathered along
-    the sequence into a (s, b, h) buffer seen as (b, s, h): not contiguous when b > 1, so each
-    linear reading it keeps its own contiguous copy."""
-    copies = consumers if x.cfg.parallel.sp and x.cfg.train.micro_batch_size > 1 else 1
-    return [x.tokens * x.cfg.model.hidden * x.element] * copies
+def _linear_input(x: Shapes) -> list[int]:
+    """The (b, s, h) input that column-parallel linears keep (the whole sequence under SP)."""
+    return [x.tokens * x.cfg.model.hidden * x.element]
 
 
 def embedding_kept(x: Shapes) -> list[int]:
