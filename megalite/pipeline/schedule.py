@@ -120,11 +120,33 @@ def build_schedule(
         P + (P - 1) / vpp micro-batches' worth of activations (N = P < m). With vpp = 1 this is
         exactly 1f1b.
     """
+    n = _group_size(kind, pp_size, pp_rank, num_microbatches, vpp, group_size)
+    return list(_every_rank(kind, pp_size, num_microbatches, vpp, n)[pp_rank])
+
+
+def compute_order(
+    kind: str,
+    pp_size: int,
+    pp_rank: int,
+    num_microbatches: int,
+    vpp: int = 1,
+    group_size: int | None = None,
+) -> list[Action]:
+    """The forwards and backwards of `build_schedule`'s list, without its messages: what a walk
+    over the activations a rank holds needs, without placing every rank's receives (the memory
+    estimate runs it for thousands of candidate layouts)."""
+    n = _group_size(kind, pp_size, pp_rank, num_microbatches, vpp, group_size)
+    return _compute_order(kind, pp_size, pp_rank, num_microbatches, vpp, n)
+
+
+def _group_size(
+    kind: str, pp_size: int, pp_rank: int, m: int, vpp: int, group_size: int | None
+) -> int:
+    """The micro-batch group size N of a valid layout; ScheduleError names the broken rule."""
     if pp_size < 1 or not 0 <= pp_rank < pp_size:
         raise ScheduleError(f"pp rank {pp_rank} is not in 0..pp-1 (pp={pp_size})")
     check_chunks(kind, pp_size, vpp)
-    n = check_microbatches(kind, pp_size, num_microbatches, vpp, group_size)
-    return list(_every_rank(kind, pp_size, num_microbatches, vpp, n)[pp_rank])
+    return check_microbatches(kind, pp_size, m, vpp, group_size)
 
 
 def p2p_batches(actions: Sequence[Action]) -> list[Action | tuple[Action, ...]]:

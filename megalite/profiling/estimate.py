@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from megalite.config import Config, OptimConfig
 from megalite.optimizer.adamw import SCRATCH_BYTES_PER_ELEMENT, scratch_numel
 from megalite.pipeline.partition import chunk_layers
-from megalite.pipeline.schedule import Op, build_schedule
+from megalite.pipeline.schedule import Op, compute_order
 from megalite.profiling import activations as act
 from megalite.profiling.parameters import chunk_parameters, layout_buffers
 
@@ -231,30 +231,36 @@ def _activation_parts(
     p = cfg.parallel
     n_stages = p.pp * p.vpp
     per_chunk = [_chunk_activations(x, stage, layers, n_stages) for stage, layers in chunks]
-    actions = build_schedule(p.schedule, p.pp, pp_rank, m, p.vpp, p.microbatch_group_size)
-    alive: list[int] = []  # local chunk of each (micro-batch, chunk) held
+    chunk_bytes = [sum(c.kept) + c.head_grad for c in per_chunk]
+    actions = compute_order(p.schedule, p.pp, pp_rank, m, p.vpp, p.microbatch_group_size)
+    alive = [0] * len(per_chunk)  # (micro-batch, chunk) pairs held, per local chunk
+    held = 0
     best: tuple[int, list[int], int, str] = (-1, [], 0, "")
     for action in actions:
-        c = per_chunk[action.chunk] if action.op in (Op.FORWARD, Op.BACKWARD) else None
-        if c is None:
-            continue
+        c = per_chunk[action.chunk]
         if action.op is Op.FORWARD:
-            alive.append(action.chunk)
+            alive[action.chunk] += 1
+            held += chunk_bytes[action.chunk]
             transient, what = c.forward_working, "logits chunk"
         else:
             transient, what = c.backward_working
-        held = sum(sum(per_chunk[k].kept) + per_chunk[k].head_grad for k in alive)
         if held + transient > best[0]:
             best = (held + transient, list(alive), transient, what)
         if action.op is Op.BACKWARD:
-            alive.remove(action.chunk)
+            alive[action.chunk] -= 1
+            held -= chunk_bytes[action.chunk]
     _, at_peak, transient, what = best
-    kept = tuple(s for k in at_peak for s in per_chunk[k].kept)
-    head = tuple(per_chunk[k].head_grad for k in at_peak if per_chunk[k].head_grad)
+    kept = tuple(s for k, n in enumerate(at_peak) for _ in range(n) for s in per_chunk[k].kept)
+    head = tuple(
+        per_chunk[k].head_grad
+        for k, n in enumerate(at_peak)
+        for _ in range(n)
+        if per_chunk[k].head_grad
+    )
     parts = [Part("activations", sum(kept), kept), Part("head weight grads", sum(head), head)]
     if transient:
         parts.append(Part(what, transient))
-    return len(at_peak), parts
+    return sum(at_peak), parts
 
 
 def estimate_layout(

@@ -14,6 +14,7 @@ from megalite.pipeline.schedule import (
     Op,
     ScheduleError,
     build_schedule,
+    compute_order,
     interleaved_warmup,
     p2p_batches,
     peer_of,
@@ -218,6 +219,15 @@ def test_every_layout_runs(kind: str, pp: int, vpp: int):
             continue
         for group in group_sizes(pp, vpp, m) if kind == "interleaved" else [None]:
             run(kind, pp, m, vpp, group, p2p=0.3)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_compute_order_is_the_schedule_without_its_messages(kind: str, pp: int):
+    for vpp, m in valid_layouts(kind, pp) if pp > 1 else [(1, 1), (1, 5)]:
+        for rank in range(pp):
+            actions = build_schedule(kind, pp, rank, m, vpp)
+            assert compute_order(kind, pp, rank, m, vpp) == [a for a in actions if a.op.is_compute]
 
 
 @pytest.mark.parametrize("pp,vpp", [(2, 1), (2, 3), (4, 2)])
