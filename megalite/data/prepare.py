@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
+from tqdm import tqdm
 
 from megalite.data.errors import DataError
 from megalite.data.sources import TEXT_FIELD, expand_inputs, input_bytes, read_chunks
 from megalite.data.tokenizer import HFTokenizer, Tokenizer, open_tokenizer
-from megalite.progress import ProgressBar
 
 FORMAT = "megalite-tokens"
 FORMAT_VERSION = 1
@@ -93,9 +93,7 @@ def prepare_corpus(
     return meta
 
 
-def _batches(
-    paths: list[Path], text_field: str, bar: ProgressBar
-) -> Iterator[list[tuple[str, bool]]]:
+def _batches(paths: list[Path], text_field: str, bar: tqdm) -> Iterator[list[tuple[str, bool]]]:
     """(text, ends_document) pieces of every input, grouped into batches of BATCH_CHARS."""
     batch: list[tuple[str, bool]] = []
     chars = 0
@@ -160,7 +158,7 @@ def _write_tokens(
     n_tokens = 0
     doc_open = False  # the current document has tokens and still needs its EOS
     total = sum(input_bytes(p) for p in paths)
-    with ProgressBar(
+    with tqdm(
         total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress
     ) as bar:
         for batch, encoded in _encoded(_batches(paths, text_field, bar), tokenizer, workers):

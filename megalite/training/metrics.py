@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from megalite import comm
 from megalite.config import Config
@@ -30,7 +31,6 @@ from megalite.profiling.flops import (
     raise_cpu_peak_flops,
     unknown_peak_message,
 )
-from megalite.progress import ProgressBar
 from megalite.training.setup import resolve_precision
 from megalite.training.step import StepMetrics
 from megalite.training.trackers import Tracker, start_trackers
@@ -174,7 +174,7 @@ class MetricsLogger:
         drop_rows_after(out_dir / "metrics.jsonl", start_step)  # the steps this run replays
         self.file = open(out_dir / "metrics.jsonl", "a")  # noqa: SIM115  (closed in close())
         if cfg.logging.progress:
-            self.bar = ProgressBar(
+            self.bar = tqdm(
                 total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True
             )
         self.trackers = start_trackers(cfg, out_dir, tracker_id)
