@@ -26,6 +26,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm import TMonitor, tqdm
 
 from megalite import comm_trace
 from megalite.parallel_state import init_distributed
@@ -44,6 +46,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _stop_tqdm_monitors() -> None:
+    """Stop tqdm's monitor threads and start no more, before forking ranks.
+
+    A monitor (started by the first bar of a tqdm class: a single-process reference run, a
+    Hugging Face download) takes tqdm's lock every 10 s. A rank forked at that moment inherits
+    the lock held by a thread it does not have: its first progress bar waits forever, and the
+    other ranks with it. The monitor only forces refreshes of bars that rarely refresh;
+    megalite's refresh on every update."""
+    tqdm.monitor_interval = 0  # inherited by the subclasses other libraries draw with
+    for thread in threading.enumerate():
+        if isinstance(thread, TMonitor):
+            thread.exit()
 
 
 def _child(
@@ -128,6 +144,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
     Raises RanksFailed with the tracebacks, the time-out, or the first collective the ranks
     disagree on (named first: it is the cause of whatever the ranks then hit)."""
     ctx = mp.get_context("fork")
+    _stop_tqdm_monitors()
     trace_dir = tempfile.mkdtemp(prefix="megalite-trace-")
     pipes, procs = [], []
     # The store's socket listens before the fork (the ranks connect at once, and no other process

@@ -1,8 +1,10 @@
 """The test launcher (`run_ranks`): ranks that finish at different times all report."""
 
+import threading
 import time
 
 import torch.distributed as dist
+from tqdm import TMonitor, tqdm
 
 from megalite.launch import run_ranks
 
@@ -17,3 +19,19 @@ def _late_group() -> int:
 
 def test_a_rank_finishing_first_leaves_the_store_to_the_others():
     assert run_ranks(2, _late_group, timeout=30) == [0, 1]
+
+
+def _draw_a_bar() -> int:
+    with tqdm(total=2, mininterval=0) as bar:
+        bar.update(2)
+    return bar.n
+
+
+def test_no_tqdm_monitor_runs_when_the_ranks_are_forked(monkeypatch):
+    """A monitor holding tqdm's lock at the fork would leave a rank's first bar waiting."""
+    monkeypatch.setattr(tqdm, "monitor_interval", 10)
+    with tqdm(total=1, disable=False) as bar:  # starts a monitor in this process
+        bar.update(1)
+    assert any(isinstance(t, TMonitor) and t.is_alive() for t in threading.enumerate())
+    assert run_ranks(2, _draw_a_bar, timeout=30) == [2, 2]
+    assert not any(isinstance(t, TMonitor) and t.is_alive() for t in threading.enumerate())
