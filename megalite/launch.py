@@ -2,14 +2,14 @@
 and the benchmarks.
 
 Ranks are forked from the (already imported) calling process, which starts 8 ranks in about two
-seconds where `torchrun` takes ~9 (each of its ranks imports torch again). They meet at a store
-the parent hosts, as torchrun's agent does: were it rank 0's, a rank 0 that finished first
-would take it away from ranks still creating their process groups ("Connection reset by
-peer"). Each rank uses one intra-op thread (forked OpenMP pools are not
-safe, and ranks sharing a few cores gain nothing from more), sends back its result or its
-traceback through a pipe, and exits hard so the parent's exit handlers (pytest's) never run
-twice. A run that does not finish within `timeout` is killed and fails, so a deadlock cannot
-hang a test suite or a benchmark.
+seconds where `torchrun` takes ~9 (each of its ranks imports torch again); no thread that takes
+a lock the ranks need may run across the fork (tqdm's monitor is stopped first). They meet at
+a store the parent hosts, as torchrun's agent does: were it rank 0's, a rank 0 that finished
+first would take it away from ranks still creating their process groups ("Connection reset by
+peer"). Each rank uses one intra-op thread (forked OpenMP pools are not safe, and ranks sharing
+a few cores gain nothing from more), sends back its result or its traceback through a pipe, and
+exits hard so the parent's exit handlers (pytest's) never run twice. A run that does not finish
+within `timeout` is killed and fails, so a deadlock cannot hang a test suite or a benchmark.
 
 Every run records each rank's collectives and p2p messages (`megalite.comm_trace`) and fails if
 the ranks of a group disagree on them, naming the first divergent call: a rank-local quantity

@@ -8,7 +8,7 @@ exactly, and the peak of the activations autograd keeps over a real schedule
 import pytest
 import torch
 
-from megalite.config import load_config
+from megalite.config import Config, load_config
 from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
 from megalite.profiling.estimate import estimate_layout
@@ -57,24 +57,24 @@ LAYOUTS = {
 }
 
 
-def _config(arch: str, layout: tuple[str, ...]):
+def _config(path: str | None, overrides: tuple[str, ...]) -> Config:
     """The layout with MICROBATCHES micro-batches per step on each of its dp ranks."""
-    overrides = [f"model.arch={arch}", *TINY, *layout]
-    p = load_config(None, overrides).parallel
-    batch = 2 * MICROBATCHES * WORLD // (p.tp * p.pp)
-    return load_config(None, [*overrides, f"train.global_batch_size={batch}"])
+    base = load_config(path, overrides)
+    p = base.parallel
+    batch = base.train.micro_batch_size * MICROBATCHES * WORLD // (p.tp * p.pp)
+    return load_config(path, [*overrides, f"train.global_batch_size={batch}"])
 
 
-def _measure(arch: str) -> list[tuple[int, dict[str, int], int]]:
-    """(pp rank, live bytes, peak saved-activation bytes) of this rank for every layout."""
+def _measure(cfgs: list[Config]) -> list[tuple[int, dict[str, int], int]]:
+    """(pp rank, live bytes, peak saved-activation bytes) of this rank for every config."""
     results = []
-    for layout in LAYOUTS[arch]:
-        cfg = _config(arch, layout)
+    for cfg in cfgs:
         ps = build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, torch.device("cpu"))
         run = build_run(cfg, ps)
         run.train(True)
         torch.manual_seed(ps.dp_rank)
-        tokens = torch.randint(0, cfg.model.vocab_size, (MICROBATCHES * 2, cfg.model.seq_len + 1))
+        rows = MICROBATCHES * cfg.train.micro_batch_size
+        tokens = torch.randint(0, cfg.model.vocab_size, (rows, cfg.model.seq_len + 1))
         batches = micro_batches(tokens, cfg.train.micro_batch_size)
         held = [t for chunk in run.chunks for t in (*chunk.parameters(), *chunk.buffers())]
         with SavedActivationTracker(exclude=held) as saved:
@@ -84,15 +84,14 @@ def _measure(arch: str) -> list[tuple[int, dict[str, int], int]]:
     return results
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
-def test_estimate_equals_measurement(arch):
-    per_rank = run_ranks(WORLD, _measure, arch, timeout=240)
-    for i, layout in enumerate(LAYOUTS[arch]):
-        est = estimate_layout(_config(arch, layout), WORLD, device="cpu")
+def _check(cfgs: list[Config], names: list[str]) -> None:
+    per_rank = run_ranks(WORLD, _measure, cfgs, timeout=240)
+    for i, (cfg, name) in enumerate(zip(cfgs, names, strict=True)):
+        est = estimate_layout(cfg, WORLD, device="cpu")
         for rank, results in enumerate(per_rank):
             pp_rank, live, peak = results[i]
             stage = est.stages[pp_rank]
-            where = f"{arch} {layout} rank {rank} (pp rank {pp_rank})"
+            where = f"{name} rank {rank} (pp rank {pp_rank})"
             predicted = {
                 "params": stage.part("parameters"),
                 "buffers": stage.part("buffers"),
@@ -103,3 +102,19 @@ def test_estimate_equals_measurement(arch):
             kept = stage.part("activations") + stage.part("head weight grads")
             print(f"{where}: saved activations measured {peak} B, estimated {kept} B")
             assert peak == pytest.approx(kept, rel=0.05), where
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_estimate_equals_measurement(arch):
+    cfgs = [_config(None, (f"model.arch={arch}", *TINY, *layout)) for layout in LAYOUTS[arch]]
+    _check(cfgs, [f"{arch} {layout}" for layout in LAYOUTS[arch]])
+
+
+SHIPPED = {  # at the shipped widths, vocabulary (the head's chunked loss) and micro-batch 8
+    "configs/gpt-tiny.yaml": ("parallel.tp=2", "parallel.sp=true", "parallel.pp=2"),
+    "configs/llama-tiny.yaml": ("parallel.tp=2", "parallel.sp=true", "parallel.zero=1"),
+}
+
+
+def test_estimate_equals_measurement_at_the_shipped_sizes():
+    _check([_config(path, layout) for path, layout in SHIPPED.items()], list(SHIPPED))
