@@ -218,8 +218,6 @@ class PipelineExecutor:
     buffers_of_chunk: list[list[GradBuffer]] = field(default_factory=list)
     """Gradient buffers of each chunk, told to start their dp reduction before the chunk's
     last backward (ZeRO-2: to finish each backward's reductions after it)."""
-    last_times: StepTimes | None = field(default=None, init=False)
-    """The timings of the latest `run`, for a profiler that reaches it through `train_step`."""
 
     def __post_init__(self) -> None:
         n_stages = self.ps.pp_size * self.vpp
@@ -266,8 +264,7 @@ class PipelineExecutor:
             with timer.interval("p2p"):
                 for work in step.sends:
                     work.wait()
-        self.last_times = _step_times(timer.totals(), step.peak_in_flight)
-        return step.loss_total, self.last_times
+        return step.loss_total, _step_times(timer.totals(), step.peak_in_flight)
 
     def _post(self, step: _Step, batch: tuple[Action, ...]) -> None:
         """Post one batch of sends and receives together (see `schedule._place_p2p` for why this

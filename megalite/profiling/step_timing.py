@@ -142,11 +142,10 @@ def measure_step(
     _synchronize(run.ps.device)
     start = time.perf_counter()
     with timer.active(), timer.interval("step"):
-        train_step(run, tokens, lr)
+        inner = train_step(run, tokens, lr).times
     _synchronize(run.ps.device)
     wall_s = time.perf_counter() - start
     outer = timer.totals()  # step: everything outside the executor and collectives
-    inner = run.executor.last_times
     executor_parts = inner.forward_s + inner.backward_s + inner.wait_s + inner.p2p_s + inner.comm_s
     parts = {
         "forward": inner.forward_s,

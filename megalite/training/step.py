@@ -11,7 +11,7 @@ import torch
 from megalite import comm
 from megalite.optimizer.clip import clip_coefficient
 from megalite.optimizer.finalize import finalize_grads
-from megalite.pipeline.executor import MicroBatch, bubble_fraction
+from megalite.pipeline.executor import MicroBatch, StepTimes, bubble_fraction
 from megalite.training.setup import Run
 
 
@@ -25,8 +25,8 @@ class StepMetrics:
     bubble_fraction: float
     """The papers' pipeline bubble: time the pp ranks waited on receives relative to their
     compute time, summed over the pipeline ((p - 1) / m for a balanced 1F1B schedule)."""
-    peak_in_flight: int
-    """Most micro-batch activations this rank held at once."""
+    times: StepTimes
+    """This rank's run of the schedule: where its time went, its peak of micro-batches held."""
     bad: str | None = None
     """Why the bad-step policy skipped the update (a NaN loss, a spike); None when it did not."""
 
@@ -68,7 +68,7 @@ def train_step(run: Run, tokens: torch.Tensor, lr: float) -> StepMetrics:
     wait_and_compute = torch.tensor([times.wait_s, times.compute_s], device=run.ps.device)
     comm.all_reduce(wait_and_compute, run.ps.pp_group)
     bubble = bubble_fraction(*wait_and_compute.tolist())  # of the whole pipeline
-    return StepMetrics(loss, grad_norm, skipped, bubble, times.peak_in_flight, bad)
+    return StepMetrics(loss, grad_norm, skipped, bubble, times, bad)
 
 
 @torch.no_grad()

@@ -118,7 +118,7 @@ def _peaks(schedule, pp, num_microbatches):
     run = build_run(cfg, ps)
     torch.manual_seed(0)
     metrics = train_step(run, torch.randint(0, 500, (2 * num_microbatches, 33)), 1e-3)
-    return metrics.peak_in_flight, metrics.bubble_fraction
+    return metrics.times.peak_in_flight, metrics.bubble_fraction
 
 
 def _storage_of_sent_outputs(pp: int, num_microbatches: int) -> list[int]:

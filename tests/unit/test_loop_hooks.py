@@ -11,6 +11,7 @@ import pytest
 
 from megalite.optimizer.bad_steps import BadStepPolicy
 from megalite.optimizer.loss_scale import LossScaler
+from megalite.pipeline.executor import StepTimes
 from megalite.training.hooks import (
     BadSteps,
     Checkpointing,
@@ -28,7 +29,9 @@ STEPS = 10
 
 
 def record(step: int, loss: float = 2.0, elapsed_s: float = 0.5) -> StepRecord:
-    metrics = StepMetrics(loss, grad_norm=1.0, skipped=False, bubble_fraction=0.0, peak_in_flight=1)
+    metrics = StepMetrics(
+        loss, grad_norm=1.0, skipped=False, bubble_fraction=0.0, times=StepTimes()
+    )
     cost = StepCost(tokens=100, flops=1e12, devices=1, device_peak_flops=2e12)
     row = metrics_row(step, metrics, 1e-3, elapsed_s, cost, LossScaler())
     return StepRecord(step, metrics, 1e-3, elapsed_s, row)
