@@ -11,7 +11,6 @@ in (for the watchdog); a call that fails raises `CollectiveError` naming it.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megalite import comm_trace
+from megalite import comm_trace, nccl_contract
 
 # torch >= 2.9 names these *_single; older releases only have the *_tensor spelling.
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -53,8 +52,9 @@ def _count(op: str, tensor: torch.Tensor, group_size: int) -> None:
         log.append(CollectiveRecord(op, tensor.numel() * tensor.element_size(), group_size))
 
 
-def _record(op: str, tensor: torch.Tensor, group: Any) -> comm_trace.Call:
-    _count(op, tensor, size(group))
+def _record(op: str, tensor: torch.Tensor | None, group: Any) -> comm_trace.Call:
+    if tensor is not None:
+        _count(op, tensor, size(group))
     return comm_trace.record_collective(op, tensor, group)
 
 
@@ -100,7 +100,7 @@ def all_reduce(tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
 
 def all_reduce_max(tensor: torch.Tensor, group: Any) -> None:
     if size(group) > 1:
-        call = comm_trace.record_collective("all_reduce_max", tensor, group)
+        call = _record("all_reduce_max", tensor, group)
         with comm_trace.progress.blocking(call):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
@@ -165,71 +165,57 @@ def split(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     return tensor.chunk(world, dim=dim)[rank(group)].contiguous()
 
 
-NCCL_LIKE_P2P_ENV = "MEGALITE_NCCL_LIKE_P2P"
-"""Set to 1 (tests, on gloo) for p2p with NCCL's blocking semantics, see `post_p2p`."""
+class P2PBatch:
+    """The handle of one posted batch of sends and receives: done when every work the backend
+    returned for it is (one per op on gloo, one for the whole batch on NCCL: `nccl_contract`,
+    item 1), so a batch's receives are ready only once all of them have completed. Each work is
+    waited for once (gloo hangs on a second wait)."""
 
-_HANDSHAKE_TAG = 1  # the program's own messages use tag 0
+    def __init__(self, works: list[Any], call: comm_trace.Call, sends: bool) -> None:
+        self.works, self.call = works, call
+        self.sends = sends
+        """Whether the batch sends anything (its handle then keeps the messages alive)."""
+
+    def wait(self) -> None:
+        with comm_trace.progress.blocking(self.call):
+            while self.works:
+                self.works[-1].wait()
+                self.works.pop()
+
+    def is_completed(self) -> bool:
+        self.works = [work for work in self.works if not work.is_completed()]
+        return not self.works
 
 
 def post_p2p(
     sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]
-) -> list[Any]:
+) -> P2PBatch | None:
     """Start point-to-point sends and receives (tensor, global peer rank) as one batch and return
-    their handles, sends first.
+    its handle (None for an empty batch).
 
     NCCL runs a rank's p2p batches one after another on one stream, and a send completes only
     when the receiver's stream reaches the matching receive; gloo buffers sends, so a batching
-    that deadlocks on GPUs runs here. With MEGALITE_NCCL_LIKE_P2P=1 (tests), gloo behaves like
-    NCCL: a send completes only once its receiver announces that it has posted the receive, and
-    the batch completes before this returns, so the next one cannot start earlier.
+    that deadlocks on GPUs runs here. With MEGALITE_NCCL_LIKE_P2P=1 (the test suite) the batch
+    goes through `nccl_contract.batch_isend_irecv`, which behaves and returns as NCCL's does.
     """
     for tensor, _ in sends:
         _count("send", tensor, 1)
     calls = [comm_trace.record_p2p("send", t, peer) for t, peer in sends]
     calls += [comm_trace.record_p2p("recv", t, peer) for t, peer in recvs]
     if not calls:
-        return []
-    if os.environ.get(NCCL_LIKE_P2P_ENV) == "1":
-        with comm_trace.progress.blocking(calls[-1]):
-            return _post_p2p_blocking(sends, recvs)
+        return None
     ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+    batch_isend_irecv = (
+        nccl_contract.batch_isend_irecv if nccl_contract.enabled() else dist.batch_isend_irecv
+    )
     with comm_trace.progress.blocking(calls[-1]):
-        works = dist.batch_isend_irecv(ops)
-    return [_Tracked(work, call) for work, call in zip(works, calls)]
-
-
-def _post_p2p_blocking(
-    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]
-) -> list[Any]:
-    """`post_p2p` with NCCL's semantics on gloo (CPU tensors): every receive is announced to its
-    sender, and the batch completes once each of its sends has been announced and each of its
-    receives has arrived. The announcements use a tag of their own, so they never meet the
-    program's messages, and stay out of the collective trace."""
-    works = [dist.isend(tensor, peer) for tensor, peer in sends]
-    works += [dist.irecv(tensor, peer) for tensor, peer in recvs]
-    announced = [dist.isend(torch.ones(1), peer, tag=_HANDSHAKE_TAG) for _, peer in recvs]
-    announced += [dist.irecv(torch.empty(1), peer, tag=_HANDSHAKE_TAG) for _, peer in sends]
-    for work in works + announced:
-        work.wait()
-    return [_COMPLETED] * len(works)  # gloo hangs when a work is waited for twice
-
-
-class _Completed:
-    """The handle of a p2p message that has already completed."""
-
-    def wait(self) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-_COMPLETED = _Completed()
+        works = batch_isend_irecv(ops)
+    return P2PBatch(list(works), calls[-1], bool(sends))
 
 
 def barrier(group: Any = None) -> None:
     if dist.is_initialized():
-        call = comm_trace.record_collective("barrier", None, group)
+        call = _record("barrier", None, group)
         with comm_trace.progress.blocking(call):
             dist.barrier(group=group)

@@ -174,13 +174,14 @@ class _Step:
     timer: IntervalTimer
     peak_in_flight: int = 0
     received: dict = field(default_factory=dict)
-    """(op, micro-batch, chunk) of a receive -> (its work, the buffer it fills)."""
+    """(op, micro-batch, chunk) of a receive -> (the batch it was posted in, the buffer it
+    fills): the buffer is ready once the whole batch has completed."""
     saved: dict = field(default_factory=dict)
     """(micro-batch, chunk) -> (input, output) kept from forward until backward."""
     input_grads: dict = field(default_factory=dict)
     """(micro-batch, chunk) -> gradient of the chunk's input, until it is sent."""
     sends: list = field(default_factory=list)
-    """Works of sends not yet seen complete (on gloo they hold the sent tensor)."""
+    """Batches with sends not yet seen complete (their works hold the sent tensors)."""
 
     def __post_init__(self) -> None:
         self.loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -262,8 +263,8 @@ class PipelineExecutor:
                         for buffer in self.buffers_of_chunk[action.chunk]:
                             buffer.end_backward()
             with timer.interval("p2p"):
-                for work in step.sends:
-                    work.wait()
+                for batch in step.sends:
+                    batch.wait()
         return step.loss_total, _step_times(timer.totals(), step.peak_in_flight)
 
     def _post(self, step: _Step, batch: tuple[Action, ...]) -> None:
@@ -282,13 +283,14 @@ class PipelineExecutor:
             else:
                 buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=step.device)
                 receives.append((action, buffer))
-        works = comm.post_p2p(sends, [(buffer, self._peer(a)) for a, buffer in receives])
-        for (action, buffer), work in zip(receives, works[len(sends) :]):
-            step.received[(action.op, action.microbatch, action.chunk)] = (work, buffer)
+        posted = comm.post_p2p(sends, [(buffer, self._peer(a)) for a, buffer in receives])
+        for action, buffer in receives:
+            step.received[(action.op, action.microbatch, action.chunk)] = (posted, buffer)
         for output in outputs:
             output.data = torch.empty(0, dtype=output.dtype, device=output.device)
-        step.sends = [work for work in step.sends if not work.is_completed()]
-        step.sends += works[: len(sends)]
+        step.sends = [batch for batch in step.sends if not batch.is_completed()]
+        if sends:
+            step.sends.append(posted)
 
     def _received_input(self, step: _Step, action: Action) -> torch.Tensor | None:
         """The received activation (forward) or output gradient (backward) `action` consumes,
@@ -297,9 +299,9 @@ class PipelineExecutor:
         posted = step.received.pop((receive, action.microbatch, action.chunk), None)
         if posted is None:
             return None
-        work, buffer = posted
+        batch, buffer = posted
         with step.timer.interval("wait"):
-            work.wait()
+            batch.wait()
         return buffer
 
     def _forward(self, step: _Step, action: Action, received: torch.Tensor | None) -> torch.Tensor:

@@ -26,10 +26,10 @@ def test_a_rank_dependent_collective_size_is_named():
 
 def _mismatched_send() -> None:
     if dist.get_rank() == 0:
-        (work,) = comm.post_p2p([(torch.ones(5), 1)], [])
+        batch = comm.post_p2p([(torch.ones(5), 1)], [])
     else:
-        (work,) = comm.post_p2p([], [(torch.empty(5, dtype=torch.float64), 0)])
-    work.wait()
+        batch = comm.post_p2p([], [(torch.empty(5, dtype=torch.float64), 0)])
+    batch.wait()
 
 
 def test_a_send_and_its_receive_must_agree():

@@ -1,0 +1,87 @@
+"""Where NCCL differs from gloo, as torch 2.13's own source has it, and how the test mode makes
+gloo behave like NCCL through the same megalite code (`comm` calls `batch_isend_irecv` here
+where it would call torch's).
+
+The contract megalite relies on (distributed_c10d.py, ProcessGroupNCCL):
+
+1. `batch_isend_irecv` returns ONE work for the whole batch on NCCL: a backend that supports
+   coalescing runs the ops inside `_coalescing_manager(group, device, async_ops=True)` and returns
+   `cm.works`, the single work of `_end_coalescing`. gloo returns one work per op. megalite treats
+   a batch as done when every handle it returned is (`comm.P2PBatch`), so either shape works.
+2. Sends block: NCCL runs a batch as one grouped kernel that ends when every send has met its
+   receive, and a rank's batches run one after another on one stream. gloo buffers sends. The
+   emulation completes a send only once its receiver has posted the receive, and completes each
+   batch before the next starts (the host waits where NCCL's stream would: at least as strict).
+3. `wait()` on NCCL makes the current CUDA stream wait for the work; the host goes on. A received
+   tensor may be read on the host only after a synchronising call (`.item()`, `.cpu()`), and step
+   timers must be CUDA events, not the host clock (`executor.IntervalTimer`). On gloo (CPU) wait
+   blocks the host, which is stricter.
+4. Time-outs are per group: `new_group` without `timeout` takes the backend's default (NCCL 10
+   min, gloo 30 min), not the world's. `parallel_state` passes the configured one to every group.
+5. A batched p2p uses the group's own communicator (`getKeyFromDevice` while NCCL's group is
+   open), and a communicator that does not exist yet is created by the first operation on it,
+   a step every rank of the group must take (torch's docstring: "if this API is the first
+   collective call in the group ... all ranks of the group must participate"). megalite binds
+   the device on CUDA (item 8): the world communicator is connected in `init_process_group` and
+   every subgroup's is split from it in `new_group`, so no first operation creates one. gloo
+   connects every group when it is made, which is what the test mode then matches.
+6. Tensors must be contiguous and dense, on NCCL and on gloo alike; `all_gather_into_tensor` /
+   `reduce_scatter_tensor` need output = group size x input on both. megalite makes every message
+   contiguous (`executor._post`, `comm.all_gather`) and sizes collectives by global shapes only.
+7. Tensor stashing: NCCL keeps every tensor of an asynchronous op alive until the op completes
+   (its work stashes them and records the stream), as gloo's work does; so the executor may drop
+   its own reference to a sent activation as soon as the send is posted.
+8. `device_id` in `init_process_group` binds the device and connects NCCL eagerly; subgroups are
+   then split from the world communicator (`ncclCommSplit`), in which every world rank takes part,
+   members or not. Without it, each communicator bootstraps through the store on its first
+   collective. `parallel_state` passes it on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+NCCL_LIKE_P2P_ENV = "MEGALITE_NCCL_LIKE_P2P"
+"""Set to 1 (the test suite does) for gloo p2p with NCCL's semantics (items 1 and 2)."""
+
+_HANDSHAKE_TAG = 1  # the program's own messages use tag 0
+
+
+def enabled() -> bool:
+    return os.environ.get(NCCL_LIKE_P2P_ENV) == "1"
+
+
+class CoalescedWork:
+    """NCCL's coalesced work for one batch: completed by the time the emulation returns it (the
+    batch ran to its end as NCCL's stream would before the next one). It holds the batch's
+    tensors, as NCCL's work stashes them (item 7)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def batch_isend_irecv(ops: list[dist.P2POp]) -> list[CoalescedWork]:
+    """`dist.batch_isend_irecv` as NCCL runs it, on gloo: one work for the batch (item 1), sends
+    that complete only when matched and a batch that ends before the next begins (item 2)."""
+    group = ops[0].group
+    works, announced = [], []
+    for op in ops:
+        if op.op is dist.isend:
+            works.append(dist.isend(op.tensor, op.peer, group=group))
+            announced.append(dist.irecv(torch.empty(1), op.peer, group=group, tag=_HANDSHAKE_TAG))
+        else:
+            works.append(dist.irecv(op.tensor, op.peer, group=group))
+            announced.append(dist.isend(torch.ones(1), op.peer, group=group, tag=_HANDSHAKE_TAG))
+    for work in works + announced:
+        work.wait()
+    return [CoalescedWork([op.tensor for op in ops])]
