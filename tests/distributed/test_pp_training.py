@@ -89,6 +89,8 @@ def _reference_val_losses(model: tuple[str, ...]) -> list[float]:
         (4, 1, "gpipe"),
         (4, 1, "1f1b"),
         (4, 2, "interleaved"),
+        (2, 3, "interleaved"),
+        (4, 3, "interleaved"),
     ],
 )
 def test_pp_with_nccl_blocking_p2p(builtin_corpus, tmp_path, monkeypatch, pp, vpp, schedule):
@@ -99,7 +101,8 @@ def test_pp_with_nccl_blocking_p2p(builtin_corpus, tmp_path, monkeypatch, pp, vp
     hang here with vpp 2; receives taken from the handles of a batch's ops one by one (until
     issue 22) find no handle on NCCL, and the first backward fails."""
     monkeypatch.setenv(nccl_contract.NCCL_LIKE_P2P_ENV, "1")  # inherited by the forked ranks
-    model = GPT + EVAL + EIGHT_MICROBATCHES + (EIGHT_LAYERS if pp * vpp > 4 else ())
+    layers = (f"model.n_layers={max(4, pp * vpp)}",)  # a layer per chunk at least
+    model = GPT + EVAL + EIGHT_MICROBATCHES + layers
     layout = (f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"parallel.schedule={schedule}")
     assert_equivalent(pp, model, layout, tmp_path)
     val_losses, ref_val_losses = _val_losses(tmp_path), _reference_val_losses(model)
