@@ -23,7 +23,7 @@ The contract megalite relies on (distributed_c10d.py, ProcessGroupNCCL):
    a step every rank of the group must take (torch's docstring: "if this API is the first
    collective call in the group ... all ranks of the group must participate"). megalite binds
    the device on CUDA (item 8): the world communicator is connected in `init_process_group` and
-   every subgroup's is split from it in `new_group`, so no first operation creates one. gloo
+   every subgroup's is split from it (`split_group`), so no first operation creates one. gloo
    connects every group when it is made, which is what the test mode then matches.
 6. Tensors must be contiguous and dense, on NCCL and on gloo alike; `all_gather_into_tensor` /
    `reduce_scatter_tensor` need output = group size x input on both. megalite makes every message
@@ -31,10 +31,15 @@ The contract megalite relies on (distributed_c10d.py, ProcessGroupNCCL):
 7. Tensor stashing: NCCL keeps every tensor of an asynchronous op alive until the op completes
    (its work stashes them and records the stream), as gloo's work does; so the executor may drop
    its own reference to a sent activation as soon as the send is posted.
-8. `device_id` in `init_process_group` binds the device and connects NCCL eagerly; subgroups are
-   then split from the world communicator (`ncclCommSplit`), in which every world rank takes part,
-   members or not. Without it, each communicator bootstraps through the store on its first
-   collective. `parallel_state` passes it on CUDA.
+8. `device_id` in `init_process_group` binds the device and connects NCCL eagerly; a subgroup
+   made by `new_group` is then split from the world communicator (`ncclCommSplit`), a step every
+   world rank takes, members or not (non-members make a no-colour split): one world-wide split
+   per group. Without it, each communicator bootstraps through the store on its first
+   collective, inside step 1. `parallel_state` binds the device on CUDA and splits each axis's
+   groups with one `split_group` call (5 calls where `new_group` would make 464 at 1,024 ranks).
+9. `use_local_synchronization=True` lets non-members skip `new_group`, but with a bound device
+   they then skip their part of the split and the members hang; on gloo torch names such groups
+   by a hash that depends on how many groups each process already made. megalite never uses it.
 """
 
 from __future__ import annotations

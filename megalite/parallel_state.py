@@ -37,6 +37,17 @@ class RankGrid:
     embedding_groups: list[list[int]]
     """First and last pipeline stage of each pipeline: they share tied embeddings."""
 
+    def by_axis(self) -> dict[str, list[list[int]]]:
+        """Each axis's groups, keyed as ParallelState names them (`{axis}_group`), in the order
+        they are created: the partitions of the world first, the embedding pairs last."""
+        return {
+            "tp": self.tp_groups,
+            "dp": self.dp_groups,
+            "pp": self.pp_groups,
+            "model_parallel": self.model_parallel_groups,
+            "embedding": self.embedding_groups,
+        }
+
 
 def rank_coords(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
     """(tp_rank, dp_rank, pp_rank) of a global rank."""
@@ -98,8 +109,25 @@ def choose_device(requested: str = "auto") -> torch.device:
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise MegaliteError("train.device=cuda but CUDA is not available: use auto or cpu")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        return torch.device("cuda", local_gpu(local_rank, torch.cuda.device_count()))
     return torch.device("cpu")
+
+
+def local_gpu(local_rank: int, visible: int) -> int:
+    """The index of this rank's GPU among the `visible` ones this process sees.
+
+    Why not always LOCAL_RANK: launchers that give each rank a GPU of its own
+    (CUDA_VISIBLE_DEVICES per rank, as some Slurm setups do) leave one visible device, cuda:0,
+    whatever the rank's LOCAL_RANK. A process that sees several takes the LOCAL_RANK-th."""
+    if visible == 1:
+        return 0
+    if local_rank < visible:
+        return local_rank
+    raise MegaliteError(
+        f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs: start at most {visible} "
+        "ranks per node, or give each rank one GPU with CUDA_VISIBLE_DEVICES"
+    )
 
 
 class DistributedStartError(MegaliteError):
@@ -115,6 +143,10 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[in
     of the workers (the first, and each restart) rendezvouses in a key space of its own
     (`elastic_store`), so a restarted worker never reads a dead worker's address.
 
+    On CUDA the device is bound (`device_id`): NCCL connects the world now, so a missing or
+    broken rank fails here rather than in step 1, and the groups `build_parallel_state` makes
+    are split from this communicator instead of each bootstrapping through the store.
+
     A single process without torchrun variables stays out of torch.distributed entirely.
     """
     if dist.is_initialized():
@@ -128,6 +160,8 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[in
     timeout = datetime.timedelta(seconds=timeout_s)
     store = elastic_store(rank, world_size, timeout_s)
     kwargs = {} if store is None else {"store": store, "rank": rank, "world_size": world_size}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
     with _starting("joining the world", timeout_s):
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout, **kwargs
@@ -218,8 +252,14 @@ def _starting(what: str, timeout_s: float | None = None) -> Iterator[None]:
         ) from failure
 
 
-def build_parallel_state(tp: int, pp: int, device: torch.device) -> ParallelState:
-    """Create every process group of the layout; must run on all ranks in the same order."""
+def build_parallel_state(
+    tp: int, pp: int, device: torch.device, timeout_s: float | None = None
+) -> ParallelState:
+    """Create every process group of the layout; must run on all ranks in the same order.
+
+    Every group times out after `timeout_s` (None: the world group's, which init_distributed
+    set from fault.collective_timeout_s), where torch would give the backend's default (NCCL:
+    10 minutes). A group that spans the world is the world group, with the world's time-out."""
     if not dist.is_initialized():
         if tp * pp != 1:
             raise MegaliteError(
@@ -231,36 +271,79 @@ def build_parallel_state(tp: int, pp: int, device: torch.device) -> ParallelStat
     grid = rank_grid(world_size, tp, pp)
     dp = data_parallel_size(world_size, tp, pp)
     tp_rank, dp_rank, pp_rank = rank_coords(rank, tp, dp)
+    if timeout_s is None:
+        timeout = group_timeout(dist.group.WORLD, device)
+    else:
+        timeout = datetime.timedelta(seconds=timeout_s)
+    with _starting("creating the process groups", timeout.total_seconds()):
+        groups = create_groups(grid, rank, timeout)
+    return ParallelState(
+        rank=rank,
+        world_size=world_size,
+        tp_size=tp,
+        pp_size=pp,
+        dp_size=dp,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        dp_rank=dp_rank,
+        device=device,
+        world_group=dist.group.WORLD,
+        pp_ranks=tuple(next(g for g in grid.pp_groups if rank in g)),
+        **{f"{axis}_group": group for axis, group in groups.items()},
+    )
 
-    def mine(groups: list[list[int]]) -> Any:
-        # new_group is collective over the world: every rank creates every group, keeps its own.
-        found = None
-        for ranks in groups:
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                found = group
-        return found
 
-    pp_ranks = next(g for g in grid.pp_groups if rank in g)
-    with _starting("creating the process groups"):
-        return ParallelState(
-            rank=rank,
-            world_size=world_size,
-            tp_size=tp,
-            pp_size=pp,
-            dp_size=dp,
-            tp_rank=tp_rank,
-            pp_rank=pp_rank,
-            dp_rank=dp_rank,
-            device=device,
-            tp_group=mine(grid.tp_groups),
-            pp_group=mine(grid.pp_groups),
-            dp_group=mine(grid.dp_groups),
-            model_parallel_group=mine(grid.model_parallel_groups),
-            embedding_group=mine(grid.embedding_groups),
-            world_group=dist.group.WORLD,
-            pp_ranks=tuple(pp_ranks),
+def create_groups(grid: RankGrid, rank: int, timeout: datetime.timedelta) -> dict[str, Any]:
+    """This rank's group of every axis, each made once whatever the number of axes it serves.
+
+    None where the axis's groups have one rank (comm treats None as a group of one: nothing
+    to create, no communicator to hold); the world group where a group spans the world; the
+    group an earlier axis made where two axes have the same ranks (the embedding pair is the
+    pipeline when pp is 2). Every rank takes the same decisions, from the grid alone, so each
+    creating call is made on every rank."""
+    made: dict[tuple[int, ...], Any] = {tuple(range(dist.get_world_size())): dist.group.WORLD}
+    mine: dict[str, Any] = {}
+    for axis, groups in grid.by_axis().items():
+        fresh = [tuple(g) for g in groups if len(g) > 1 and tuple(g) not in made]
+        if fresh:
+            made.update(zip(fresh, _create_axis(axis, fresh, rank, timeout)))
+        own = next((tuple(g) for g in groups if rank in g), None)
+        mine[axis] = made[own] if own is not None and len(own) > 1 else None
+    return mine
+
+
+def _create_axis(
+    axis: str, groups: list[tuple[int, ...]], rank: int, timeout: datetime.timedelta
+) -> list[Any]:
+    """The process groups of one axis (disjoint rank lists): this rank's, None for the others.
+
+    With a bound device (NCCL, init_distributed's `device_id`) a group is split from the world
+    communicator (ncclCommSplit), a call every world rank must enter: `new_group` makes each
+    non-member take part in a no-colour split, one world-wide split per group (464 per rank at
+    1,024 ranks, tp 8 x pp 8); `split_group` splits a whole axis in one. With
+    `use_local_synchronization` the non-members would skip their part and the members hang.
+
+    Without one (gloo; NCCL unbound) `split_group` refuses, and `new_group` returns at once on a
+    non-member (no store traffic unless TORCH_DIST_INIT_BARRIER=1): microseconds. Local
+    synchronization is not worth it there either: torch then names a group by a hash of its
+    ranks and of how many groups the process holds, which members that made different numbers
+    of groups (a second layout in one process; middle stages, in no embedding pair) disagree
+    on, and gloo waits for store keys no peer writes."""
+    ranks = [list(g) for g in groups]
+    if dist.group.WORLD.bound_device_id is None:
+        return [dist.new_group(r, timeout=timeout, group_desc=axis) for r in ranks]
+    split = dist.split_group(split_ranks=ranks, timeout=timeout, group_desc=axis)
+    return [split if rank in r else None for r in ranks]
+
+
+def group_timeout(group: Any, device: torch.device) -> datetime.timedelta:
+    """The time-out `group`'s backend for `device` gives its collectives."""
+    options = group._get_backend(device).options
+    if options is None:  # torch's fake backend keeps none
+        raise MegaliteError(
+            f"the {dist.get_backend(group)} backend does not say its time-out: pass timeout_s"
         )
+    return options._timeout
 
 
 @contextlib.contextmanager
