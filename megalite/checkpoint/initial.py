@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from megalite.checkpoint.hf import read_hf
-from megalite.checkpoint.sharded import SHAPE_KEYS, Checkpoint, CheckpointError, local_piece
+from megalite.checkpoint.reader import local_piece
+from megalite.checkpoint.sharded import SHAPE_KEYS, Checkpoint, CheckpointError
 from megalite.config import ModelConfig, build_config
 from megalite.parallel_state import ParallelState
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from megalite.checkpoint.staging import HostStaging
 from megalite.checkpoint.state import RunState
-from megalite.checkpoint.writer import Snapshot, publish, take_snapshot, write_snapshot
+from megalite.checkpoint.writer import Snapshot, publish, take_snapshot, write_or_error
 from megalite.parallel_state import ParallelState
 
 
@@ -35,21 +35,22 @@ class CheckpointSaver:
         self.root, self.keep, self.tokenizer = Path(root), keep, tokenizer
         self.staging = HostStaging() if async_save else None
         self._pending: tuple[Snapshot, ParallelState, threading.Thread] | None = None
-        self._error: str | None = None
+        self._error: Exception | None = None
 
     @property
     def pending(self) -> bool:
         """Whether a checkpoint is being written in the background, not yet published."""
         return self._pending is not None
 
-    def save(self, state: RunState) -> Path:
+    def save(self, state: RunState, good: bool = True) -> Path:
         """Save `state` as the checkpoint of step `state.step`; returns its directory, which
-        exists once `finish` has published it (at once for a synchronous save)."""
+        exists once `finish` has published it (at once for a synchronous save). `good=False`
+        marks it bad (saved during a bad-step streak or after a spike): kept, but `latest`,
+        auto-resume and pruning go by the newest good one (`sharded.newest_good_checkpoint`)."""
         self.finish()  # the previous save, before its buffers are reused
-        snapshot = take_snapshot(self.root, state, self.tokenizer, self.staging)
+        snapshot = take_snapshot(self.root, state, self.tokenizer, self.staging, good)
         if self.staging is None:
-            write_snapshot(snapshot)
-            return publish(snapshot, state.ps, self.keep)
+            return publish(snapshot, state.ps, self.keep, write_or_error(snapshot))
         writer = threading.Thread(
             target=self._write, args=(snapshot,), name=f"checkpoint-{state.step}", daemon=True
         )
@@ -71,7 +72,4 @@ class CheckpointSaver:
         return publish(snapshot, ps, self.keep, error)
 
     def _write(self, snapshot: Snapshot) -> None:
-        try:
-            write_snapshot(snapshot)
-        except Exception as exc:  # reported by finish() on the main thread, to every rank
-            self._error = f"rank {snapshot.rank}: {type(exc).__name__}: {exc}"
+        self._error = write_or_error(snapshot)  # finish() reports it, on every rank

@@ -1,7 +1,7 @@
 """Checkpoints: the one module that knows the on-disk layout, and how a checkpoint is read.
 
     <out_dir>/checkpoints/
-        latest                     text file naming the newest complete checkpoint
+        latest                     text file naming the newest good complete checkpoint
         step_000100/
             manifest.json          layout, trainer state, where every tensor lies, checksums
             model_tp01_pp00.safetensors        parameters of one (tp, pp) rank (its dp rank 0)
@@ -17,8 +17,11 @@ own shards. A checkpoint loads into any tp / pp / dp layout: segments are glued 
 
 Safety: everything is written under a temporary directory that is renamed into place only when
 complete, then `latest` is replaced atomically (`writer.py`); files are safetensors and JSON (no
-pickle); a file whose checksum differs from the manifest's is refused with a message naming it.
-A resuming rank verifies only the files it reads.
+pickle); the manifest carries a checksum per block of every file (`files.py`) and one of its
+own. A resuming rank reads only what it loads and verifies every block it reads; a missing or
+damaged file is refused on every rank with a message naming it. A checkpoint saved as bad
+(`"good": false`, during a bad-step streak) is kept but never resumed from automatically:
+`latest` names the newest good one, and pruning keeps it.
 
 Reading: `Checkpoint` is the read API every other module uses (its step, saved config,
 tokenizer, weights, the one-process `model()`); `load_checkpoint` restores a whole `RunState`
@@ -30,26 +33,35 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
+from megalite import comm
+from megalite.checkpoint.files import CorruptFile, verify_file
+from megalite.checkpoint.reader import CheckpointError, SavedTensors, corrupt
 from megalite.checkpoint.state import RunState
 from megalite.config import build_config
 from megalite.data.tokenizer import HFTokenizer, Tokenizer, open_tokenizer
-from megalite.errors import MegaliteError
 from megalite.models import CausalLM, build_chunks
 from megalite.optimizer.zero1 import STATE_KINDS
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import TPRandom
 
-FORMAT = "megalite-checkpoint-v3"
-READABLE_FORMATS = ("megalite-checkpoint-v1", "megalite-checkpoint-v2", FORMAT)
-"""v3 adds the manifest's own checksum; older ones are read without it."""
+FORMAT = "megalite-checkpoint-v4"
+READABLE_FORMATS = (
+    "megalite-checkpoint-v1",
+    "megalite-checkpoint-v2",
+    "megalite-checkpoint-v3",
+    FORMAT,
+)
+"""v3 adds the manifest's own checksum (older ones are read without it); v4 checksums files
+by block (`files.FileDigest`) and marks a checkpoint good or bad (absent: good)."""
+CHECKSUMMED_FORMATS = READABLE_FORMATS[2:]
 MANIFEST = "manifest.json"
 LATEST = "latest"
 UNFINISHED_SUFFIX = ".tmp"
@@ -75,10 +87,6 @@ of them changed would reinterpret the weights (another head split) or silently d
 layers) whenever the tensor shapes happen to fit, so a resume refuses it."""
 
 
-class CheckpointError(MegaliteError):
-    """A checkpoint is missing, incomplete or corrupt."""
-
-
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
 
@@ -98,14 +106,6 @@ def layout_of(ps: ParallelState) -> dict[str, int]:
     return {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size}
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def manifest_checksum(manifest: dict[str, Any]) -> str:
     """The sha256 of a manifest's canonical JSON without its own checksum key: an edited step
     number or file list no longer matches it."""
@@ -115,7 +115,7 @@ def manifest_checksum(manifest: dict[str, Any]) -> str:
 
 def read_manifest(path: Path, verify_files: bool = True) -> dict[str, Any]:
     """Load a checkpoint's manifest and (verify_files) check every file's checksum; without it,
-    each file is checked when first read (`_verify`), so a rank verifies only what it reads."""
+    each block is checked when read (`reader.SavedTensors`), so a rank verifies what it reads."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(
@@ -132,48 +132,31 @@ def read_manifest(path: Path, verify_files: bool = True) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
     if not {"files", "tensors", "trainer"} <= manifest.keys():
         raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json (missing fields)")
-    if manifest["format"] == FORMAT and manifest.get(MANIFEST_CHECKSUM) != manifest_checksum(
-        manifest
-    ):
+    checksummed = manifest["format"] in CHECKSUMMED_FORMATS
+    if checksummed and manifest.get(MANIFEST_CHECKSUM) != manifest_checksum(manifest):
         raise CheckpointError(
             f"{manifest_path} fails its checksum (edited or damaged): resume from an earlier "
             "checkpoint with checkpoint.resume=<dir>, or restore the file"
         )
     if verify_files:
-        for name in manifest["files"]:
-            _verify(path, manifest, name)
+        verify_files_of(path, manifest, list(manifest["files"]))
     return manifest
 
 
-_verified: set[tuple[Path, str]] = set()
-"""(file, checksum) pairs this process has already verified."""
-
-
-def _verify(path: Path, manifest: dict, name: str) -> None:
-    file, digest = (path / name).resolve(), manifest["files"].get(name)
-    if (file, digest) in _verified:
-        return
-    if digest is None or not file.is_file() or _sha256(file) != digest:
-        others = sorted(p.name for p in path.parent.glob("step_*[0-9]") if p != path)
-        hint = f" (earlier checkpoints: {', '.join(others)})" if others else ""
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt: {name} is missing or fails its checksum; "
-            f"resume from an earlier checkpoint with checkpoint.resume=<dir>{hint}"
-        )
-    _verified.add((file, digest))
-
-
-def _segments(entry: dict, name: str) -> list[list]:
-    """[piece, lo, hi, file, key] of every stored segment; a v1 entry held whole pieces."""
-    if "segments" in entry:
-        return entry["segments"]
-    return [[i, 0, None, file, name] for i, file in enumerate(entry["files"])]
+def verify_files_of(path: Path, manifest: dict[str, Any], names: list[str]) -> None:
+    """Check the files `names` of checkpoint `path` whole against the manifest."""
+    for name in names:
+        try:
+            verify_file(path / name, manifest["files"][name])
+        except CorruptFile as exc:
+            raise corrupt(path, str(exc)) from None
 
 
 def find_checkpoint(root: Path, resume: str) -> Path | None:
-    """The checkpoint to resume from: none, the newest complete one (auto: the one `latest`
-    names, see `_newest_complete`), or an explicit directory. Unfinished writes (`step_N.tmp`)
-    are never resumed from."""
+    """The checkpoint to resume from: none, the newest good one (auto, `newest_good_checkpoint`),
+    or an explicit directory. Unfinished writes (`step_N.tmp`) are never resumed from; a step
+    directory without its manifest, or checkpoints all marked bad, stop an auto-resume with an
+    error that says what to do (resuming an older one silently would retrain and overwrite)."""
     if resume == "none":
         return None
     if resume != "auto":
@@ -181,13 +164,40 @@ def find_checkpoint(root: Path, resume: str) -> Path | None:
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.resume={resume}: no such directory")
         return path
-    return _newest_complete(root) if root.is_dir() else None
+    if not root.is_dir():
+        return None
+    damaged = damaged_checkpoints(root)
+    if damaged:
+        raise CheckpointError(
+            f"{damaged[-1]} has no manifest.json: it is not a complete checkpoint (damaged, or "
+            f"copied in part). Move it out of {root}, or name the checkpoint to resume from with "
+            "checkpoint.resume=<dir>"
+        )
+    newest = newest_good_checkpoint(root)
+    complete = complete_checkpoints(root)
+    if newest is None and complete:
+        raise CheckpointError(
+            f"{root} holds only checkpoints saved as bad (during a bad-step streak), the newest "
+            f"{complete[-1].name}: resume one by name with checkpoint.resume=<dir>, or start "
+            "afresh in another train.out_dir"
+        )
+    return newest
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    steps = [p for p in root.glob("step_*") if p.name.removeprefix("step_").isdigit()]
+    return sorted((p for p in steps if p.is_dir()), key=_step_of)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
     """The step directories under `root` that hold a manifest, by step."""
-    steps = [p for p in root.glob("step_*") if p.name.removeprefix("step_").isdigit()]
-    return sorted((p for p in steps if (p / MANIFEST).is_file()), key=_step_of)
+    return [p for p in _step_dirs(root) if (p / MANIFEST).is_file()]
+
+
+def damaged_checkpoints(root: Path) -> list[Path]:
+    """Step directories without a manifest: published once (only a complete checkpoint gets
+    its step_N name) and damaged since; never resumed from, never pruned."""
+    return [p for p in _step_dirs(root) if not (p / MANIFEST).is_file()]
 
 
 def unfinished_checkpoints(root: Path) -> list[Path]:
@@ -199,10 +209,34 @@ def _step_of(path: Path) -> int:
     return int(path.name.removeprefix("step_"))
 
 
+def is_good(path: Path) -> bool:
+    """Whether the checkpoint at `path` was saved as good (older formats: always). A manifest
+    that does not parse counts as good here: loading it gives the error that names it."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return True
+    return not isinstance(manifest, dict) or manifest.get("good", True) is not False
+
+
+def newest_good_checkpoint(root: Path) -> Path | None:
+    """The checkpoint a run continues from: the one `latest` names when it is complete and
+    good, else the highest complete good step_* under `root`; None when there is none."""
+    root = Path(root)
+    latest = root / LATEST
+    if latest.is_file():
+        named = root / latest.read_text().strip()
+        if (named / MANIFEST).is_file() and is_good(named):
+            return named
+    good = [p for p in reversed(complete_checkpoints(root)) if is_good(p)] if root.is_dir() else []
+    return good[0] if good else None
+
+
 def resolve_checkpoint(path: Path) -> Path:
     """The checkpoint a user means by `path`, so that `generate` and `export-hf` take whatever a
     run left behind: a step directory is itself; the `latest` pointer file, a `checkpoints/`
-    directory or a run directory (train.out_dir) mean the newest complete checkpoint there."""
+    directory or a run directory (train.out_dir) mean the newest good checkpoint there (a step
+    directory without a manifest is skipped, with a note on stderr)."""
     path = Path(path)
     if (path / MANIFEST).is_file():
         return path
@@ -212,9 +246,16 @@ def resolve_checkpoint(path: Path) -> Path:
         root = path / "checkpoints"
     else:
         root = path
-    newest = _newest_complete(root) if root.is_dir() else None
+    newest = newest_good_checkpoint(root) if root.is_dir() else None
+    for damaged in damaged_checkpoints(root) if root.is_dir() else []:
+        print(
+            f"note: skipped {damaged}: no manifest.json (not a complete checkpoint)",
+            file=sys.stderr,
+        )
     if newest is None:
         found = "no complete megalite checkpoint" if path.exists() else "no such file or directory"
+        if root.is_dir() and complete_checkpoints(root):
+            found = "only checkpoints saved as bad (name one to use it)"
         raise CheckpointError(
             f"{path}: {found}; expected a run directory (train.out_dir), its checkpoints/ "
             "directory, the checkpoints/latest file, or a step_* directory with a manifest.json"
@@ -222,114 +263,18 @@ def resolve_checkpoint(path: Path) -> Path:
     return newest
 
 
-def _newest_complete(root: Path) -> Path | None:
-    """The checkpoint `latest` names when it is complete, else the highest complete step_*."""
-    latest = root / LATEST
-    if latest.is_file():
-        named = root / latest.read_text().strip()
-        if (named / MANIFEST).is_file():
-            return named
-    complete = complete_checkpoints(root)
-    return complete[-1] if complete else None
-
-
-def _piece_shape(entry: dict) -> list[int]:
-    shape = list(entry["global_shape"])
-    if entry["split_dim"] is not None:
-        shape[entry["split_dim"]] //= entry["pieces"]
-    return shape
-
-
-def _read_piece(path: Path, manifest: dict, name: str, entry: dict, piece: int) -> torch.Tensor:
-    """Tp piece `piece` of tensor `name`, glued from its segments (verified on first read)."""
-    parts, filled = [], 0
-    for index, lo, _, file, key in _segments(entry, name):
-        if index != piece:
-            continue
-        if lo != filled:
-            raise CheckpointError(f"checkpoint {path}: {name} lacks elements {filled}..{lo}")
-        _verify(path, manifest, file)
-        with safe_open(str(path / file), framework="pt") as f:
-            parts.append(f.get_tensor(key).reshape(-1))
-        filled += parts[-1].numel()
-    shape = _piece_shape(entry)
-    if filled != torch.Size(shape).numel():
-        raise CheckpointError(f"checkpoint {path}: {name} piece {piece} is incomplete")
-    return torch.cat(parts).view(shape) if len(parts) > 1 else parts[0].view(shape)
-
-
-def _read_tensor(path: Path, manifest: dict, name: str) -> torch.Tensor:
-    """The full global tensor `name`, glued from its tp pieces, without the padding rows beyond
-    the real vocabulary (whose count depends on the tp it was saved with)."""
-    entry = manifest["tensors"].get(name)
-    if entry is None:
-        raise CheckpointError(
-            f"checkpoint {path} has no tensor {name!r}: it was saved from a different model "
-            "(check model.arch and model.n_layers)"
-        )
-    parts = [_read_piece(path, manifest, name, entry, i) for i in range(entry["pieces"])]
-    full = torch.cat(parts, dim=entry["split_dim"]) if len(parts) > 1 else parts[0]
-    return full[: entry["real_rows"]] if entry["real_rows"] else full
-
-
-def _local_piece(
-    path: Path, manifest: dict, name: str, param: nn.Parameter, ps: ParallelState
-) -> torch.Tensor:
-    """This rank's piece of global tensor `name`, shaped like `param`."""
-    meta = param.meta
-    entry = manifest["tensors"].get(name)
-    same_cut = (
-        entry is not None
-        and entry["pieces"] == (ps.tp_size if meta.tp_split_dim is not None else 1)
-        and entry["global_shape"] == list(meta.global_shape)
-    )
-    if same_cut:  # saved with this tp: read only our own piece
-        piece = ps.tp_rank if meta.tp_split_dim is not None else 0
-        return _read_piece(path, manifest, name, entry, piece)
-    return local_piece(_read_tensor(path, manifest, name), name, param, ps)
-
-
-def local_piece(
-    full: torch.Tensor, name: str, param: nn.Parameter, ps: ParallelState
-) -> torch.Tensor:
-    """This rank's piece of the global tensor `full` (the real vocabulary rows only, for
-    vocabulary weights), shaped like `param`: padding rows for this tp added, then cut."""
-    meta = param.meta
-    if meta.init_rows is not None and full.shape[0] <= meta.global_shape[0]:
-        padded = full.new_zeros(meta.global_shape)
-        padded[: full.shape[0]] = full
-        full = padded
-    if tuple(full.shape) != tuple(meta.global_shape):
-        raise CheckpointError(
-            f"checkpoint tensor {name} has shape {tuple(full.shape)}, the model expects "
-            f"{tuple(meta.global_shape)}: the config does not match the checkpoint's model"
-        )
-    if meta.tp_split_dim is not None:
-        full = full.chunk(ps.tp_size, dim=meta.tp_split_dim)[ps.tp_rank]
-    return full
-
-
-@torch.no_grad()
-def load_parameters(
-    path: Path, manifest: dict, params: dict[str, nn.Parameter], ps: ParallelState
-) -> None:
-    """Fill every local parameter with its piece of the saved global tensor."""
-    for name, param in params.items():
-        source = param.meta.tied_name or name
-        param.copy_(_local_piece(path, manifest, source, param, ps))
-
-
 class Checkpoint:
     """A saved checkpoint opened for reading: the read API for every module that needs one
     (generation, export, `checkpoint.init_from`, resume, tests), so that none of them indexes the
     manifest. `path` is a step directory (`resolve_checkpoint` finds one from what a user
-    typed). With `verify_files` every file's checksum is checked now; otherwise each file is
-    checked when first read."""
+    typed). With `verify_files` every file's checksum is checked now; otherwise each block is
+    checked when read."""
 
     def __init__(self, path: Path, verify_files: bool = True) -> None:
         self.path = Path(path)
         self._manifest = read_manifest(self.path, verify_files)
-        self._files: dict[str, str] = self._manifest["files"]
+        self._files: dict[str, Any] = self._manifest["files"]
+        self._tensors = SavedTensors(self.path, self._manifest)
 
     @property
     def step(self) -> int:
@@ -345,6 +290,11 @@ class Checkpoint:
         return dict(self._manifest["layout"])
 
     @property
+    def good(self) -> bool:
+        """False when it was saved as bad (during a bad-step streak or after a spike)."""
+        return self._manifest.get("good", True) is not False
+
+    @property
     def config(self) -> dict[str, Any]:
         """The saved run's config as `config_to_dict` wrote it (a copy, free to change); empty
         when the checkpoint stored none."""
@@ -356,10 +306,20 @@ class Checkpoint:
         saved = [n for n in (HFTokenizer.file_name, Tokenizer.file_name) if n in self._files]
         if not saved:
             raise CheckpointError(f"checkpoint {self.path} carries no tokenizer")
-        for name in self._files:
-            if name.startswith("tokenizer"):
-                _verify(self.path, self._manifest, name)
+        self.verify_tokenizer()
         return open_tokenizer(self.path / saved[0])
+
+    def verify_tokenizer(self) -> None:
+        """Check the tokenizer files it lists, whole (they are small)."""
+        names = [name for name in self._files if name.startswith("tokenizer")]
+        verify_files_of(self.path, self._manifest, names)
+
+    def check_present(self) -> None:
+        """Every file the manifest lists is in the directory (one listing, not one look-up per
+        file); refused naming the missing ones."""
+        missing = sorted(set(self._files) - {p.name for p in self.path.iterdir()})
+        if missing:
+            raise corrupt(self.path, f"{', '.join(missing)} is missing")
 
     def model(self, device: str = "cpu") -> CausalLM:
         """The whole model as one chunk (tp = pp = 1) with these weights, in eval mode: what
@@ -374,10 +334,12 @@ class Checkpoint:
         self.load_parameters(dict(model.named_parameters()), ps)
         return model.eval()
 
+    @torch.no_grad()
     def load_parameters(self, params: dict[str, nn.Parameter], ps: ParallelState) -> None:
         """Fill local parameters (global name -> this rank's piece in layout `ps`) with their
         saved values, whatever layout saved them."""
-        load_parameters(self.path, self._manifest, params, ps)
+        for name, param in params.items():
+            param.copy_(self._tensors.local(param.meta.tied_name or name, param, ps))
 
     def weight_names(self) -> list[str]:
         """Global names of the saved model weights (a tied copy is saved once, as its original)."""
@@ -385,7 +347,7 @@ class Checkpoint:
 
     def tensor(self, name: str) -> torch.Tensor:
         """The full global tensor `name`, without vocabulary padding rows."""
-        return _read_tensor(self.path, self._manifest, name)
+        return self._tensors.tensor(name)
 
 
 def check_same_model(ckpt: Checkpoint, config: dict[str, Any]) -> None:
@@ -406,31 +368,63 @@ def check_same_model(ckpt: Checkpoint, config: dict[str, Any]) -> None:
         )
 
 
+def sum_over_world(values: list[int], ps: ParallelState) -> list[int]:
+    """Collective over the world: `values` (as long on every rank) summed over the ranks."""
+    total = torch.tensor(values, dtype=torch.int64, device=ps.device)
+    comm.all_reduce(total, ps.world_group)
+    return total.tolist()
+
+
 @torch.no_grad()
 def load_checkpoint(
     path: Path, state: RunState, announce: Callable[[Checkpoint], None] | None = None
 ) -> Checkpoint:
-    """Restore `state` from the checkpoint at `path`: weights and optimizer state (from any
-    layout), the RNG streams (saved in this layout only), then step, data position and loss
-    scaler. `announce` runs in between, so that a resume whose data order is refused has already
-    said what changed. No collective; each rank verifies only the files it reads."""
+    """Collective: restore `state` from the checkpoint at `path`: weights and optimizer state
+    (from any layout), the RNG streams (saved in this layout only), then step, data position
+    and loss scaler. `announce` runs in between, so that a resume whose data order is refused
+    has already said what changed. Each rank reads and verifies only what it loads (rank 0 also
+    checks that every listed file is there, and the tokenizer); a missing or damaged file stops
+    every rank, before any trains from the checkpoint (one flag vector, summed)."""
     ckpt = Checkpoint(path, verify_files=False)
     check_same_model(ckpt, state.config)
-    path, manifest, ps = ckpt.path, ckpt._manifest, state.ps
+    ps, failure = state.ps, None
+    try:
+        _load_tensors(ckpt, state)
+    except Exception as exc:  # every rank must reach the agreement below, then raise
+        failure = exc
+    flags = [int(rank == ps.rank and failure is not None) for rank in range(ps.world_size)]
+    failed = [rank for rank, flag in enumerate(sum_over_world(flags, ps)) if flag]
+    ckpt._tensors.close()
+    if failure is not None:
+        raise failure
+    if failed:
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} could not be loaded: rank(s) {failed} refused it (their "
+            "error names the file); resume from an earlier checkpoint with "
+            "checkpoint.resume=<dir>"
+        )
+    if announce is not None:
+        announce(ckpt)
+    state.load_trainer_state(ckpt._manifest["trainer"])
+    return ckpt
+
+
+def _load_tensors(ckpt: Checkpoint, state: RunState) -> None:
+    """This rank's share of `load_checkpoint`: the weights it holds, the optimizer state of the
+    ranges it owns (those ranges alone, cut on the host, then moved to the device) and its RNG
+    streams when the layout is the saved one."""
+    ps, manifest, tensors = state.ps, ckpt._manifest, ckpt._tensors
+    if ps.rank == 0:
+        ckpt.check_present()
+        ckpt.verify_tokenizer()
     ckpt.load_parameters(state.params, ps)
     names = {param: name for name, param in state.params.items()}
 
-    def read_state(param: nn.Parameter, kind: str) -> torch.Tensor:
+    def read_state(param: nn.Parameter, kind: str, lo: int, hi: int) -> torch.Tensor:
         source = state_name(param.meta.tied_name or names[param], kind)
-        return _local_piece(path, manifest, source, param, ps).reshape(-1).to(ps.device)
+        return tensors.local_range(source, param, ps, lo, hi).to(ps.device)
 
     state.optimizer.load_pieces(read_state, manifest["optimizer_step"])
-    rng = rng_file(ps.rank)
-    if manifest["layout"] == layout_of(ps) and (path / rng).is_file():
-        _verify(path, manifest, rng)
-        with safe_open(str(path / rng), framework="pt") as f:
-            state.rng.load_state_dict({key: f.get_tensor(key) for key in f.keys()})
-    if announce is not None:
-        announce(ckpt)
-    state.load_trainer_state(manifest["trainer"])
-    return ckpt
+    if manifest["layout"] == layout_of(ps):
+        rng = tensors.file(rng_file(ps.rank))
+        state.rng.load_state_dict({key: tensors.read(rng.name, key) for key in rng.header})

@@ -10,8 +10,9 @@ resume reads and the next run removes (`remove_unfinished`)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import hashlib
+import errno
 import json
 import os
 import shutil
@@ -20,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from megalite import comm
+from megalite.checkpoint.files import safetensors_chunks, write_atomic
 from megalite.checkpoint.sharded import (
     FORMAT,
     LATEST,
@@ -32,70 +33,20 @@ from megalite.checkpoint.sharded import (
     MANIFEST_CHECKSUM,
     UNFINISHED_SUFFIX,
     CheckpointError,
+    complete_checkpoints,
     layout_of,
     manifest_checksum,
+    newest_good_checkpoint,
     rng_file,
     state_name,
     step_dir,
+    sum_over_world,
     unfinished_checkpoints,
 )
 from megalite.checkpoint.staging import HostStaging
 from megalite.checkpoint.state import RunState
 from megalite.data.tokenizer import tokenizer_files
 from megalite.parallel_state import ParallelState
-
-Chunk = bytes | np.ndarray
-"""Something a file write and a hash take as it is (the buffer protocol)."""
-
-
-def _write_atomic(path: Path, *chunks: Chunk) -> str:
-    """Write the chunks one after another under a temporary name, fsync, rename; returns the
-    sha256 of the file, hashed as it is written."""
-    digest = hashlib.sha256()
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-            digest.update(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    return digest.hexdigest()
-
-
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-
-def safetensors_chunks(tensors: dict[str, torch.Tensor]) -> list[Chunk]:
-    """A safetensors file as chunks to write: its header, then each (CPU) tensor's own memory,
-    so that a save copies nothing in user space (serializing to one bytes object first cost as
-    much as the write itself). The layout is the format's: an 8-byte little-endian header size,
-    the JSON header padded to 8 bytes, the tensors back to back in the header's order."""
-    header, chunks, offset = {}, [], 0
-    for key, tensor in tensors.items():
-        flat = tensor.detach().reshape(-1).contiguous()
-        size = flat.numel() * flat.element_size()
-        header[key] = {
-            "dtype": SAFETENSORS_DTYPES[flat.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        chunks.append(flat.view(torch.uint8).numpy())
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return [len(text).to_bytes(8, "little"), text, *chunks]
 
 
 def _entry(meta, pieces: int) -> dict[str, Any]:
@@ -152,8 +103,11 @@ def owned_tensors(state: RunState) -> tuple[dict[str, dict[str, torch.Tensor]], 
 def check_shared_directory(directory: Path, ps: ParallelState) -> None:
     """Collective. Every rank writes its own files into a checkpoint, and rank 0 publishes it:
     that needs `directory` on a filesystem every node sees. Each rank leaves a marker named by a
-    token that rank 0 draws for this launch and checks that it sees all of them; on a node-local
-    disk every rank misses some, so every rank stops with the same clear error."""
+    token that rank 0 draws for this launch and looks for rank 0's marker alone, while rank 0
+    counts the markers with one listing: a few filesystem operations per rank, not one per rank
+    (W^2 in all at W ranks). On a node-local disk the ranks of other nodes miss rank 0's marker
+    and rank 0 misses theirs; both counts are summed over the world, so every rank stops with
+    the same error."""
     if ps.world_size == 1:
         return
     token = torch.zeros((), dtype=torch.int64, device=ps.device)
@@ -162,18 +116,22 @@ def check_shared_directory(directory: Path, ps: ParallelState) -> None:
     comm.all_reduce(token, ps.world_group)  # a broadcast: the other ranks add zero
     probe = Path(directory) / f".shared-check-{token.item():x}"
     probe.mkdir(parents=True, exist_ok=True)
-    (probe / f"rank{ps.rank}").touch()
+    marker = probe / f"rank{ps.rank}"
+    marker.touch()
     comm.barrier()
-    seen = sum((probe / f"rank{r}").is_file() for r in range(ps.world_size))
+    blind = 0 if ps.rank == 0 else int(not (probe / "rank0").is_file())
+    unseen = ps.world_size - len(os.listdir(probe)) if ps.rank == 0 else 0
+    blind, unseen = sum_over_world([blind, unseen], ps)  # also: every rank has looked
+    marker.unlink(missing_ok=True)
     comm.barrier()
-    if ps.rank == 0 or seen < ps.world_size:
+    if ps.rank == 0 or blind or unseen:
         shutil.rmtree(probe, ignore_errors=True)
     comm.barrier()  # gone for every rank once this returns
-    if seen < ps.world_size:
+    if blind or unseen:
         raise CheckpointError(
-            f"{directory} is not shared by all ranks: rank {ps.rank} sees {seen} of "
-            f"{ps.world_size} ranks' files there. Put train.out_dir on a filesystem that every "
-            "node mounts (NFS, Lustre, ...)"
+            f"{directory} is not shared by all ranks: {blind} of {ps.world_size} ranks do not "
+            f"see rank 0's files there, and rank 0 does not see {unseen} ranks' files. Put "
+            "train.out_dir on a filesystem that every node mounts (NFS, Lustre, ...)"
         )
 
 
@@ -200,13 +158,26 @@ class Snapshot:
     def tmp_dir(self) -> Path:
         return self.final.with_name(self.final.name + UNFINISHED_SUFFIX)
 
+    @property
+    def nbytes(self) -> int:
+        """About what this rank writes (headers and indexes aside), for a full disk's error."""
+        tensors = sum(t.nbytes for ts in self.files.values() for t in ts.values())
+        if self.rank != 0 or self.tokenizer is None:
+            return tensors
+        return tensors + sum(p.stat().st_size for p in tokenizer_files(self.tokenizer).values())
+
 
 def take_snapshot(
-    root: Path, state: RunState, tokenizer: Path | None, staging: HostStaging | None = None
+    root: Path,
+    state: RunState,
+    tokenizer: Path | None,
+    staging: HostStaging | None = None,
+    good: bool = True,
 ) -> Snapshot:
     """Collective: rank 0 clears any earlier attempt at this step's directory, then every rank
     gathers what it writes. With `staging`, every tensor is copied into host buffers that
-    training does not touch; without it, CPU tensors are the live ones (write them now)."""
+    training does not touch; without it, CPU tensors are the live ones (write them now).
+    `good=False` marks the checkpoint bad (`publish`)."""
     ps = state.ps
     files, entries = owned_tensors(state)
     files[rng_file(ps.rank)] = state.rng.state_dict()
@@ -217,6 +188,7 @@ def take_snapshot(
     head = {
         "format": FORMAT,
         "step": state.step,
+        "good": good,
         "layout": layout_of(ps),
         "world_size": ps.world_size,
         "optimizer_step": state.optimizer.step_count,
@@ -236,18 +208,36 @@ def write_snapshot(snapshot: Snapshot) -> None:
     tmp_dir.mkdir(parents=True, exist_ok=True)
     index: dict[str, Any] = {"files": {}, "tensors": snapshot.entries}
     for i, (file, tensors) in enumerate(snapshot.files.items()):
-        index["files"][file] = _write_atomic(tmp_dir / file, *safetensors_chunks(tensors))
+        index["files"][file] = write_atomic(tmp_dir / file, *safetensors_chunks(tensors))
         if i == 0:
             _test_stall(snapshot.step)
     if snapshot.rank == 0 and snapshot.tokenizer is not None:
         for name, source in tokenizer_files(snapshot.tokenizer).items():
-            index["files"][name] = _write_atomic(tmp_dir / name, source.read_bytes())
-    _write_atomic(tmp_dir / f"index_rank{snapshot.rank:05d}.json", json.dumps(index).encode())
+            index["files"][name] = write_atomic(tmp_dir / name, source.read_bytes())
+    write_atomic(tmp_dir / index_file(snapshot.rank), json.dumps(index).encode())
+
+
+def write_or_error(snapshot: Snapshot) -> Exception | None:
+    """`write_snapshot`, returning what it raised: `publish` reports it on every rank."""
+    try:
+        write_snapshot(snapshot)
+    except Exception as exc:  # noqa: BLE001 - any failure must reach publish's agreement
+        return exc
+    return None
+
+
+def index_file(rank: int) -> str:
+    """The index a rank writes beside its files: what it wrote, where each segment lies."""
+    return f"index_rank{rank:05d}.json"
 
 
 STALL_ENV = "MEGALITE_TEST_STALL_SAVE"
 """Test hook, `<step>:<seconds>`: the writer of that step's checkpoint sleeps after its first
 file, so that a test can kill it mid-write or train on while it writes."""
+
+INDEX_WAIT_S = 5.0
+"""How long rank 0 looks again for an index it does not see (a shared filesystem's metadata
+can lag behind another node's write) before refusing to publish."""
 
 
 def _test_stall(step: int) -> None:
@@ -256,62 +246,145 @@ def _test_stall(step: int) -> None:
         time.sleep(float(stall.split(":")[1]))
 
 
-def publish(snapshot: Snapshot, ps: ParallelState, keep: int, error: str | None = None) -> Path:
+def publish(
+    snapshot: Snapshot, ps: ParallelState, keep: int, error: Exception | None = None
+) -> Path:
     """Collective, on the main thread (collectives from another thread are unsafe): once every
-    rank has written its share, rank 0 merges the manifest, renames the directory into place,
-    points `latest` at it and drops the oldest beyond `keep`. If any rank failed to write
-    (`error`), nothing is published and every rank raises: `latest` stays the previous one."""
-    failed = torch.tensor(float(error is not None), device=ps.device)
-    comm.all_reduce_max(failed, ps.world_group)  # also the barrier: every rank has written
-    if failed.item():
-        why = error or "another rank failed to write its files"
-        raise CheckpointError(
-            f"the checkpoint of step {snapshot.step} was not saved ({why}); the previous one "
-            f"stays `latest`. Check free space and permissions under {snapshot.root}"
-        )
+    rank has written its share (`error`: what its write raised), rank 0 merges the manifest
+    from every rank's index, renames the directory into place, points `latest` at it when it
+    is good, and drops the oldest beyond `keep` (never the newest good one). When any rank
+    failed to write, or rank 0 misses an index or cannot publish, every rank raises one line
+    saying why: the `.tmp` directory is removed, nothing is pruned, `latest` stays as it was."""
+    failed, no_space, needed = sum_over_world(
+        [int(error is not None), int(_no_space(error)), snapshot.nbytes], ps
+    )  # also the barrier: every rank has written
+    if failed:
+        if ps.rank == 0:
+            shutil.rmtree(snapshot.tmp_dir, ignore_errors=True)
+        own = f"rank {ps.rank}: {_one_line(error)}" if error else f"{failed} rank(s) failed"
+        raise _not_saved(snapshot, own, no_space > 0, needed)
+    outcome, trouble = [0] * (ps.world_size + 1), None
     if ps.rank == 0:
-        _write_manifest(snapshot)
-        _publish(snapshot.root, snapshot.final, snapshot.tmp_dir, keep)
-    comm.barrier()
+        try:
+            missing = _write_manifest(snapshot, ps.world_size)
+            for rank in missing:
+                outcome[rank] = 1
+            if not missing:
+                _publish(snapshot, keep)
+        except OSError as exc:
+            outcome[-1], trouble = 1, exc
+        if any(outcome):
+            shutil.rmtree(snapshot.tmp_dir, ignore_errors=True)
+    outcome = sum_over_world(outcome, ps)
+    missing = [rank for rank, flag in enumerate(outcome[:-1]) if flag]
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint of step {snapshot.step} was not published: rank 0 found no index "
+            f"from rank(s) {missing} in {snapshot.tmp_dir} (their files never reached the "
+            f"filesystem rank 0 sees); nothing was pruned and `latest` still names "
+            f"{_latest_name(snapshot.root)}. Check that train.out_dir is on a filesystem "
+            "every node mounts"
+        )
+    if outcome[-1]:
+        why = f"rank 0: {_one_line(trouble)}" if trouble else "rank 0 could not publish it"
+        raise _not_saved(snapshot, why, _no_space(trouble), needed)
     return snapshot.final
 
 
-def save_checkpoint(root: Path, state: RunState, keep: int, tokenizer: Path | None = None) -> Path:
+def _no_space(error: BaseException | None) -> bool:
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(f"{type(error).__name__}: {error}".split())
+
+
+def _latest_name(root: Path) -> str:
+    latest = root / LATEST
+    return latest.read_text().strip() if latest.is_file() else "no checkpoint"
+
+
+def _not_saved(snapshot: Snapshot, why: str, no_space: bool, needed: int) -> CheckpointError:
+    """One line for a checkpoint that could not be written: what failed and, for a full disk,
+    the space it needs beside the space there is."""
+    root, mib = snapshot.root, 2**20
+    space = ""
+    if no_space:
+        free = shutil.disk_usage(root).free if root.is_dir() else 0
+        space = f"; it needs {needed / mib:.1f} MiB on {root}, which has {free / mib:.1f} MiB free"
+    return CheckpointError(
+        f"the checkpoint of step {snapshot.step} was not saved ({why}){space}. Its "
+        f"{snapshot.tmp_dir.name} was removed and `latest` still names {_latest_name(root)}: "
+        f"free space or fix permissions under {root} and relaunch to continue from it"
+    )
+
+
+def save_checkpoint(
+    root: Path, state: RunState, keep: int, tokenizer: Path | None = None, good: bool = True
+) -> Path:
     """Collective: every rank calls it after the same step. Saves `state` as the checkpoint of
-    step `state.step` under `root`, keeps the newest `keep`, and returns its directory. The
-    tokenizer (sentencepiece model or tokenizer.json) is copied in, so a checkpoint alone is
-    enough to generate text. (`saver.CheckpointSaver` also saves in the background.)"""
-    snapshot = take_snapshot(root, state, tokenizer)
-    write_snapshot(snapshot)
-    return publish(snapshot, state.ps, keep)
+    step `state.step` under `root`, keeps the newest `keep` (and the newest good one), and
+    returns its directory. The tokenizer (sentencepiece model or tokenizer.json) is copied in,
+    so a checkpoint alone is enough to generate text. (`saver.CheckpointSaver` also saves in
+    the background.)"""
+    snapshot = take_snapshot(root, state, tokenizer, good=good)
+    return publish(snapshot, state.ps, keep, write_or_error(snapshot))
 
 
-def _write_manifest(snapshot: Snapshot) -> None:
-    """Rank 0: merge the per-rank indexes into the manifest, checksummed."""
+def _write_manifest(snapshot: Snapshot, world_size: int) -> list[int]:
+    """Rank 0: merge every rank's index, each named (a directory listing can miss another
+    node's fresh file), into the manifest, checksummed; returns the ranks whose index it does
+    not find, after looking again for INDEX_WAIT_S, and then writes nothing."""
     tmp_dir = snapshot.tmp_dir
+    indexes: dict[int, dict] = {}
+    deadline = time.monotonic() + INDEX_WAIT_S
+    while True:
+        for rank in range(world_size):
+            if rank not in indexes:
+                with contextlib.suppress(FileNotFoundError):
+                    indexes[rank] = json.loads((tmp_dir / index_file(rank)).read_text())
+        if len(indexes) == world_size or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    missing = [rank for rank in range(world_size) if rank not in indexes]
+    if missing:
+        return missing
     manifest: dict[str, Any] = {**snapshot.head, "files": {}, "tensors": {}}
-    for index_file in sorted(tmp_dir.glob("index_rank*.json")):
-        index = json.loads(index_file.read_text())
+    for rank in range(world_size):
+        index = indexes[rank]
         manifest["files"].update(index["files"])
         for name, entry in index["tensors"].items():
             merged = manifest["tensors"].setdefault(name, {**entry, "segments": []})
             merged["segments"] += entry["segments"]
-        index_file.unlink()
+        (tmp_dir / index_file(rank)).unlink()
     for entry in manifest["tensors"].values():
         entry["segments"].sort()
     manifest[MANIFEST_CHECKSUM] = manifest_checksum(manifest)
-    _write_atomic(tmp_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+    write_atomic(tmp_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+    return []
 
 
-def _publish(root: Path, final: Path, tmp_dir: Path, keep: int) -> None:
-    """Rank 0: rename the complete checkpoint into place, point `latest` at it, drop the oldest
-    beyond `keep`."""
+def _publish(snapshot: Snapshot, keep: int) -> None:
+    """Rank 0: rename the complete checkpoint into place, point `latest` at it when it is
+    good, drop the oldest complete ones beyond `keep` except the newest good one."""
+    root, final = snapshot.root, snapshot.final
     if final.exists():
-        shutil.rmtree(final)
-    tmp_dir.rename(final)
-    _write_atomic(root / LATEST, final.name.encode())
-    for old in sorted(root.glob("step_*[0-9]"))[:-keep]:
-        shutil.rmtree(old)
+        _discard(final)
+    snapshot.tmp_dir.rename(final)
+    if snapshot.head["good"]:
+        write_atomic(root / LATEST, final.name.encode())
+    newest_good = newest_good_checkpoint(root)
+    for old in complete_checkpoints(root)[:-keep]:
+        if old != newest_good:
+            _discard(old)
+
+
+def _discard(path: Path) -> None:
+    """Remove a step directory: renamed first to an unfinished name, so that a crash midway
+    leaves what the next start removes, never a step directory without its manifest."""
+    doomed = path.with_name(f"{path.name}.discarded{UNFINISHED_SUFFIX}")
+    path.rename(doomed)
+    shutil.rmtree(doomed)
 
 
 def remove_unfinished(root: Path, ps: ParallelState) -> list[Path]:

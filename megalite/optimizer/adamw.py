@@ -131,9 +131,10 @@ class AdamW:
         count one after another, in update order, so no two of a step share noise."""
         self.inverse_scale: torch.Tensor | None = None
 
-    def zeros(self, numel: int, pin: bool) -> torch.Tensor:
-        """A zeroed moment of `numel` elements."""
-        return torch.zeros(numel, dtype=self.state_dtype, device=self.device, pin_memory=pin)
+    def zeros(self, numel: int) -> torch.Tensor:
+        """A zeroed moment of `numel` elements (never pinned: only the CPU or the GPU that
+        holds it reads it, the copy engine never does)."""
+        return torch.zeros(numel, dtype=self.state_dtype, device=self.device)
 
     def begin_step(self, step: int, grad_scale: float) -> None:
         """Set the step count (for bias correction) and the gradient scale of this step; seed

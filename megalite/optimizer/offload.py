@@ -4,24 +4,50 @@
 `OnDevice`: master weights and Adam moments on the run's device; the update reads the reduced
 gradient in place and copies the master weights into 16-bit parameters.
 
-`OnHost` (`optim.offload=cpu`): they live in host memory, pinned when the device is CUDA, and
-the update runs on the CPU. Each owned piece has a pinned fp32 staging buffer for its gradient
-(and one in the parameter dtype for the way back, when parameters are 16-bit, so the upload
-moves 2 bytes per element). All gradient copies down are queued at once on a side stream, one
-event per piece; the CPU updates piece k as soon as its event fires, while the copy engine is
-still bringing pieces k+1.. down, and queues piece k's parameters back up on the same stream,
-so they travel while piece k+1 is updated. The compute stream waits for the side stream only
-before the parameter all-gather. On a CPU-only machine host and device are one: the same code
-runs, with synchronous copies.
+`OnHost` (`optim.offload=cpu`): they live in host memory and the update runs on the CPU, on the
+cores of this host shared among its ranks (`update_threads`). Each owned piece has an fp32
+staging buffer for its gradient, and one in the parameter dtype for the way back when
+parameters are 16-bit (so the upload moves 2 bytes per element; fp32 parameters go up straight
+from their master weights). Those buffers are all the copy engine touches, so they alone are
+pinned, in one `HostArena` per rank; the moments and 16-bit parameters' masters, which only
+the CPU reads, stay in ordinary memory (as DeepSpeed's offload keeps them). All gradient copies
+down are queued at once on a side stream, one event per piece; the CPU updates piece k as soon
+as its event fires, while the copy engine is still bringing pieces k+1.. down, and queues piece
+k's parameters back up on the same stream, so they travel while piece k+1 is updated. The
+compute stream waits for the side stream only before the parameter all-gather. On a CPU-only
+machine host and device are one: the same code runs, with synchronous copies and no pinning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
+from megalite.host_memory import HostArena
+from megalite.profiling.flops import cpu_cores
+
 HOST = torch.device("cpu")
+
+
+def update_threads() -> int:
+    """CPU threads for this rank's offloaded update. Under torchrun: the cores this process
+    may run on (its affinity) shared among the ranks of this node (LOCAL_WORLD_SIZE), at least
+    one; set explicitly, not left to OMP_NUM_THREADS, which torchrun sets to 1 for every rank
+    and which would leave the update, the CPU's whole share of the step, on one core. Without
+    LOCAL_WORLD_SIZE (one process, or ranks forked by `megalite.launch.run_ranks`), the count
+    the process runs with: a forked child must not start more OpenMP threads than it has, or
+    libgomp hangs once the parent has used its own pool."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is None:
+        return torch.get_num_threads()
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE={value!r} is not a positive integer: set it to the number of "
+            "ranks on this node (torchrun does) or unset it"
+        )
+    return max(1, cpu_cores() // int(value))
 
 
 class OnDevice:
@@ -31,11 +57,10 @@ class OnDevice:
 
     def __init__(self, device: torch.device) -> None:
         self.state_device = device
-        self.pin = False
         self._grads: list[torch.Tensor] = []
 
-    def master_of(self, params: torch.Tensor) -> torch.Tensor:
-        """The fp32 master copy of a piece of parameters: the parameters themselves if fp32."""
+    def master_of(self, i: int, params: torch.Tensor) -> torch.Tensor:
+        """The fp32 master copy of piece i's parameters: the parameters themselves if fp32."""
         return params if params.dtype == torch.float32 else params.float()
 
     def staging(self) -> list[torch.Tensor]:
@@ -43,7 +68,8 @@ class OnDevice:
         return []
 
     def gradients_down(self, grads: list[torch.Tensor]) -> None:
-        """Start bringing each piece's reduced gradient to the state (here: already there)."""
+        """Start an update: start bringing each piece's reduced gradient to the state (here:
+        already there)."""
         self._grads = grads
 
     def gradient(self, i: int) -> torch.Tensor:
@@ -56,7 +82,7 @@ class OnDevice:
             params.copy_(master)
 
     def finish(self) -> None:
-        """Make the device's compute wait for every parameter written back."""
+        """End an update: make the device's compute wait for every parameter written back."""
 
 
 class OnHost(OnDevice):
@@ -68,27 +94,37 @@ class OnHost(OnDevice):
         """`pieces`: the model's parameters of each owned piece (views on the device)."""
         super().__init__(device)
         self.device, self.state_device = device, HOST
-        self.pin = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.pin else None
-        self.host_grads = [self._empty(p.numel(), torch.float32) for p in pieces]
+        pin = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if pin else None
+        # Per piece, what the copy engine moves: the gradient down, the parameters up (from
+        # the master weights themselves when they are fp32).
+        sizes = [(p.numel(), torch.float32) for p in pieces] + [
+            (p.numel(), p.dtype) for p in pieces
+        ]
+        self.arena = HostArena(sizes, pin)
+        self.host_grads = self.arena.views[: len(pieces)]
+        self.outgoing = self.arena.views[len(pieces) :]
         self.uploads = [
-            None if p.dtype == torch.float32 else self._empty(p.numel(), p.dtype) for p in pieces
+            None if p.dtype == torch.float32 else u for p, u in zip(pieces, self.outgoing)
         ]
         self.arrived: list[torch.cuda.Event | None] = [None] * len(pieces)
-
-    def _empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=self.pin)
+        self.threads = update_threads()
+        self._threads_before = torch.get_num_threads()
 
     def _side_stream(self):
         return torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
 
-    def master_of(self, params: torch.Tensor) -> torch.Tensor:
-        return self._empty(params.numel(), torch.float32).copy_(params)
+    def master_of(self, i: int, params: torch.Tensor) -> torch.Tensor:
+        if self.uploads[i] is None:  # fp32 parameters go up from here: pinned
+            return self.outgoing[i].copy_(params)
+        return torch.empty(params.numel(), dtype=torch.float32, device=HOST).copy_(params)
 
     def staging(self) -> list[torch.Tensor]:
         return self.host_grads + [u for u in self.uploads if u is not None]
 
     def gradients_down(self, grads: list[torch.Tensor]) -> None:
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
         if self.stream:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # grads are final
         with self._side_stream():
@@ -111,3 +147,4 @@ class OnHost(OnDevice):
     def finish(self) -> None:
         if self.stream:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        torch.set_num_threads(self._threads_before)

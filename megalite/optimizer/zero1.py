@@ -91,8 +91,8 @@ class DistributedOptimizer:
         )
         largest = max((params.numel() for *_, params in pieces), default=0)
         self.adamw = AdamW(cfg, self.placement.state_device, largest, ps.rank)
-        for buffer, bucket, start, end, params in pieces:
-            master = self.placement.master_of(params)
+        for i, (buffer, bucket, start, end, params) in enumerate(pieces):
+            master = self.placement.master_of(i, params)
             self.states.append(
                 ShardState(
                     buffer=buffer,
@@ -100,8 +100,8 @@ class DistributedOptimizer:
                     params=params,
                     grads=buffer.owned_grads[bucket.owned],
                     master=master,
-                    exp_avg=self.adamw.zeros(master.numel(), self.placement.pin),
-                    exp_avg_sq=self.adamw.zeros(master.numel(), self.placement.pin),
+                    exp_avg=self.adamw.zeros(master.numel()),
+                    exp_avg_sq=self.adamw.zeros(master.numel()),
                     decay=_ranges(buffer, start, end, lambda p: p.meta.weight_decay),
                     counted=_ranges(buffer, start, end, self._counts_in_norm),
                 )
@@ -195,16 +195,16 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def load_pieces(
-        self, read: Callable[[nn.Parameter, str], torch.Tensor], step_count: int
+        self, read: Callable[[nn.Parameter, str, int, int], torch.Tensor], step_count: int
     ) -> None:
-        """Restore the owned state; `read(param, kind)` gives the state of the whole local
-        parameter, flattened (read once per owned range, so host memory stays at one
-        parameter's piece)."""
+        """Restore the owned state; `read(param, kind, lo, hi)` gives elements [lo, hi) of the
+        local parameter's state, flattened: only the owned range is read, so a rank reads
+        its share and host memory stays at one range."""
         self.finish_param_gather()
         self.step_count = step_count
         for param, lo, hi, views in self.owned_pieces():
             for kind, view in views.items():
-                view.copy_(read(param, kind)[lo:hi])
+                view.copy_(read(param, kind, lo, hi))
         for state in self.states:
             if state.master is not state.params:
                 state.params.copy_(state.master)

@@ -71,16 +71,19 @@ def test_offload_is_the_same_update(precision):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_offload_on_cuda(precision):
-    """On a GPU: the state lies in pinned host memory, the parameters and gradients stay on the
-    GPU, and the CPU's update (with the copies overlapping it on a side stream) gives the GPU's
-    losses and master weights to within the two kernels' rounding (Llama: no parameter with a
+    """On a GPU: the state lies in host memory (the staging, and the master weights of fp32
+    parameters, in one pinned arena), the parameters and gradients stay on the GPU, and the
+    CPU's update (with the copies overlapping it on a side stream) gives the GPU's losses and
+    master weights to within the two kernels' rounding (Llama: no parameter with a
     zero true gradient, whose rounding noise Adam would turn into lr-sized steps)."""
     runs, losses = _with_and_without_offload(precision, "cuda", model=LLAMA, steps=5)
     on_device, offloaded = runs
     for on_gpu, on_host in losses:
         assert on_host == pytest.approx(on_gpu, rel=1e-5 if precision == "fp32" else 1e-3)
-    state = offloaded.optimizer.state_tensors()
-    assert all(t.device.type == "cpu" and t.is_pinned() for t in state if t.numel())
+    assert all(t.device.type == "cpu" for t in offloaded.optimizer.state_tensors())
+    placement = offloaded.optimizer.placement  # what the copy engine moves: one pinned arena
+    assert all(v.is_pinned() for v in placement.arena.views if v.numel())
+    assert not any(s.exp_avg.is_pinned() for s in offloaded.optimizer.states)
     assert all(b.params_flat.is_cuda and b.grads_flat.is_cuda for b in offloaded.buffers)
     # With bf16 parameters a last-bit difference between the CPU's and the GPU's fused AdamW
     # can flip a parameter's bf16 rounding, and five steps of Adam magnify that: 6.6e-4 on an

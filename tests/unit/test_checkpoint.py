@@ -65,7 +65,7 @@ def test_checkpoint_layout_latest_and_retention(trained):
         "tokenizer.model",
     ]
     manifest = read_manifest(newest)  # checksums verify
-    assert manifest["format"] == "megalite-checkpoint-v3"
+    assert manifest["format"] == "megalite-checkpoint-v4" and manifest["good"] is True
     assert manifest["step"] == 6 and manifest["optimizer_step"] == 6
     assert manifest["layout"] == {"tp": 1, "pp": 1, "dp": 1} and manifest["world_size"] == 1
     assert set(manifest["files"]) == set(names) - {"manifest.json"}

@@ -19,9 +19,10 @@ from safetensors.torch import load_file
 
 import megalite.checkpoint.saver as saver_module
 import megalite.training.step as step_module
+from megalite.checkpoint.files import safetensors_chunks, write_atomic
 from megalite.checkpoint.saver import CheckpointSaver
 from megalite.checkpoint.sharded import Checkpoint, CheckpointError, read_manifest
-from megalite.checkpoint.writer import STALL_ENV, _write_atomic, safetensors_chunks
+from megalite.checkpoint.writer import STALL_ENV
 from megalite.config import load_config
 from megalite.data import GlobalBatchSampler
 from megalite.parallel_state import ParallelState
@@ -184,15 +185,16 @@ def test_a_failed_background_write_is_raised_at_finish_and_publishes_nothing(tmp
     saver.save(state)
     assert saver.pending and saver.finish() == tmp_path / "step_000001"
 
-    def disk_full(snapshot) -> None:
-        raise OSError(28, "No space left on device")
+    def disk_full(snapshot) -> OSError:
+        return OSError(28, "No space left on device")
 
-    monkeypatch.setattr(saver_module, "write_snapshot", disk_full)
+    monkeypatch.setattr(saver_module, "write_or_error", disk_full)
     state.step = 2
     saver.save(state)  # training goes on; the failure surfaces on the main thread
     with pytest.raises(CheckpointError) as info:
         saver.finish()
     assert "checkpoint of step 2 was not saved (rank 0: OSError" in str(info.value)
+    assert "\n" not in str(info.value) and not (tmp_path / "step_000002.tmp").exists()
     assert "No space left on device" in str(info.value)
     assert (tmp_path / "latest").read_text() == "step_000001"
     assert not saver.pending and saver.finish() is None
@@ -224,7 +226,7 @@ def test_a_run_stopped_by_bad_steps_publishes_its_pending_async_save(
 def test_streamed_safetensors_files_read_back_exactly(tmp_path):
     """The writer streams each tensor's memory into the file: safetensors reads back every
     dtype and shape it writes (bf16, 0-dim, empty, a non-contiguous view), and the returned
-    checksum is the file's."""
+    checksums are those of the file's blocks."""
     tensors = {
         "weight": torch.randn(3, 5),
         "bf16": torch.randn(4, 4).bfloat16(),
@@ -236,8 +238,10 @@ def test_streamed_safetensors_files_read_back_exactly(tmp_path):
         "rng": torch.get_rng_state(),
     }
     path = tmp_path / "file.safetensors"
-    digest = _write_atomic(path, *safetensors_chunks(tensors))
-    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = write_atomic(path, *safetensors_chunks(tensors))
+    data, block = path.read_bytes(), digest["block"]
+    blocks = [data[i : i + block] for i in range(0, len(data), block)]
+    assert digest["sha256"] == [hashlib.sha256(b).hexdigest() for b in blocks]
     back = load_file(path)
     assert sorted(back) == sorted(tensors)
     for name, tensor in tensors.items():

@@ -71,6 +71,10 @@ def test_no_checkpoint_is_one_error_that_says_what_was_expected(tmp_path, capsys
         with pytest.raises(CheckpointError) as error:
             resolve_checkpoint(path)
         assert str(error.value) == f"{path}: {found}; {expected}"
+    # The step directory without its manifest is said to be skipped, never passed over silently.
+    damaged = tmp_path / "crashed" / "checkpoints" / "step_000005"
+    note = f"note: skipped {damaged}: no manifest.json (not a complete checkpoint)"
+    assert capsys.readouterr().err.splitlines() == [note, note]
 
     missing = str(tmp_path / "missing")
     assert main(["generate", "--checkpoint", missing]) == 2

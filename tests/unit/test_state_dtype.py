@@ -99,7 +99,7 @@ def test_a_bf16_update_is_the_same_in_one_chunk_or_many(monkeypatch):
         if chunk:
             monkeypatch.setitem(adamw_module.UPCAST_CHUNK, "cpu", chunk)
         adamw = AdamW(cfg, torch.device("cpu"), n, rank=0)
-        state = [master.clone(), adamw.zeros(2 * n, pin=False), adamw.zeros(2 * n, pin=False)]
+        state = [master.clone(), adamw.zeros(2 * n), adamw.zeros(2 * n)]
         for step in (1, 2):
             adamw.begin_step(step, 1.0)
             for lo in (0, n):  # two pieces: the second's noise continues the first's index
@@ -125,7 +125,7 @@ def test_the_noise_and_a_bf16_update_are_the_same_on_cuda():
     results = []
     for device in ("cpu", "cuda"):
         adamw = AdamW(OptimConfig(state_dtype="bf16"), torch.device(device), n, rank=0)
-        state = [master.to(device, copy=True), adamw.zeros(n, pin=False), adamw.zeros(n, pin=False)]
+        state = [master.to(device, copy=True), adamw.zeros(n), adamw.zeros(n)]
         for step in (1, 2, 3):
             adamw.begin_step(step, 1.0)
             adamw.update(state[0], grads.to(device), state[1], state[2], [(0, n // 2)], lr=1e-3)
@@ -156,7 +156,7 @@ def test_second_moment_keeps_decaying_where_rounding_to_nearest_freezes():
     n, steps = 4096, 200
     adamw = AdamW(cfg, torch.device("cpu"), n, rank=0)
     master, grads = torch.zeros(n), torch.zeros(n)
-    exp_avg, exp_avg_sq = adamw.zeros(n, pin=False), adamw.zeros(n, pin=False).fill_(1.0)
+    exp_avg, exp_avg_sq = adamw.zeros(n), adamw.zeros(n).fill_(1.0)
     nearest = torch.ones(n, dtype=torch.bfloat16)
     for step in range(1, steps + 1):
         adamw.begin_step(step, 1.0)
