@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import INTERPRETED_AT_IMPORT, tl, triton
+from .autotune import autotune
 from .dispatch import use_triton
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
@@ -31,14 +32,22 @@ _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E): exp2 is the fast one
 
 
-def _configs(interpreted: list[dict], gpu: list[tuple[int, int, int, int]]) -> list:
-    """One fixed small config under the interpreter (it cannot autotune), a sweep on GPU."""
-    if INTERPRETED_AT_IMPORT:
-        return [triton.Config(c) for c in interpreted]
-    return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
-        for m, n, w, st in gpu
-    ]
+# Tiles each kernel autotunes over, (BLOCK_M, BLOCK_N, num_warps, num_stages): tensor-core
+# tiles for 16-bit inputs, and small two-stage ones for fp32's FMA dots, pruned by head size
+# (`autotune`). The dK/dV and dQ kernels keep four (BLOCK x HEAD_DIM) fp32 tiles live, so their
+# larger ieee tiles take 8 warps.
+FWD_TILES = (
+    [(128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4)],
+    [(64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
+)
+DKDV_TILES = (
+    [(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)],
+    [(64, 64, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2)],
+)
+DQ_TILES = (
+    [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3)],
+    [(64, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2)],
+)
 
 
 @triton.jit
@@ -92,13 +101,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_head, v_head, stride_ks, stride_vs, offs_m, l
     return acc, l_i, m_i
 
 
-@triton.autotune(
-    configs=_configs(
-        [{"BLOCK_M": 32, "BLOCK_N": 32}],
-        [(128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4)],
-    ),
-    key=["S", "HEAD_DIM", "CAUSAL"],
-)
+@autotune(*FWD_TILES)
 @triton.jit
 def _fwd_kernel(Q, K, V, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
                 stride_kh, stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
@@ -153,13 +156,7 @@ def _bwd_preprocess(OUT, DO, DELTA, stride_ob, stride_os, stride_oh, stride_dob,
     tl.store(DELTA + pid_bh * S + offs_m, tl.sum(o * do, axis=1), mask=offs_m < S)
 
 
-@triton.autotune(
-    configs=_configs(
-        [{"BLOCK_M": 32, "BLOCK_N": 32}],
-        [(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)],
-    ),
-    key=["S", "HEAD_DIM", "CAUSAL"],
-)
+@autotune(*DKDV_TILES)
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qs, stride_qh,
                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -208,13 +205,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qs, stri
     _store_tile(DV + dkv_head, offs_n, stride_dks, S, dv, HEAD_DIM)
 
 
-@triton.autotune(
-    configs=_configs(
-        [{"BLOCK_M": 32, "BLOCK_N": 32}],
-        [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3)],
-    ),
-    key=["S", "HEAD_DIM", "CAUSAL"],
-)
+@autotune(*DQ_TILES)
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, stride_qb, stride_qs, stride_qh, stride_kb,
                    stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos,
