@@ -2,7 +2,10 @@
 training (and profile) on several processes with `torchrun --nproc-per-node N -m megalite train`.
 
 Every MegaliteError (bad config, bad data, bad checkpoint, impossible layout) is printed as one
-`error: ...` line with exit code 2, instead of a traceback.
+`error: ...` line with exit code 2, instead of a traceback; under torchrun once for the job
+(`errors.report_error`). A collective that fails because a peer died is one line too, naming
+this rank and the call, with exit code 1 (a crash); a hang ends with 124 (the watchdog), a
+preemption with 75.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import sys
 from pathlib import Path
 
 from megalite.data import commands as data_commands
-from megalite.errors import MegaliteError
+from megalite.errors import MegaliteError, print_line, report_error
 from megalite.profiling import memory_report as estimate_command
 from megalite.profiling import plan as plan_command
 from megalite.profiling import plot as plot_command
@@ -23,10 +26,30 @@ def _train(args: argparse.Namespace) -> int:
     from megalite.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # checked before torch is even imported
+    from megalite.comm_trace import CollectiveError
     from megalite.training.loop import train
 
-    train(cfg)  # ends with its summary line (or says there was nothing left to train)
+    try:
+        train(cfg)  # ends with its summary line (or says there was nothing left to train)
+    except CollectiveError as failure:  # a peer died or timed out: its rank says why, not us
+        print_line(f"error: {str(failure).splitlines()[0]}")
+        return CRASH_EXIT_CODE
     return 0
+
+
+CRASH_EXIT_CODE = 1
+"""A rank whose collective failed under it (a peer crashed): what Python exits with on an
+uncaught error, distinct from a hang (124), a bad input (2) and a preemption (75)."""
+
+
+def _leave_world() -> None:
+    """Destroy the process group before the interpreter exits, on success and on error alike:
+    left to the interpreter's teardown, gloo's threads were seen to abort a rank that lost the
+    out_dir lock race ("terminate called without an active exception", exit -6) after it had
+    printed its error."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -104,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except MegaliteError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        report_error(exc)
         return 2
+    finally:
+        _leave_world()
 
 
 if __name__ == "__main__":

@@ -32,13 +32,16 @@ class RunLock:
     """An exclusive lock on `<out_dir>/run.lock`, held by this process until `release` or its
     end. Taking it again in the process that holds it succeeds (a test or notebook may call
     `train` again after a failed run), since flock would otherwise refuse the process itself.
-    The file exists while a run holds it (and after a crash, unlocked: harmless); a run that
-    created the out_dir and left nothing in it removes the directory too."""
+    The file exists while a run holds it (and after a crash, unlocked: harmless). A run that
+    stops early leaves no empty directory behind: on release, the directories the run created
+    in the out_dir (checkpoints/ before the first save) go if empty, and so does the out_dir
+    if the run created it."""
 
     _held: dict[Path, RunLock] = {}
 
     def __init__(self, path: Path, fd: int, created_dir: bool) -> None:
         self.path, self._fd, self._created_dir = path, fd, created_dir
+        self._dirs_before = _subdirectories(path.parent)
 
     @classmethod
     def acquire(cls, out_dir: Path) -> RunLock:
@@ -74,11 +77,16 @@ class RunLock:
         if self._held.pop(self.path, None) is None:
             return
         self.path.unlink(missing_ok=True)
-        if self._created_dir:
+        made = _subdirectories(self.path.parent) - self._dirs_before
+        for directory in [*made, *([self.path.parent] if self._created_dir else [])]:
             with contextlib.suppress(OSError):  # not empty: the run wrote something
-                self.path.parent.rmdir()
+                directory.rmdir()
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
+
+
+def _subdirectories(directory: Path) -> set[Path]:
+    return {p for p in directory.iterdir() if p.is_dir()} if directory.is_dir() else set()
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -104,8 +112,10 @@ def lock_out_dir(out_dir: Path, ps: ParallelState) -> RunLock | None:
     if error is not None:
         raise error
     if refused.item():
-        raise RunLockError(
+        echo = RunLockError(
             f"another run is using {Path(out_dir)} (rank 0 says which): wait for it to end, "
             "stop it, or use another train.out_dir"
         )
+        echo.same_on_every_rank = True  # rank 0 prints its own message, naming the holder
+        raise echo
     return lock

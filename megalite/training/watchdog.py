@@ -19,18 +19,32 @@ so there a stuck rank shows as outside any collective, idle since the last call 
 Heartbeats compare wall clocks across hosts, which NTP keeps within milliseconds of each other
 (far below the seconds a heartbeat may age). If the store itself does not answer (the process
 hosting it is the one stopped) the report says so and the job still ends.
+
+At scale. Every blocked rank detects the hang at about the same moment, and one store serves
+them all, so reading is kept to O(W) requests for the whole job, not per rank: the first rank to
+detect (elected by one `add` on the store) reads all W heartbeats in one `multi_get` and prints
+the report; every other detecting rank prints one line about itself and reads only its own
+node's heartbeats (one `multi_get`). Each detecting rank then SIGKILLs the silent ranks on its
+host (its siblings under the same torchrun agent, by the pid in their heartbeat): a stopped
+process ignores the agent's SIGTERM, and the agent waits 30 s (hard-coded in torch 2.13's
+`LocalElasticAgent._stop_workers`; `--shutdown-timeout` only applies when torchrun itself is
+signalled) before its SIGKILL. A silent rank alone on its node has no local watchdog: its agent
+sees no failure and the job ends when the others' agents leave the rendezvous.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -44,6 +58,11 @@ HANG_EXIT_CODE = 124
 """A rank's exit status when its watchdog ended the job (as `timeout(1)` exits)."""
 
 KEY_PREFIX = "megalite/heartbeat/"
+REPORTER_KEY = "megalite/hang/reporters"
+"""Counts the ranks whose watchdog fired: the first is the one that reads every heartbeat."""
+MAX_LISTED = 8
+"""Ranks named one per line in a report; the rest are counted (a report at 1,024 ranks stays
+short)."""
 
 
 @dataclass(frozen=True)
@@ -120,11 +139,9 @@ def hang_report(
     else:
         silent = {r: b for r, b in others.items() if b is None or now - b.wrote_at > stale_after_s}
         busy = {r: b for r, b in others.items() if r not in silent and b.blocked_in is None}
-        for rank, beat in sorted(silent.items()):
-            lines.append(_silent_line(rank, beat, now))
+        lines += _listed(sorted(silent.items()), lambda r, b: _silent_line(r, b, now), "silent")
         if not silent:
-            for rank, beat in sorted(busy.items()):
-                lines.append(f"rank {rank} ({beat.host} pid {beat.pid}) {_status(beat)}")
+            lines += _listed(sorted(busy.items()), _busy_line, "outside any collective")
         if not silent and not busy:
             lines.append(
                 "every rank is alive and waits in a collective: they disagree on which one "
@@ -135,6 +152,90 @@ def hang_report(
             lines.append(f"{waiting} other rank(s) alive and waiting in a collective")
     lines.append(f"ending the job (exit status {HANG_EXIT_CODE})")
     return "\n".join(lines)
+
+
+def _listed(items: list[tuple[int, Any]], line: Any, what: str) -> list[str]:
+    """One line per rank up to MAX_LISTED, then how many more there are."""
+    lines = [line(rank, beat) for rank, beat in items[:MAX_LISTED]]
+    if len(items) > MAX_LISTED:
+        lines.append(f"... and {len(items) - MAX_LISTED} more rank(s) {what}")
+    return lines
+
+
+def _busy_line(rank: int, beat: Heartbeat) -> str:
+    return f"rank {rank} ({beat.host} pid {beat.pid}) {_status(beat)}"
+
+
+def detector_line(me: Heartbeat, timeout_s: float) -> str:
+    """What a rank that detected the hang but is not the reporter prints: itself, in one line."""
+    return (
+        f"watchdog: rank {me.rank} made no progress for {me.idle_s:.1f} s "
+        f"(fault.watchdog_timeout_s={timeout_s:g}) at step {me.step + 1}: {_status(me)}; "
+        f"the first rank to detect names the silent rank(s); exit status {HANG_EXIT_CODE}"
+    )
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"{KEY_PREFIX}{rank}"
+
+
+def read_heartbeats(store: Any, ranks: list[int]) -> dict[int, Heartbeat | None]:
+    """The latest heartbeat of each of `ranks` (None: never written), in batched requests: one
+    `check` and one `multi_get` when all exist (multi_get waits for a missing key, so the
+    missing ones are found by halving: about 2 log2(len(ranks)) requests more per missing rank)."""
+    found: dict[int, Heartbeat | None] = {}
+    pending = [list(ranks)] if ranks else []
+    while pending:
+        part = pending.pop()
+        keys = [heartbeat_key(r) for r in part]
+        if store.check(keys):
+            found.update(zip(part, map(Heartbeat.from_json, store.multi_get(keys))))
+        elif len(part) == 1:
+            found[part[0]] = None
+        else:
+            pending += [part[: len(part) // 2], part[len(part) // 2 :]]
+    return found
+
+
+def is_reporter(store: Any) -> bool:
+    """Whether this rank is the first whose watchdog fired (one `add` on the store)."""
+    return store.add(REPORTER_KEY, 1) == 1
+
+
+def node_ranks(rank: int) -> list[int]:
+    """The global ranks torchrun's agent started on this node (it numbers them contiguously);
+    just this rank outside torchrun."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return list(range(rank - local_rank, rank - local_rank + local_world_size))
+
+
+def kill_silent_siblings(
+    beats: dict[int, Heartbeat | None], now: float, stale_after_s: float
+) -> list[str]:
+    """SIGKILL the ranks whose heartbeat went stale and that run on this host as children of
+    this process's parent (the same torchrun agent or test launcher); one line for each."""
+    host, killed = socket.gethostname(), []
+    for rank, beat in sorted(beats.items()):
+        if beat is None or now - beat.wrote_at <= stale_after_s or beat.host != host:
+            continue
+        if beat.pid == os.getpid() or _parent_pid(beat.pid) != os.getppid():
+            continue
+        try:
+            os.kill(beat.pid, signal.SIGKILL)
+        except OSError:  # gone meanwhile, or not ours after all
+            continue
+        killed.append(f"killed rank {rank} (pid {beat.pid}), silent on this host, to end the job")
+    return killed
+
+
+def _parent_pid(pid: int) -> int | None:
+    """The parent of `pid` (Linux /proc), None when unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # the name, in parentheses, may hold spaces
 
 
 def _silent_line(rank: int, beat: Heartbeat | None, now: float) -> str:
@@ -210,7 +311,7 @@ class Watchdog(Hook):
         self._threads = []
 
     def _publish(self, store: Any) -> None:
-        key = f"{KEY_PREFIX}{self.rank}"
+        key = heartbeat_key(self.rank)
         while True:
             try:
                 store.set(key, current_heartbeat(self.rank, self.step).to_json())
@@ -224,22 +325,29 @@ class Watchdog(Hook):
     def _watch(self, store: Any) -> None:
         while not self._stop.wait(self.interval_s):
             if progress.idle_s() > self.timeout_s:
-                me = current_heartbeat(self.rank, self.step)
-                others = self._read_heartbeats(store)
-                end_job(hang_report(me, others, time.time(), self.timeout_s, self.stale_after_s))
+                end_job(self.report(store))
                 return
 
-    def _read_heartbeats(self, store: Any) -> dict[int, Heartbeat | None] | None:
-        """Every other rank's latest heartbeat (None: never written), or None when the store
-        does not answer within a few heartbeat intervals."""
-        found: dict[int, Heartbeat | None] = {}
+    def report(self, store: Any) -> str:
+        """The hang report (from the reporter) or this rank's line, after killing the silent
+        ranks on this host. The store is given a few heartbeat intervals to answer."""
+        me = current_heartbeat(self.rank, self.step)
+        read: dict[str, Any] = {}
 
-        def read() -> None:
-            for rank in (r for r in range(self.world_size) if r != self.rank):
-                key = f"{KEY_PREFIX}{rank}"
-                found[rank] = Heartbeat.from_json(store.get(key)) if store.check([key]) else None
+        def elect_and_read() -> None:
+            with contextlib.suppress(RuntimeError):  # the store is gone: reported as such
+                reporter = is_reporter(store)
+                ranks = range(self.world_size) if reporter else node_ranks(self.rank)
+                others = read_heartbeats(store, [r for r in ranks if r != self.rank])
+                read.update(reporter=reporter, beats=others)
 
-        reader = threading.Thread(target=read, daemon=True)
+        reader = threading.Thread(target=elect_and_read, daemon=True)
         reader.start()
         reader.join(timeout=max(3.0, 3 * self.interval_s))
-        return None if reader.is_alive() or len(found) < self.world_size - 1 else found
+        now = time.time()
+        beats = None if reader.is_alive() else read.get("beats")
+        killed = kill_silent_siblings(beats or {}, now, self.stale_after_s)
+        if beats is not None and not read["reporter"]:
+            return "\n".join([detector_line(me, self.timeout_s), *killed])
+        lines = hang_report(me, beats, now, self.timeout_s, self.stale_after_s).splitlines()
+        return "\n".join([*lines[:-1], *killed, lines[-1]])

@@ -44,10 +44,10 @@ def _signalled_run(overrides: tuple[str, ...], signal_rank: int, at_step: int):
             os.kill(os.getpid(), signal.SIGTERM)  # mid-step: the step still finishes
         return train_step(run, batch, lr)
 
-    def save_under_fire(self, state):
+    def save_under_fire(self, state, **options):
         if state.ps.rank == signal_rank:
             os.kill(os.getpid(), signal.SIGUSR1)  # a second signal while saving: ignored
-        return save(self, state)
+        return save(self, state, **options)
 
     loop.train_step, loop.CheckpointSaver.save = step_then_signal, save_under_fire
     try:

@@ -2,10 +2,14 @@
 it within `fault.watchdog_timeout_s`, naming the silent rank, its step and the last collective it
 entered. The time to detect is measured from the stop to the report."""
 
+import dataclasses
 import os
 import signal
+import socket
+import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -68,3 +72,95 @@ def test_a_stopped_rank_is_named_within_the_timeout(builtin_corpus, tmp_path):
     assert f"its last heartbeat: step {STOP_BEFORE_STEP}, " in silent, report
     assert "the last collective it entered: " in silent, report
     assert "over ranks 0,1 (" in silent and ", call #" in silent, report
+
+
+class CountingStore:
+    """A store client that counts the requests made through it."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store, self.requests = store, []
+
+    def __getattr__(self, name: str):
+        method = getattr(self.store, name)
+
+        def counted(*args):
+            self.requests.append(name)
+            return method(*args)
+
+        return counted
+
+
+WORLD = 1024
+SILENT = 517
+
+
+def _heartbeats_of_a_big_job(store: dist.Store, now: float, missing: int | None = None) -> None:
+    """1,024 ranks' heartbeats: all fresh but SILENT's (30 s old); `missing` never wrote one."""
+    beats = {
+        rank: watchdog.Heartbeat(rank, 7, "all_reduce", "all_reduce", 0.1, now, "node", 1000 + rank)
+        for rank in range(WORLD)
+        if rank != missing
+    }
+    beats[SILENT] = dataclasses.replace(beats[SILENT], wrote_at=now - 30.0, blocked_in=None)
+    store.multi_set(
+        [watchdog.heartbeat_key(r) for r in beats], [b.to_json() for b in beats.values()]
+    )
+
+
+def _big_job_watchdog(rank: int) -> watchdog.Watchdog:
+    return watchdog.Watchdog(10.0, SimpleNamespace(rank=rank, world_size=WORLD), step=7)
+
+
+@pytest.fixture
+def job_store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield dist.PrefixStore("megalite/generation1/", server)  # as under torchrun
+
+
+def test_the_first_rank_to_detect_reads_1024_heartbeats_in_two_requests(job_store, monkeypatch):
+    """The reporter names the silent rank from one add, one check and one multi_get (the old
+    report read every key with a check and a get: 2,046 requests on each detecting rank); a
+    later detector reads only its node's 8 heartbeats and prints one line."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    _heartbeats_of_a_big_job(job_store, time.time())
+    first, later = CountingStore(job_store.clone()), CountingStore(job_store.clone())
+    wd = _big_job_watchdog(3)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    start = time.monotonic()
+    report = wd.report(first)
+    took = time.monotonic() - start
+    assert first.requests == ["add", "check", "multi_get"], first.requests
+    assert took < 3 * wd.interval_s, took  # well within the join window
+    assert f"\nrank {SILENT} (node pid {1000 + SILENT}) went silent 30." in report, report
+    assert f"{WORLD - 2} other rank(s) alive and waiting in a collective" in report, report
+    assert report.endswith(f"ending the job (exit status {watchdog.HANG_EXIT_CODE})")
+
+    monkeypatch.setenv("LOCAL_RANK", "5")  # global rank 517's node: ranks 512-519
+    line = _big_job_watchdog(SILENT + 3).report(later)
+    assert later.requests == ["add", "check", "multi_get"], later.requests
+    assert line.startswith(f"watchdog: rank {SILENT + 3} made no progress for "), line
+    assert "the first rank to detect names the silent rank(s)" in line and "\n" not in line
+
+
+def test_a_heartbeat_never_written_is_found_in_a_bounded_number_of_requests(job_store):
+    """multi_get would wait for a missing key, so the reader halves the key set: about 2 log2 W
+    requests more, not W."""
+    _heartbeats_of_a_big_job(job_store, time.time(), missing=1000)
+    store = CountingStore(job_store.clone())
+    report = _big_job_watchdog(0).report(store)
+    assert "rank 1000 went silent: no heartbeat from it ever arrived" in report, report
+    assert f"rank {SILENT} (node pid" in report, report
+    assert len(store.requests) <= 2 + 4 * 10, store.requests
+
+
+def test_only_a_silent_sibling_on_this_host_is_killed():
+    """A stale heartbeat naming a process that is not this one's sibling (here: its child) is
+    left alone: the pid in a heartbeat is trusted only under the same parent."""
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        stale = watchdog.Heartbeat(1, 0, None, None, 9.0, 0.0, socket.gethostname(), child.pid)
+        assert watchdog.kill_silent_siblings({1: stale}, now=100.0, stale_after_s=5.0) == []
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()

@@ -195,6 +195,33 @@ def test_unknown_key_in_yaml_file(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize(
+    "broken, where",
+    [
+        (
+            "  hidden: [256",
+            "line 6, column 10: expected ',' or ']', but got ':' (while parsing a "
+            "flow sequence from line 5, column 11)",
+        ),
+        ("\thidden: 256", "line 5, column 1: found character '\\t' that cannot start any token"),
+        (
+            " hidden: 256",
+            "line 5, column 2: expected <block end>, but found '<block mapping "
+            "start>' (while parsing a block mapping from line 2, column 1)",
+        ),
+    ],
+    ids=["unclosed", "tab", "indent"],
+)
+def test_a_yaml_syntax_error_is_one_line_naming_file_line_and_column(tmp_path, broken, where):
+    """PyYAML's own message runs over 8 lines (an excerpt with a caret): one line here."""
+    text = (CONFIGS / "gpt-tiny.yaml").read_text().replace("  hidden: 256", broken)
+    path = tmp_path / "gpt-tiny.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"config file {path} is not valid YAML: {where}"
+
+
 def test_unknown_section():
     message = error_of(["modle.hidden=64"])
     assert "'modle'" in message and "did you mean model" in message
