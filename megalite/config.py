@@ -31,6 +31,8 @@ from megalite.pipeline.schedule import ScheduleError, check_chunks, check_microb
 class ConfigError(MegaliteError):
     """A config value or key is wrong; the message says which and how to fix it."""
 
+    same_on_every_rank = True  # from the command line, the config file and the world size
+
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
@@ -250,8 +252,9 @@ class OptimConfig:
     """Clip the global gradient norm to this (0 disables clipping)."""
     offload: str = "none"
     """none, or cpu (ZeRO-Offload): the fp32 master weights and Adam moments live in host memory
-    (pinned on CUDA) and the update runs on the CPU; gradients go down and updated parameters
-    come back bucket by bucket, overlapped with the CPU's update."""
+    (what the copy engine moves is pinned on CUDA, in one arena per rank) and the update runs on
+    the CPU, on the node's cores shared among its ranks; gradients go down and updated
+    parameters come back bucket by bucket, overlapped with the CPU's update."""
     state_dtype: str = "fp32"
     """Storage of Adam's moments: fp32, or bf16 (half their memory; the update still computes
     in fp32, exp_avg rounded to nearest, exp_avg_sq stochastically). Master weights stay fp32."""
@@ -361,13 +364,18 @@ class FaultConfig:
     compilation) and stay below collective_timeout_s."""
     max_bad_steps: int = 5
     """Stop the run after this many bad steps in a row (a NaN/inf loss or gradient norm, or a
-    loss spike), naming the step and the last good checkpoint. A bad step skips its update."""
-    loss_spike_factor: float = 0.0
-    """A loss above this many times the median of the recent good losses is a bad step (e.g. 3);
-    0 turns spike detection off."""
+    loss spike), naming the step and the last good checkpoint. A bad step skips its update; no
+    periodic checkpoint is saved during a streak, and one that must be (preemption, the last
+    step) is saved as bad. A resume starts counting the streak afresh."""
+    loss_spike_factor: float = 10.0
+    """A loss above this many times the median of the recent good losses is a bad step; 0 turns
+    spike detection off. The default catches a diverged run whose loss is still finite (5.8e12
+    after 8.1); a healthy run's loss does not grow tenfold (from a median of 1.5, 15 is worse
+    than a uniform guess over 128k tokens), so it costs nothing. Lower it (e.g. 3) to skip
+    sharper spikes, as PaLM did."""
     loss_spike_window: int = 20
-    """How many recent good losses the spike median is taken over; spikes are judged once the
-    window is full."""
+    """How many recent good losses the spike median is taken over (from the first good loss
+    on: a short window's median errs high, towards letting a step pass)."""
 
     def __post_init__(self) -> None:
         _require(self.collective_timeout_s > 0, "fault.collective_timeout_s must be > 0")
@@ -540,7 +548,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         try:
             raw = yaml.safe_load(path.read_text()) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+            problem = _yaml_problem(exc)
+            raise ConfigError(f"config file {path} is not valid YAML: {problem}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must be a mapping of sections")
     for text in overrides:
@@ -550,6 +559,19 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"config section {section!r} must be a mapping")
         raw[section][name] = value
     return build_config(raw)
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """PyYAML's multi-line message (with an excerpt and a caret) as one phrase: where, then
+    what, then the construct it was inside."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
+        return " ".join(str(exc).split())
+    mark, problem = exc.problem_mark, exc.problem or "syntax error"
+    where = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    if exc.context and exc.context_mark is not None:
+        where += f" ({exc.context} from line {exc.context_mark.line + 1}, "
+        where += f"column {exc.context_mark.column + 1})"
+    return where
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:

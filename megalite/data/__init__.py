@@ -15,6 +15,7 @@ _WHERE = {
     "DataError": "errors",
     "GlobalBatchSampler": "sampler",
     "HFTokenizer": "tokenizer",
+    "TokenBatch": "dataset",
     "TokenDataset": "dataset",
     "Tokenizer": "tokenizer",
     "builtin_corpus_text": "builtin",

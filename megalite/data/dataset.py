@@ -5,6 +5,9 @@ seq_len tokens: inputs are the first seq_len, targets the last seq_len, so every
 predicted exactly once per epoch. Windows run across document boundaries (the EOS token tells
 the model where one ends), as in GPT-2 and Megatron, so no token is wasted on padding.
 
+A rank reads only the tokens it consumes (`BlendedDataset.read`): the first pipeline stage embeds
+the inputs, the last takes the loss on the targets, and a middle stage reads nothing.
+
 The last `val_fraction` of the stream (at least one window) is held out as "val"; train windows
 end before it starts, so no token is in both splits.
 
@@ -12,9 +15,12 @@ Opening a corpus checks everything that can be checked without reading the token
 problem is one DataError naming the file and the fix.
 """
 
+from __future__ import annotations
+
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -74,13 +80,34 @@ class TokenDataset:
     def __len__(self) -> int:
         return self._num_windows
 
-    def get_batch(self, indices: Sequence[int]) -> torch.Tensor:
-        """Windows `indices` as a LongTensor [len(indices), seq_len + 1]."""
+    def get_batch(self, indices: Sequence[int], span: slice = slice(None)) -> torch.Tensor:
+        """Tokens `span` of windows `indices` (all seq_len + 1 by default) as a LongTensor
+        [len(indices), span length]; only those tokens are read from the file."""
         starts = np.asarray(indices, dtype=np.int64)
         if starts.size and not (0 <= starts.min() and starts.max() < self._num_windows):
             raise IndexError(f"window index out of range [0, {self._num_windows}): {indices}")
-        offsets = starts[:, None] * self.seq_len + np.arange(self.seq_len + 1)
-        return torch.from_numpy(self.tokens[offsets].astype(np.int64))  # [n, seq_len + 1]
+        offsets = starts[:, None] * self.seq_len + np.arange(self.seq_len + 1)[span]
+        return torch.from_numpy(self.tokens[offsets].astype(np.int64))  # [n, span length]
+
+
+@dataclass
+class TokenBatch:
+    """A rank's share of a global batch: `size` windows, with their inputs (size, seq) where the
+    rank embeds tokens (the first pipeline stage) and their next-token targets (size, seq) where
+    it takes the loss (the last); None where it needs them not (a middle stage has neither)."""
+
+    size: int
+    inputs: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+
+    @classmethod
+    def of_windows(cls, windows: torch.Tensor) -> TokenBatch:
+        """Both halves of whole (n, seq + 1) windows."""
+        return cls(windows.shape[0], windows[:, :-1], windows[:, 1:])
+
+    def to(self, device: torch.device) -> TokenBatch:
+        inputs, targets = (None if t is None else t.to(device) for t in (self.inputs, self.targets))
+        return TokenBatch(self.size, inputs, targets)
 
 
 class BlendedDataset:
@@ -114,23 +141,42 @@ class BlendedDataset:
         ]
         return "data blend: " + ", ".join(parts)
 
-    def get_batch(self, pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
-        """Windows of (corpus, window index) pairs as a LongTensor [len(pairs), seq_len + 1]."""
+    def get_batch(
+        self, pairs: Sequence[tuple[int, int]], span: slice = slice(None)
+    ) -> torch.Tensor:
+        """Tokens `span` (default: all seq_len + 1) of the windows of (corpus, window index)
+        pairs as a LongTensor [len(pairs), span length]."""
         corpus = np.array([c for c, _ in pairs], dtype=np.int64)
         windows = np.array([w for _, w in pairs], dtype=np.int64)
-        out = torch.empty((len(pairs), self.datasets[0].seq_len + 1), dtype=torch.int64)
+        width = len(range(self.datasets[0].seq_len + 1)[span])
+        out = torch.empty((len(pairs), width), dtype=torch.int64)
         for c, dataset in enumerate(self.datasets):
             here = np.flatnonzero(corpus == c)
             if here.size:
-                out[torch.from_numpy(here)] = dataset.get_batch(windows[here])
+                out[torch.from_numpy(here)] = dataset.get_batch(windows[here], span)
         return out
 
-    def evaluation_batch(self, k: int, size: int) -> torch.Tensor:
+    def read(
+        self, pairs: Sequence[tuple[int, int]], inputs: bool = True, targets: bool = True
+    ) -> TokenBatch:
+        """The windows `pairs` as a TokenBatch holding only the halves asked for, and reading
+        only those: inputs are tokens [0, seq) of a window, targets [1, seq + 1); both together
+        are read as one window."""
+        if inputs and targets:
+            return TokenBatch.of_windows(self.get_batch(pairs))
+        seq = self.datasets[0].seq_len
+        return TokenBatch(
+            len(pairs),
+            self.get_batch(pairs, slice(0, seq)) if inputs else None,
+            self.get_batch(pairs, slice(1, seq + 1)) if targets else None,
+        )
+
+    def evaluation_pairs(self, k: int, size: int) -> list[tuple[int, int]]:
         """Evaluation batch k: the blend's positions [k * size, (k + 1) * size) in order, each
         corpus read from its first window on, so every evaluation sees the same windows."""
         corpus, draws = self.interleave(np.arange(k * size, (k + 1) * size))
         sizes = np.array(self.sizes, dtype=np.int64)
-        return self.get_batch(list(zip(corpus.tolist(), (draws % sizes[corpus]).tolist())))
+        return list(zip(corpus.tolist(), (draws % sizes[corpus]).tolist()))
 
 
 def _fix(prefix: Path) -> str:

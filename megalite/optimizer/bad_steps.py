@@ -7,6 +7,12 @@ and counts them itself (`skipped_steps`). The policy sits beside the loss scaler
 judge of steps, so that the run state (`checkpoint/state.py`) saves its counters without
 importing the trainer.
 
+While a streak lasts (`in_a_row` > 0) the weights are the ones that went bad, so the loop saves
+no periodic checkpoint, and a save that must happen (preemption, the last step) is marked bad:
+a run resumes by itself only from a good one. A resume starts the streak at 0: the bad steps
+before it were judged under the configuration the restart usually changed (a lower lr), and a
+carried count would stop the run before it took one step (`load_state_dict`).
+
 Every rank must decide alike, or the replicas' weights part for good. The loss is already global
 (reduced over dp and pp) and so is the history of good losses; the gradient norm, though, is
 reduced only over the ranks that hold one copy of the model, so a gradient that turns NaN on one
@@ -52,13 +58,15 @@ class BadStepPolicy:
         return reason
 
     def reason(self, loss: float, non_finite_grad: bool) -> str | None:
-        """Why a step with this (global) loss is bad, or None. The spike test waits for a full
-        window of good losses: early losses fall fast and say little about the next one."""
+        """Why a step with this (global) loss is bad, or None. Spikes are judged from the first
+        good loss on: losses fall fastest early, so a short window's median errs high, towards
+        letting a step pass, and waiting for a full window would let a run that diverges early
+        (or soon after a resume) save its diverged weights as good."""
         if not math.isfinite(loss):
             return f"loss is {loss}"
         if non_finite_grad:
             return "gradient norm is not finite"
-        if self.spike_factor and len(self.recent) == self.recent.maxlen:
+        if self.spike_factor and self.recent:
             median = statistics.median(self.recent)
             if loss > self.spike_factor * median:
                 return (
@@ -84,6 +92,8 @@ class BadStepPolicy:
         return {"total": self.total, "in_a_row": self.in_a_row, "recent": list(self.recent)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.total, self.in_a_row = state["total"], state["in_a_row"]
+        """The total and the recent good losses carry on; the streak starts at 0 (see above: the
+        saved `in_a_row` says only whether the checkpoint was saved during one)."""
+        self.total, self.in_a_row = state["total"], 0
         self.recent.clear()
         self.recent.extend(state["recent"])

@@ -157,10 +157,10 @@ def timed(name: str) -> Iterator[None]:
 
 @dataclass
 class MicroBatch:
-    inputs: torch.Tensor
-    """Token ids (b, s)."""
-    targets: torch.Tensor
-    """Next-token ids (b, s)."""
+    inputs: torch.Tensor | None
+    """Token ids (b, s); None on a rank without the first virtual stage (it never reads them)."""
+    targets: torch.Tensor | None
+    """Next-token ids (b, s); None on a rank without the last virtual stage."""
 
 
 @dataclass

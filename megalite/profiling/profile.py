@@ -38,10 +38,10 @@ def profile(
         )
     import torch
 
-    from megalite.data import GlobalBatchSampler
+    from megalite.data import GlobalBatchSampler, TokenBatch
     from megalite.profiling.profile_report import build_report, publish
     from megalite.profiling.step_timing import measure_run
-    from megalite.training.loop import open_data, rank_slice, setup_topology
+    from megalite.training.loop import open_data, rank_batch, setup_topology
     from megalite.training.metrics import StepCost
     from megalite.training.setup import build_run
 
@@ -53,8 +53,8 @@ def profile(
     run = build_run(cfg, ps)
     sampler = GlobalBatchSampler(data.train.sizes, t.global_batch_size, t.seed, data.train.weights)
 
-    def next_tokens() -> torch.Tensor:
-        return rank_slice(data.train.get_batch(sampler.next_batch()), ps)
+    def next_tokens() -> TokenBatch:
+        return rank_batch(data.train, sampler.next_batch(), run)
 
     times, memory = measure_run(run, next_tokens, warmup_steps, steps, trace_dir)
     report = build_report(run, cost, times, memory)

@@ -25,6 +25,7 @@ from unittest import mock
 import torch
 
 from megalite import comm
+from megalite.data import TokenBatch
 from megalite.optimizer.lr_schedule import learning_rate
 from megalite.pipeline.executor import IntervalTimer, timed
 from megalite.profiling.memory import SavedActivationTracker, live_bytes, live_devices
@@ -134,7 +135,7 @@ def time_collectives(device: torch.device) -> Iterator[CollectiveTimes]:
 
 
 def measure_step(
-    run: Run, tokens: torch.Tensor, lr: float, collectives: CollectiveTimes
+    run: Run, tokens: TokenBatch, lr: float, collectives: CollectiveTimes
 ) -> dict[str, float]:
     """One `train_step`, cut into TIME_PARTS (seconds, from the step's timers), its wall-clock
     `step` time (which the parts add up to, timed independently) and `comm_overlapped`."""
@@ -196,7 +197,7 @@ def torch_trace(trace_dir: Path | None, rank: int) -> Iterator[None]:
 
 def measure_run(
     run: Run,
-    next_tokens: Callable[[], torch.Tensor],
+    next_tokens: Callable[[], TokenBatch],
     warmup_steps: int,
     steps: int,
     trace_dir: Path | None,

@@ -54,27 +54,31 @@ def due(step: int, interval: int, last: int) -> bool:
 class BadSteps(Hook):
     """The bad-step policy's (`optimizer/bad_steps.py`) count in the metrics row (`bad_steps`),
     and the stop after fault.max_bad_steps bad steps in a row, naming the step and the last good
-    checkpoint (saved after a step that was not bad; else the one the run resumed from). First
-    in the list: on the stopping step nothing after it (an evaluation, a save) is worth having."""
+    checkpoint (`last_good`: the newest saved as good, once a save still being written is
+    published). First in the list: the stopping step's row is logged here (`log`, collective),
+    and nothing after it (an evaluation, a save) is worth having."""
 
-    def __init__(self, policy: BadStepPolicy, resumed_from: Path | None) -> None:
-        self.policy, self.last_good = policy, resumed_from
-        self.previous: StepRecord | None = None
+    def __init__(
+        self,
+        policy: BadStepPolicy,
+        last_good: Callable[[], Path | None],
+        log: Callable[[dict[str, float]], None],
+    ) -> None:
+        self.policy, self.last_good, self.log = policy, last_good, log
 
     def after_step(self, record: StepRecord) -> None:
-        previous, self.previous = self.previous, record
-        if previous is not None and previous.checkpoint and previous.metrics.bad is None:
-            self.last_good = previous.checkpoint  # saved by a later hook, after this one ran
         record.row["bad_steps"] = self.policy.total
-        if record.metrics.bad is not None and self.policy.exhausted:
-            good = self.last_good
-            where = f"{good} (checkpoint.resume={good} continues from it)" if good else "none"
-            raise TrainingError(
-                f"{self.policy.in_a_row} bad steps in a row, the last at step {record.step} "
-                f"({record.metrics.bad}): stopping. Last good checkpoint: {where}; lower "
-                "optim.lr, raise optim.warmup_steps, or use train.precision=bf16/fp32 instead "
-                "of fp16"
-            )
+        if record.metrics.bad is None or not self.policy.exhausted:
+            return
+        self.log(record.row)
+        good = self.last_good()
+        where = f"{good} (checkpoint.resume={good} continues from it)" if good else "none"
+        raise TrainingError(
+            f"{self.policy.in_a_row} bad steps in a row, the last at step {record.step} "
+            f"({record.metrics.bad}): stopping. Last good checkpoint: {where}; lower "
+            "optim.lr, raise optim.warmup_steps, or use train.precision=bf16/fp32 instead "
+            "of fp16"
+        )
 
 
 class Evaluation(Hook):
@@ -116,7 +120,10 @@ class MetricsLogging(Hook):
 class Checkpointing(Hook):
     """A checkpoint every `interval` steps (0: none on the way) and after the last one.
     Collective: `save` runs on every rank and returns the checkpoint's directory; `finish`
-    (when given) completes a save still being written in the background, at the close."""
+    (when given) completes a save still being written in the background, at the close.
+    During a streak of bad steps (`streak()` > 0) the weights are the ones that went bad: the
+    periodic saves wait for a good step (said once per streak, through `say`), and the last
+    step's save, which must happen, is marked bad by `save` itself."""
 
     def __init__(
         self,
@@ -124,12 +131,26 @@ class Checkpointing(Hook):
         interval: int,
         steps: int,
         finish: Callable[[], Path | None] | None = None,
+        streak: Callable[[], int] | None = None,
+        say: Callable[[str], None] = print,
     ) -> None:
         self.save, self.interval, self.steps, self.finish = save, interval, steps, finish
+        self.streak, self.say = streak or (lambda: 0), say
+        self.told = False
 
     def after_step(self, record: StepRecord) -> None:
-        if due(record.step, self.interval, self.steps):
+        streak = self.streak()
+        self.told = self.told and streak > 0
+        if not due(record.step, self.interval, self.steps):
+            return
+        if streak == 0 or record.step == self.steps:
             record.checkpoint = self.save()
+        elif not self.told:
+            self.told = True
+            self.say(
+                f"step {record.step}: no checkpoint during a bad-step streak ({streak} in a "
+                "row); saving resumes after a good step"
+            )
 
     def close(self) -> None:
         if self.finish is not None:

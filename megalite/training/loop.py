@@ -22,6 +22,7 @@ from megalite.checkpoint.sharded import (
     complete_checkpoints,
     find_checkpoint,
     load_checkpoint,
+    newest_good_checkpoint,
     read_manifest,
 )
 from megalite.checkpoint.state import RngStreams, RunState
@@ -31,6 +32,7 @@ from megalite.data import (
     BlendedDataset,
     DataError,
     GlobalBatchSampler,
+    TokenBatch,
     TokenDataset,
     builtin_data,
     open_tokenizer,
@@ -106,16 +108,25 @@ def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
     watchdog = Watchdog.for_run(cfg.fault, ps, state.step)
 
     def save() -> Path:
+        """Collective. Saved during a bad-step streak (preemption, the last step), it is marked
+        bad: no resume picks it by itself, and pruning keeps the newest good one."""
         run.optimizer.finish_param_gather()  # the overlapped gather: all weights, then save
-        return saver.save(state)
+        return saver.save(state, good=run.bad_steps.in_a_row == 0)
+
+    def last_good() -> Path | None:
+        saver.finish()  # collective: a save still being written may be the newest good one
+        return newest_good_checkpoint(ckpt_root)
+
+    def streak() -> int:
+        return run.bad_steps.in_a_row
 
     preemption = Preemption(ps, save, saver.finish)
     hooks = [
         watchdog,
-        BadSteps(run.bad_steps, resume_from),
+        BadSteps(run.bad_steps, last_good, logger.log),
         Evaluation(lambda: evaluate(run, data.val), t.eval_interval, t.steps, logger.write),
         MetricsLogging(logger, t.log_interval, t.steps),
-        Checkpointing(save, cfg.checkpoint.interval, t.steps, saver.finish),
+        Checkpointing(save, cfg.checkpoint.interval, t.steps, saver.finish, streak, logger.write),
         summary,
         preemption,  # last: it sees whether this step was saved
     ]
@@ -125,8 +136,8 @@ def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
         summary.checkpoint = stop.checkpoint
         close_run(hooks, summary, ps)
         raise
-    except TrainingError:  # every rank stops alike: publish the save still being written,
-        saver.finish()  # which the error may name as the last good checkpoint
+    except TrainingError:  # every rank stops alike: publish the save still being written
+        saver.finish()
         raise
     finally:
         watchdog.close()  # its threads must not outlive the steps, however they end
@@ -152,7 +163,7 @@ def run_steps(
     row: dict[str, float] = {}
     for step in range(state.step, steps):
         lr = learning_rate(step, cfg.optim, steps)
-        batch = rank_slice(train_data.get_batch(state.sampler.next_batch()), run.ps)
+        batch = rank_batch(train_data, state.sampler.next_batch(), run)
         reset_peak_memory(run.ps.device)
         start = time.perf_counter()
         metrics = train_step(run, batch, lr)
@@ -172,7 +183,9 @@ def setup_topology(cfg: Config) -> ParallelState:
     cfg.layout_for_world(int(os.environ.get("WORLD_SIZE", 1)))
     device = choose_device(cfg.train.device)
     init_distributed(device, collective_timeout(cfg.fault))
-    return build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, device)
+    return build_parallel_state(
+        cfg.parallel.tp, cfg.parallel.pp, device, collective_timeout(cfg.fault)
+    )
 
 
 def start_run(
@@ -258,10 +271,16 @@ def _init_from_tokenizer(cfg: Config, data_tokenizer: Path) -> Path | None:
     return theirs
 
 
-def rank_slice(batch: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    """This data-parallel rank's contiguous share of a global batch, on the rank's device."""
-    share = batch.shape[0] // ps.dp_size
-    return batch[ps.dp_rank * share : (ps.dp_rank + 1) * share].to(ps.device)
+def rank_batch(data: BlendedDataset, pairs: list[tuple[int, int]], run: Run) -> TokenBatch:
+    """This rank's share of the global batch `pairs` (the sampler's, the same on every rank),
+    read from disk onto its device: its data-parallel rank's contiguous slice, and of that the
+    inputs on the first pipeline stage, the targets on the last, nothing on a middle stage.
+    Every tp rank of a stage reads the same share."""
+    ps = run.ps
+    share = len(pairs) // ps.dp_size
+    mine = pairs[ps.dp_rank * share : (ps.dp_rank + 1) * share]
+    first, last = any(run.executor.is_first), any(run.executor.is_last)
+    return data.read(mine, inputs=first, targets=last).to(ps.device)
 
 
 def evaluate(run: Run, val: BlendedDataset) -> float:
@@ -269,8 +288,8 @@ def evaluate(run: Run, val: BlendedDataset) -> float:
     t = run.cfg.train
     losses = []
     for k in range(t.eval_steps):
-        batch = val.evaluation_batch(k, t.global_batch_size)
-        losses.append(eval_loss(run, rank_slice(batch, run.ps)))
+        pairs = val.evaluation_pairs(k, t.global_batch_size)
+        losses.append(eval_loss(run, rank_batch(val, pairs, run)))
     return sum(losses) / len(losses)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite import comm
+from megalite.data.dataset import TokenBatch
 from megalite.optimizer.clip import clip_coefficient
 from megalite.optimizer.finalize import finalize_grads
 from megalite.pipeline.executor import MicroBatch, StepTimes, bubble_fraction
@@ -31,10 +32,19 @@ class StepMetrics:
     """Why the bad-step policy skipped the update (a NaN loss, a spike); None when it did not."""
 
 
-def micro_batches(tokens: torch.Tensor, micro_batch_size: int) -> list[MicroBatch]:
-    """Cut this rank's (n, seq + 1) windows into micro-batches of inputs and shifted targets."""
+def micro_batches(batch: TokenBatch | torch.Tensor, micro_batch_size: int) -> list[MicroBatch]:
+    """Cut this rank's share into micro-batches: of the halves it read (a middle pipeline stage
+    gets micro-batches of neither, only their count). A tensor is whole (n, seq + 1) windows, as
+    tests and benchmarks pass them: inputs and shifted targets both."""
+    if isinstance(batch, torch.Tensor):
+        batch = TokenBatch.of_windows(batch)
+
+    def rows(half: torch.Tensor | None, start: int) -> torch.Tensor | None:
+        return None if half is None else half[start : start + micro_batch_size]
+
     return [
-        MicroBatch(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(micro_batch_size, dim=0)
+        MicroBatch(rows(batch.inputs, start), rows(batch.targets, start))
+        for start in range(0, batch.size, micro_batch_size)
     ]
 
 
@@ -45,8 +55,9 @@ def global_loss(local: torch.Tensor, run: Run) -> float:
     return local.item()
 
 
-def train_step(run: Run, tokens: torch.Tensor, lr: float) -> StepMetrics:
-    """tokens: this data-parallel rank's slice of the global batch, (n, seq + 1) on device."""
+def train_step(run: Run, tokens: TokenBatch | torch.Tensor, lr: float) -> StepMetrics:
+    """tokens: this rank's share of the global batch on its device (`loop.rank_batch`), or its
+    data-parallel slice as whole (n, seq + 1) windows."""
     cfg = run.cfg
     run.train(True)
     for buffer in run.buffers:
@@ -72,10 +83,10 @@ def train_step(run: Run, tokens: torch.Tensor, lr: float) -> StepMetrics:
 
 
 @torch.no_grad()
-def eval_loss(run: Run, tokens: torch.Tensor) -> float:
-    """Mean token loss of `tokens` (this dp rank's slice of an evaluation batch)."""
+def eval_loss(run: Run, batch: TokenBatch) -> float:
+    """Mean token loss of `batch` (this rank's share of an evaluation batch)."""
     run.train(False)
-    batches = micro_batches(tokens, run.cfg.train.micro_batch_size)
-    total_tokens = tokens.shape[0] * run.ps.dp_size * run.cfg.model.seq_len
+    batches = micro_batches(batch, run.cfg.train.micro_batch_size)
+    total_tokens = batch.size * run.ps.dp_size * run.cfg.model.seq_len
     local_loss, _ = run.executor.run(run.schedule(len(batches), True), batches, 1.0 / total_tokens)
     return global_loss(local_loss, run)

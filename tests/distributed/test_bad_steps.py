@@ -1,7 +1,8 @@
 """NaN gradients injected on one data-parallel rank: every rank skips that step's update (they
 agree, although the NaN reaches only that rank's gradient norm), the step is counted in the
-metrics, and max_bad_steps bad steps in a row stop the run naming the step and the last good
-checkpoint."""
+metrics, no periodic checkpoint is saved during a streak, and max_bad_steps bad steps in a row
+stop the run naming the step and the last good checkpoint, the stopping step's metrics row
+written."""
 
 import hashlib
 import json
@@ -89,5 +90,8 @@ def test_nan_gradients_on_one_rank_are_skipped_everywhere_and_stop_the_run(
         (4, 1),
         (5, 2),
         (6, 3),
+        (7, 4),  # the stopping step
     ]
     assert Path(last_good, "manifest.json").is_file()
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert saved == ["step_000002", "step_000004"]  # step 6 fell in the streak of 5, 6, 7

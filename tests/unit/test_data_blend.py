@@ -86,7 +86,54 @@ def test_blended_dataset_reads_each_corpus_and_evaluates_in_order(tmp_path):
     blend = BlendedDataset([a, b], [0.75, 0.25])
     batch = blend.get_batch([(0, 3), (1, 0), (0, 0)])
     assert batch.equal(torch.cat([a.get_batch([3]), b.get_batch([0]), a.get_batch([0])]))
-    first = blend.evaluation_batch(0, 8)
+    first = blend.evaluation_pairs(0, 8)
     corpus, _ = blend.interleave(np.arange(8))
-    assert corpus.tolist().count(1) == 2 and first.equal(blend.evaluation_batch(0, 8))
+    assert [c for c, _ in first] == corpus.tolist() and corpus.tolist().count(1) == 2
+    assert first == blend.evaluation_pairs(0, 8)
     assert blend.sizes == [len(a), len(b)] and blend.tokenizer_path == a.tokenizer_path
+
+
+class CountingTokens:
+    """A corpus's token memmap that counts the tokens read through it."""
+
+    def __init__(self, tokens: np.ndarray) -> None:
+        self.tokens, self.read = tokens, 0
+
+    def __getitem__(self, index):
+        out = self.tokens[index]
+        self.read += out.size
+        return out
+
+
+def test_a_rank_reads_only_the_halves_of_the_windows_it_consumes(tmp_path):
+    """inputs (first pipeline stage) and targets (last) are the two shifted halves of the same
+    windows, each read alone; both together cost one window; neither costs nothing."""
+    (tmp_path / "t.txt").write_text(builtin_corpus_text()[:100_000])
+    tok = Tokenizer(train_tokenizer([tmp_path / "t.txt"], tmp_path / "tok", 400))
+    for name in "ab":
+        (tmp_path / f"{name}.txt").write_text(builtin_corpus_text()[:30_000])
+        prepare_corpus([tmp_path / f"{name}.txt"], tok, tmp_path / name, progress=False)
+    seq = 16
+    a, b = (TokenDataset(tmp_path / n, seq, "train") for n in "ab")
+    blend = BlendedDataset([a, b], [0.5, 0.5])
+    pairs = [(0, 5), (1, 2), (0, 1)]
+    windows = blend.get_batch(pairs)
+    for dataset in (a, b):
+        dataset.tokens = CountingTokens(dataset.tokens)
+    reads = {}
+    for inputs, targets in ((True, True), (True, False), (False, True), (False, False)):
+        before = a.tokens.read + b.tokens.read
+        batch = blend.read(pairs, inputs=inputs, targets=targets)
+        reads[inputs, targets] = a.tokens.read + b.tokens.read - before
+        assert batch.size == 3
+        assert (batch.inputs is not None) == inputs and (batch.targets is not None) == targets
+        if inputs:
+            assert batch.inputs.equal(windows[:, :-1])
+        if targets:
+            assert batch.targets.equal(windows[:, 1:])
+    assert reads == {
+        (True, True): 3 * (seq + 1),
+        (True, False): 3 * seq,
+        (False, True): 3 * seq,
+        (False, False): 0,
+    }

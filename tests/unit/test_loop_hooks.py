@@ -76,9 +76,14 @@ def test_metrics_row():
 
 
 def test_bad_steps_counts_and_stops_after_k_in_a_row_naming_the_last_good_checkpoint():
-    policy = BadStepPolicy(max_in_a_row=3)
-    hook = BadSteps(policy, resumed_from=Path("ckpt/step_000002"))
-    bad_at, saved_at = {4, 6, 7, 8}, {4, 5, 7}  # the save at step 4 followed a bad step
+    policy, logged, asked = BadStepPolicy(max_in_a_row=3), [], []
+
+    def last_good():
+        asked.append(1)
+        return Path("ckpt/step_000005")
+
+    hook = BadSteps(policy, last_good, logged.append)
+    bad_at = {4, 6, 7, 8}
     for step in range(3, 9):
         r = record(step)
         r.metrics.bad = "loss is nan" if step in bad_at else None
@@ -93,7 +98,8 @@ def test_bad_steps_counts_and_stops_after_k_in_a_row_naming_the_last_good_checkp
             break
         hook.after_step(r)
         assert r.row["bad_steps"] == len([s for s in bad_at if s <= step])
-        r.checkpoint = Path(f"ckpt/step_{step:06d}") if step in saved_at else None
+    assert [row["step"] for row in logged] == [8] and logged[0]["bad_steps"] == 4
+    assert len(asked) == 1  # asked only when stopping (it publishes a save in flight)
 
 
 def test_bad_steps_before_any_checkpoint_say_there_is_none():
@@ -102,7 +108,7 @@ def test_bad_steps_before_any_checkpoint_say_there_is_none():
     r.metrics.bad = "gradient norm is not finite"
     policy.count(r.metrics.bad, r.metrics.loss)
     with pytest.raises(TrainingError, match=r"at step 1 \(gradient norm is not finite\).*: none;"):
-        BadSteps(policy, resumed_from=None).after_step(r)
+        BadSteps(policy, lambda: None, lambda row: None).after_step(r)
 
 
 def test_evaluation_adds_val_loss_on_its_steps_and_says_so():
@@ -165,6 +171,27 @@ def test_checkpointing_saves_on_its_steps(interval, saved):
     records = run_hook(Checkpointing(save, interval, STEPS))
     assert [r.step for r in records if r.checkpoint is not None] == saved
     assert [r.checkpoint for r in records if r.checkpoint is not None] == paths
+
+
+def test_checkpointing_waits_out_a_bad_step_streak_but_saves_the_last_step():
+    """Due every 2 steps; steps 3-6, 8 and 10 are bad: 4, 6 and 8 are not saved (said once per
+    streak), 10, the last step, is saved although bad (`save` marks it bad)."""
+    streaks = dict(zip(range(1, 11), [0, 0, 1, 2, 3, 4, 0, 1, 0, 1]))
+    step, said = [0], []
+    hook = Checkpointing(
+        lambda: Path(f"step_{step[0]}"), 2, STEPS, streak=lambda: streaks[step[0]], say=said.append
+    )
+    saved = []
+    for r in [record(s) for s in range(1, STEPS + 1)]:
+        step[0] = r.step
+        hook.after_step(r)
+        saved += [r.step] if r.checkpoint else []
+    assert saved == [2, 10]
+    assert said == [
+        f"step {s}: no checkpoint during a bad-step streak ({n} in a row); saving resumes after "
+        "a good step"
+        for s, n in ((4, 2), (8, 1))
+    ]
 
 
 def test_summary_of_a_resumed_run():

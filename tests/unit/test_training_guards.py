@@ -60,21 +60,34 @@ def test_bad_step_counters_survive_a_resume(builtin_corpus, tmp_path, monkeypatc
     assert row["step"] == 4 and row["bad_steps"] == 1
 
 
-def test_a_loss_spike_is_bad_once_the_window_is_full():
+def test_a_loss_spike_is_bad_from_the_first_good_loss_on():
     policy = BadStepPolicy(max_in_a_row=2, spike_factor=3.0, window=4)
-    for loss in (9.0, 8.0, 30.0, 7.0):  # a spike before the window is full passes
+    assert policy.reason(1e12, non_finite_grad=False) is None  # no good loss to judge by yet
+    policy.count(None, 9.0)
+    spike = policy.reason(27.1, False)
+    assert spike == "loss spike: 27.1 > 3 x 9, the median of the last 1 good losses"
+    for loss in (8.0, 20.0, 7.0):
         assert policy.reason(loss, non_finite_grad=False) is None
         policy.count(None, loss)
-    assert policy.reason(25.5, False) is None  # 25.5 < 3 x median(8, 30, 7, 9) = 25.5
+    assert policy.reason(25.5, False) is None  # 25.5 < 3 x median(9, 8, 20, 7) = 25.5
     spike = policy.reason(25.6, False)
     assert spike == "loss spike: 25.6 > 3 x 8.5, the median of the last 4 good losses"
     policy.count(spike, 25.6)
-    assert list(policy.recent) == [9.0, 8.0, 30.0, 7.0]  # a bad loss joins no median
+    assert list(policy.recent) == [9.0, 8.0, 20.0, 7.0]  # a bad loss joins no median
     assert (policy.total, policy.in_a_row, policy.exhausted) == (1, 1, False)
     policy.count("loss is nan", math.nan)
     assert policy.exhausted
     policy.count(None, 6.0)
-    assert (policy.total, policy.in_a_row, list(policy.recent)) == (2, 0, [8.0, 30.0, 7.0, 6.0])
+    assert (policy.total, policy.in_a_row, list(policy.recent)) == (2, 0, [8.0, 20.0, 7.0, 6.0])
+
+
+def test_the_default_spike_guard_catches_a_finite_divergence():
+    """The issue's run: loss 8.06 at step 8 with lr 1e6, then 5.8e12 (finite) at step 9."""
+    policy = BadStepPolicy.from_config(load_config(None, []).fault)
+    for loss in (9.03, 8.90, 8.66, 8.44, 8.31, 8.21, 8.13, 8.06):
+        assert policy.reason(loss, False) is None
+        policy.count(None, loss)
+    assert policy.reason(5.8e12, False).startswith("loss spike: 5.8e+12 > 10 x 8.37")
 
 
 @pytest.mark.parametrize(
@@ -99,8 +112,8 @@ def test_the_policy_state_round_trips():
         policy.count(reason, loss)
     policy.count("x", 9.0)
     restored = BadStepPolicy(window=3)
-    restored.load_state_dict(policy.state_dict())
-    assert restored.state_dict() == {"total": 2, "in_a_row": 1, "recent": [4.0, 3.0, 2.0]}
+    restored.load_state_dict(policy.state_dict())  # a resume starts the streak at 0
+    assert restored.state_dict() == {"total": 2, "in_a_row": 0, "recent": [4.0, 3.0, 2.0]}
 
 
 def test_fault_config_is_validated():
