@@ -20,7 +20,8 @@ import pytest
 import torch  # does not import triton
 
 DEVICE = os.environ.get("MEGALITE_KERNEL_TEST_DEVICE", "cpu")
-_KERNEL_MODULES = ["_triton", "dispatch", "flash_attention", "gelu", "swiglu"]  # deps first
+# deps first
+_KERNEL_MODULES = ["_triton", "dispatch", "flash_attention", "gelu", "swiglu", "wgrad"]
 
 
 def _use_interpreter() -> None:
