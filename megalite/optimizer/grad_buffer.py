@@ -7,6 +7,9 @@ gradient accumulates into the matching view of `grads_flat` (`param.main_grad`, 
 the parameter dtype). Buckets are laid out in backward order, so the first bucket fills first.
 During the backward of the last micro-batch, a bucket is reduced as soon as all its gradients
 are in: reduce-scattered when the optimizer is sharded (ZeRO-1), all-reduced otherwise.
+Tensor-parallel linears add their weight and bias gradients in fp32 straight into the main grad
+(or ZeRO-2's staging) through `param.accumulate_main_grad` (Megatron's gradient-accumulation
+fusion): no 16-bit `.grad` in between, and the bucket counts the gradient as arrived at once.
 
 ZeRO-2 (sharded gradients) keeps no full-size gradient buffer: a bucket's fp32 gradients are
 staged in a bucket-sized tensor taken when its first gradient of a backward arrives, and every
