@@ -9,5 +9,6 @@ from .dispatch import kernel_backend
 from .flash_attention import flash_attention
 from .gelu import bias_gelu
 from .swiglu import swiglu
+from .wgrad import wgrad_accumulate
 
-__all__ = ["bias_gelu", "flash_attention", "kernel_backend", "swiglu"]
+__all__ = ["bias_gelu", "flash_attention", "kernel_backend", "swiglu", "wgrad_accumulate"]

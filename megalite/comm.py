@@ -129,30 +129,52 @@ def reduce_scatter_flat(
     )
 
 
-def all_gather(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
-    """Concatenate every rank's `tensor` along `dim`, contiguous: the layers that read it (q, k
-    and v under SP) then save this one tensor for backward, where a strided view would make
-    each of them keep a contiguous copy of its own."""
+class Pending:
+    """A dim-wise all-gather or reduce-scatter in flight: `wait()` returns its result. The
+    backward of a column-parallel linear starts one, computes a GEMM, then waits."""
+
+    def __init__(self, handle: Any, result: Callable[[], torch.Tensor]) -> None:
+        self.handle, self.result = handle, result
+
+    def wait(self) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.wait()
+        return self.result()
+
+
+def all_gather_start(tensor: torch.Tensor, group: Any, dim: int) -> Pending:
+    """Start concatenating every rank's `tensor` along `dim`; the result is contiguous (a
+    strided view would make every reader keep a contiguous copy of its own)."""
     world = size(group)
     if world == 1:
-        return tensor
+        return Pending(None, lambda: tensor)
     moved = tensor.movedim(dim, 0).contiguous()
     output = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
-    all_gather_flat(output.view(-1), moved.view(-1), group)
-    return output.movedim(0, dim).contiguous()
+    handle = all_gather_flat(output.view(-1), moved.view(-1), group, async_op=True)
+    return Pending(handle, lambda: output.movedim(0, dim).contiguous())
 
 
-def reduce_scatter(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
-    """Sum `tensor` over the group and return this rank's equal piece along `dim`."""
+def all_gather(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along `dim` (contiguous)."""
+    return all_gather_start(tensor, group, dim).wait()
+
+
+def reduce_scatter_start(tensor: torch.Tensor, group: Any, dim: int) -> Pending:
+    """Start summing `tensor` over the group; the result is this rank's equal piece along `dim`."""
     world = size(group)
     if world == 1:
-        return tensor
+        return Pending(None, lambda: tensor)
     moved = tensor.movedim(dim, 0).contiguous()
     if moved.shape[0] % world:
         raise ValueError(f"dim {dim} of size {moved.shape[0]} does not split over {world} ranks")
     output = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
-    reduce_scatter_flat(output.view(-1), moved.view(-1), group)
-    return output.movedim(0, dim)
+    handle = reduce_scatter_flat(output.view(-1), moved.view(-1), group, async_op=True)
+    return Pending(handle, lambda: output.movedim(0, dim))
+
+
+def reduce_scatter(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """Sum `tensor` over the group and return this rank's equal piece along `dim`."""
+    return reduce_scatter_start(tensor, group, dim).wait()
 
 
 def split(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:

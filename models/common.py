@@ -26,11 +26,11 @@ from megalite.tensor_parallel import (
     ParamMeta,
     RowParallelLinear,
     TPRandom,
+    column_parallel,
     constant_init,
     make_param,
     normal_init,
     recompute,
-    tp_input,
 )
 from megalite.tensor_parallel.layers import InitFn
 
@@ -157,10 +157,10 @@ class Attention(nn.Module):
         init = normal_init(cfg.init_std)
         linear = dict(bias=bias, init=init, sequence_parallel=ctx.sequence_parallel)
         kv_width = cfg.n_kv_heads * cfg.head_dim
-        self.wq = ColumnParallelLinear(cfg.hidden, cfg.hidden, ps, gather_input=False, **linear)
+        self.wq = ColumnParallelLinear(cfg.hidden, cfg.hidden, ps, **linear)
         if cfg.n_kv_heads >= tp:
-            self.wk = ColumnParallelLinear(cfg.hidden, kv_width, ps, gather_input=False, **linear)
-            self.wv = ColumnParallelLinear(cfg.hidden, kv_width, ps, gather_input=False, **linear)
+            self.wk = ColumnParallelLinear(cfg.hidden, kv_width, ps, **linear)
+            self.wv = ColumnParallelLinear(cfg.hidden, kv_width, ps, **linear)
         else:
             assert not bias, "shared kv heads are llama-only (no biases)"
             self.wk = HeadReplicatedLinear(cfg.hidden, cfg.n_kv_heads, cfg.head_dim, ps, init=init)
@@ -179,11 +179,14 @@ class Attention(nn.Module):
             self.register_buffer("sin", sin.to(ps.device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = tp_input(x, self.ctx.ps, self.ctx.sequence_parallel)  # (b, s, h): full sequence
-        b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim)  # (b, s, local heads, hd)
-        k = self.wk(x).view(b, s, -1, self.head_dim)  # (b, s, local kv heads, hd)
-        v = self.wv(x).view(b, s, -1, self.head_dim)
+        # one gather of the sequence shards feeds q, k and v: (b, s, local heads * hd) each
+        q, k, v = column_parallel(
+            x, (self.wq, self.wk, self.wv), self.ctx.ps, self.ctx.sequence_parallel
+        )
+        b, s = q.shape[:2]
+        q = q.view(b, s, -1, self.head_dim)  # (b, s, local heads, hd)
+        k = k.view(b, s, -1, self.head_dim)  # (b, s, local kv heads, hd)
+        v = v.view(b, s, -1, self.head_dim)
         if self.rotary:
             q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
         y = self.core(q, k, v)  # (b, s, local heads, hd)

@@ -24,8 +24,8 @@ from megalite.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelOutput,
+    column_parallel,
     normal_init,
-    tp_input,
 )
 
 
@@ -38,7 +38,7 @@ class MLP(nn.Module):
         cfg, ps, sp = ctx.cfg, ctx.ps, ctx.sequence_parallel
         self.ctx = ctx
         init = normal_init(cfg.init_std)
-        up = dict(bias=False, init=init, sequence_parallel=sp, gather_input=False)
+        up = dict(bias=False, init=init, sequence_parallel=sp)
         self.gate = ColumnParallelLinear(cfg.hidden, cfg.ffn_hidden, ps, **up)
         self.up = ColumnParallelLinear(cfg.hidden, cfg.ffn_hidden, ps, **up)
         self.down = RowParallelLinear(
@@ -51,8 +51,9 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = tp_input(x, self.ctx.ps, self.ctx.sequence_parallel)  # (b, s, h): one gather, two uses
-        x = swiglu(self.gate(x), self.up(x))  # (b, s, ffn/tp), one fused kernel
+        # one gather of the sequence shards feeds gate and up: (b, s, ffn/tp) each
+        gate, up = column_parallel(x, (self.gate, self.up), self.ctx.ps, self.ctx.sequence_parallel)
+        x = swiglu(gate, up)  # one fused kernel
         return self.down(x)  # (b, s, h), or (b, s/tp, h) under SP
 
 

@@ -7,6 +7,9 @@ gradient accumulates into the matching view of `grads_flat` (`param.main_grad`, 
 the parameter dtype). Buckets are laid out in backward order, so the first bucket fills first.
 During the backward of the last micro-batch, a bucket is reduced as soon as all its gradients
 are in: reduce-scattered when the optimizer is sharded (ZeRO-1), all-reduced otherwise.
+Tensor-parallel linears add their weight and bias gradients in fp32 straight into the main grad
+(or ZeRO-2's staging) through `param.accumulate_main_grad` (Megatron's gradient-accumulation
+fusion): no 16-bit `.grad` in between, and the bucket counts the gradient as arrived at once.
 
 ZeRO-2 (sharded gradients) keeps no full-size gradient buffer: a bucket's fp32 gradients are
 staged in a bucket-sized tensor taken when its first gradient of a backward arrives, and every
@@ -37,6 +40,7 @@ import torch
 from torch import nn
 
 from megalite import comm
+from megalite.kernels import wgrad_accumulate
 from megalite.parallel_state import ParallelState
 
 
@@ -76,6 +80,9 @@ class GradBuffer:
     and last pipeline stage shard them identically and can sum their owned pieces)."""
     shard_grads: bool = False
     """ZeRO-2: keep fp32 gradients for the owned pieces only (needs shard_optimizer)."""
+    fuse_wgrad: bool = True
+    """Let tensor-parallel linears add their weight gradients straight into the fp32 main
+    grads (`accumulate_main_grad`); False: they return a `.grad` like any other parameter."""
 
     def __post_init__(self) -> None:
         dp = self.ps.dp_size
@@ -142,6 +149,8 @@ class GradBuffer:
         if self.grads_flat is not None:
             param.main_grad = self.grads_flat[start : start + param.numel()].view_as(param)
         param.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if self.fuse_wgrad:
+            param.accumulate_main_grad = functools.partial(self._accumulate, param)
 
     def owned_range(self, bucket: Bucket) -> tuple[int, int]:
         """This rank's piece of a bucket, in buffer coordinates."""
@@ -184,8 +193,12 @@ class GradBuffer:
             bucket.pending, bucket.handle, bucket.reduced = len(bucket.params), None, False
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if param.grad is None:  # a fused linear: `_accumulate` has reported it
+            return
         if self.grads_sharded:
-            self._stage(param)
+            self._staged(param).add_(param.grad)
+            param.grad = None
+            self._stage_done(param)
             return
         if param not in self.arrived:
             self.arrived.add(param)
@@ -195,6 +208,35 @@ class GradBuffer:
         elif param.dtype != torch.float32:
             param.main_grad.add_(param.grad)
             param.grad = None
+        self._count_arrival(param)
+
+    def _accumulate(
+        self, param: nn.Parameter, dy: torch.Tensor, x: torch.Tensor | None, rows: slice | None
+    ) -> None:
+        """A tensor-parallel linear's weight gradient dy^T x (dy (tokens, out), x (tokens, in);
+        only `rows` of the weight when given; a bias, x None: dy summed over the tokens), added
+        in fp32 straight into the main grad, or ZeRO-2's staging: no `.grad` in between, and the
+        bucket counts it as arrived."""
+        if self.grads_sharded:
+            target, first = self._staged(param), False
+        else:
+            target, first = param.main_grad, param not in self.arrived
+            self.arrived.add(param)
+        if rows is not None:
+            if first:  # the other rows get no gradient on this rank
+                target.zero_()
+            target, first = target[rows], False
+        if x is None:
+            bias_grad = dy.sum(0, dtype=torch.float32)
+            target.copy_(bias_grad) if first else target.add_(bias_grad)
+        else:
+            wgrad_accumulate(target, dy, x, overwrite=first)
+        if self.grads_sharded:
+            self._stage_done(param)
+        else:
+            self._count_arrival(param)
+
+    def _count_arrival(self, param: nn.Parameter) -> None:
         if self.sync_enabled:
             bucket = self.bucket_of[param]
             bucket.pending -= 1
@@ -237,9 +279,9 @@ class GradBuffer:
 
     # ------------------------------------------------------------------ ZeRO-2 staging
 
-    def _stage(self, param: nn.Parameter) -> None:
-        """Add a micro-batch's gradient of `param` into its bucket's staging (taken now if this
-        is the bucket's first gradient of the backward); reduce the bucket once complete."""
+    def _staged(self, param: nn.Parameter) -> torch.Tensor:
+        """Where a micro-batch's gradient of `param` is added: its view of the bucket's staging
+        (taken now if this is the bucket's first gradient of the backward)."""
         bucket = self.bucket_of[param]
         if bucket.handle is not None:  # a gradient after the bucket was complete: start anew
             self.in_flight.remove(bucket)
@@ -249,8 +291,11 @@ class GradBuffer:
             bucket.pending = len(bucket.params)
             self._count_staging(bucket.staging.nbytes)
         start = self.offsets[param] - bucket.start
-        bucket.staging[start : start + param.numel()].view_as(param).add_(param.grad)
-        param.grad = None
+        return bucket.staging[start : start + param.numel()].view_as(param)
+
+    def _stage_done(self, param: nn.Parameter) -> None:
+        """`param`'s gradient is in the staging: reduce the bucket once it is complete."""
+        bucket = self.bucket_of[param]
         bucket.pending -= 1
         if bucket.pending == 0:
             self._reduce_staged(bucket)
@@ -351,9 +396,11 @@ def build_grad_buffers(
     bucket_mb: float,
     zero: int,
     own_bucket: set[nn.Parameter] = frozenset(),
+    fuse_wgrad: bool = True,
 ) -> list[GradBuffer]:
     """One buffer per (model chunk, parameter dtype), parameters in reverse (backward) order.
-    `zero`: 0 (everything replicated), 1 (optimizer state sharded), 2 (gradients too)."""
+    `zero`: 0 (everything replicated), 1 (optimizer state sharded), 2 (gradients too);
+    `fuse_wgrad`: see `GradBuffer.fuse_wgrad`."""
     buffers = []
     bucket_numel = max(1, int(bucket_mb * 2**20 / 4))
     for chunk in chunks:
@@ -361,7 +408,7 @@ def build_grad_buffers(
         for param in reversed(list(chunk.parameters())):
             by_dtype.setdefault(param.dtype, []).append(param)
         chunk_buffers = [
-            GradBuffer(params, ps, bucket_numel, zero >= 1, set(own_bucket), zero == 2)
+            GradBuffer(params, ps, bucket_numel, zero >= 1, set(own_bucket), zero == 2, fuse_wgrad)
             for params in by_dtype.values()
         ]
         if any(buffer.sharded for buffer in chunk_buffers):

@@ -9,7 +9,7 @@ against `SavedActivationTracker`):
   keeps an fp32 copy of its input (the input itself in fp32), 1/rms per token and the
   normalised tensor before the weight, and its output feeds the linears;
 - column-parallel linears keep their input, one tensor for all that read it (q, k, v), under
-  SP the all-gathered sequence (kept, where Megatron gathers it again in backward);
+  SP the sequence shard (gathered again in backward, as Megatron does);
 - attention: with dropout 0 a flash kernel (Triton on GPU, SDPA on CPU) keeps q, k, v (k and v
   with the local kv heads: n_kv/tp, or the one head a rank computes when n_kv < tp), its output
   and a per-row fp32 log-sum-exp; with dropout the math path keeps contiguous copies of q and of
@@ -139,8 +139,9 @@ def layer_body(x: Shapes) -> list[int]:
 
 
 def _linear_input(x: Shapes) -> list[int]:
-    """The (b, s, h) input that column-parallel linears keep (the whole sequence under SP)."""
-    return [x.tokens * x.cfg.model.hidden * x.element]
+    """The input that column-parallel linears keep: (b, s, h), or the shard (b, s/tp, h) under
+    SP."""
+    return [x.stream_tokens * x.cfg.model.hidden * x.element]
 
 
 def embedding_kept(x: Shapes) -> list[int]:

@@ -8,7 +8,7 @@ small and the layout never leaks into model code.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +17,7 @@ from torch import nn
 
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_head_loss
+from megalite.tensor_parallel.linear import Rows, column_parallel_linear, row_parallel_linear
 from megalite.tensor_parallel.mappings import (
     copy_to_tp_region,
     gather_from_sequence_region,
@@ -76,9 +77,8 @@ def make_param(local_shape: tuple[int, ...], meta: ParamMeta, ps: ParallelState)
 
 
 def tp_input(x: torch.Tensor, ps: ParallelState, sequence_parallel: bool) -> torch.Tensor:
-    """Prepare the input of column-parallel layers: all-gather the sequence shards (SP), or mark
-    the replicated input so its gradient is all-reduced. Share one call between layers that read
-    the same input (q, k, v) so the collective runs once."""
+    """Prepare the input of the LM head: all-gather the sequence shards (SP), or mark the
+    replicated input so its gradient is all-reduced."""
     if sequence_parallel:
         return gather_from_sequence_region(x, ps.tp_group)
     return copy_to_tp_region(x, ps.tp_group)
@@ -95,8 +95,10 @@ def tp_output(x: torch.Tensor, ps: ParallelState, sequence_parallel: bool) -> to
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows: rank r computes output features piece r.
 
-    The input must already be prepared with `tp_input` (gather_input=False) or is prepared here.
-    """
+    x is the sequence shard under SP (gathered inside), else the replicated input. Linears that
+    read the same input run together through `column_parallel` (one gather for all)."""
+
+    rows: Rows = None
 
     def __init__(
         self,
@@ -107,12 +109,10 @@ class ColumnParallelLinear(nn.Module):
         bias: bool,
         init: InitFn,
         sequence_parallel: bool = False,
-        gather_input: bool = True,
     ) -> None:
         super().__init__()
         tp = ps.tp_size
         self.ps, self.sequence_parallel = ps, sequence_parallel
-        self.gather_input = gather_input
         self.weight = make_param(
             (out_features // tp, in_features),
             ParamMeta((out_features, in_features), init, tp_split_dim=0),
@@ -130,9 +130,49 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """add_bias=False leaves the bias to a fused consumer (bias-GELU)."""
-        if self.gather_input:
-            x = tp_input(x, self.ps, self.sequence_parallel)
-        return F.linear(x, self.weight, self.bias if add_bias else None)  # (b, s, out/tp)
+        (y,) = column_parallel(x, [self], self.ps, self.sequence_parallel, add_bias)
+        return y  # (b, s, out/tp)
+
+
+class HeadReplicatedLinear(nn.Module):
+    """Key/value projection when there are fewer kv heads than tp ranks (grouped-query attention
+    with n_kv_heads < tp): every rank holds the whole weight but computes only the one kv head
+    its query heads use; each rank's gradient covers only that head, so it is summed over tp.
+    Used through `column_parallel` beside the query projection."""
+
+    bias = None
+
+    def __init__(
+        self, in_features: int, n_heads: int, head_dim: int, ps: ParallelState, *, init: InitFn
+    ) -> None:
+        super().__init__()
+        head = ps.tp_rank * n_heads // ps.tp_size
+        self.rows: Rows = slice(head * head_dim, (head + 1) * head_dim)
+        self.weight = make_param(
+            (n_heads * head_dim, in_features),
+            ParamMeta((n_heads * head_dim, in_features), init, tp_grad_reduce=True),
+            ps,
+        )
+
+
+def column_parallel(
+    x: torch.Tensor,
+    linears: Sequence[ColumnParallelLinear | HeadReplicatedLinear],
+    ps: ParallelState,
+    sequence_parallel: bool,
+    add_bias: bool = True,
+) -> tuple[torch.Tensor, ...]:
+    """The outputs (b, s, out_i/tp) of column-parallel linears that read the same input x (the
+    sequence shard under SP): one all-gather in forward and one in backward, one reduction of
+    the input gradient, and only the shard kept for backward."""
+    return column_parallel_linear(
+        x,
+        [linear.weight for linear in linears],
+        [linear.bias if add_bias else None for linear in linears],
+        [linear.rows for linear in linears],
+        ps.tp_group,
+        sequence_parallel,
+    )
 
 
 class RowParallelLinear(nn.Module):
@@ -174,30 +214,8 @@ class RowParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_output(F.linear(x, self.weight), self.ps, self.sequence_parallel)
+        y = row_parallel_linear(x, self.weight, self.ps.tp_group, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
-
-
-class HeadReplicatedLinear(nn.Module):
-    """Key/value projection when there are fewer kv heads than tp ranks (grouped-query attention
-    with n_kv_heads < tp): every rank holds the whole weight but computes only the one kv head
-    its query heads use; each rank's gradient covers only that head, so it is summed over tp."""
-
-    def __init__(
-        self, in_features: int, n_heads: int, head_dim: int, ps: ParallelState, *, init: InitFn
-    ) -> None:
-        super().__init__()
-        self.head = ps.tp_rank * n_heads // ps.tp_size
-        self.n_heads, self.head_dim = n_heads, head_dim
-        self.weight = make_param(
-            (n_heads * head_dim, in_features),
-            ParamMeta((n_heads * head_dim, in_features), init, tp_grad_reduce=True),
-            ps,
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = slice(self.head * self.head_dim, (self.head + 1) * self.head_dim)
-        return F.linear(x, self.weight[rows])  # (b, s, head_dim)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, round_to: int) -> int:

@@ -21,7 +21,7 @@ import torch  # does not import triton
 
 DEVICE = os.environ.get("MEGALITE_KERNEL_TEST_DEVICE", "cpu")
 # Dependencies first.
-_KERNEL_MODULES = ["_triton", "autotune", "dispatch", "flash_attention", "gelu", "swiglu"]
+_KERNEL_MODULES = ["_triton", "autotune", "dispatch", "flash_attention", "gelu", "swiglu", "wgrad"]
 
 
 def _use_interpreter() -> None:

@@ -80,9 +80,9 @@ KORTHIKANTI_TABLE_3 = {  # a heads, h hidden, L layers, t tensor parallel (s 204
 def test_layer_activations_reproduce_korthikanti(model, sp, recompute):
     """Per layer, 16-bit activations with dropout on a GPU: megalite keeps exactly the paper's
     sbh(10 + 24/t + 5as/(ht)) (sp: sbh/t (34 + 5as/h); selective: no 5as/h term) plus LayerNorm
-    statistics (2 fp32 per token per norm) and the s x s causal mask, and under SP the
-    all-gathered input of q/k/v and of the MLP (2sbh each, where Megatron keeps the shard and
-    gathers it again in backward)."""
+    statistics (2 fp32 per token per norm) and the s x s causal mask (the documented accounting
+    differences); within 5 % of the paper with them. Under SP the q/k/v and MLP inputs are kept
+    as the shard (2sbh/t each) and gathered again in backward, as in Megatron."""
     a, h, n_layers, t = KORTHIKANTI_TABLE_3[model]
     s, b = 2048, 1
     cfg = load_config(
@@ -105,8 +105,8 @@ def test_layer_activations_reproduce_korthikanti(model, sp, recompute):
     paper = activation_bytes_per_layer(s, b, h, a, t, sp, recompute)
     stats = 2 * 2 * 4 * s * b / (t if sp else 1)
     causal = s * s if recompute == "none" else 0
-    gathered = 2 * (2 * s * b * h - 2 * s * b * h / t) if sp else 0
-    assert megalite == paper + stats + causal + gathered
+    assert megalite == paper + stats + causal
+    assert megalite == pytest.approx(paper, rel=0.05)
     print(f"{model} sp={sp} {recompute}: {paper / 2**20:.1f} MiB per layer (paper)")
 
 

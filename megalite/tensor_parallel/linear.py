@@ -1,0 +1,145 @@
+"""The autograd functions of the column- and row-parallel linears, in the style of Megatron-LM's
+`LinearWithGradAccumulationAndAsyncCommunication`.
+
+Column-parallel (one function for every linear that reads the same input: q, k, v; gate, up):
+- forward: all-gather the sequence shards (SP) once, one GEMM per weight; keep the SHARD for
+  backward, not the gathered input (s*b*h/t instead of s*b*h per layer input);
+- backward: start the all-gather of the shard again and compute the input gradient under it;
+  start the input gradient's reduce-scatter (SP) or all-reduce and compute the weight
+  gradients under it; then wait.
+Row-parallel: forward reduce-scatters (SP) or all-reduces the partial products; backward
+all-gathers the output gradient (SP); its input gradient needs no communication.
+
+Weight gradients go straight into the fp32 main grad when the gradient buffer gave the
+parameter an `accumulate_main_grad` (optimizer/grad_buffer.py): no 16-bit `.grad` is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megalite import comm
+
+SEQ_DIM = 1
+"""Activations are (batch, seq, hidden): SP shards dim 1."""
+
+Rows = slice | None
+"""The rows of a weight a linear uses (a shared kv head, `HeadReplicatedLinear`); None: all."""
+
+
+def _used(weight: torch.Tensor, rows: Rows) -> torch.Tensor:
+    return weight if rows is None else weight[rows]
+
+
+def _weight_grad(
+    weight: torch.Tensor, rows: Rows, x: torch.Tensor | None, dy: torch.Tensor
+) -> torch.Tensor | None:
+    """dW = dy^T x for x (tokens, in), dy (tokens, out); a bias's gradient (x None) sums dy over
+    the tokens. Added into the fp32 main grad when the parameter has one (None is returned:
+    autograd makes no `.grad`), else returned."""
+    accumulate = getattr(weight, "accumulate_main_grad", None)
+    if accumulate is not None:
+        accumulate(dy, x, rows)
+        return None
+    grad = dy.sum(0) if x is None else dy.t() @ x
+    if rows is None:
+        return grad
+    full = grad.new_zeros(weight.shape)
+    full[rows] = grad
+    return full
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class _ColumnParallel(torch.autograd.Function):
+    """forward: all-gather along the sequence (SP) or identity, then y_i = x W_i^T + b_i;
+    backward: all-gather again (SP), dx = sum_i dy_i W_i reduce-scattered along the sequence
+    (SP) or all-reduced, overlapped with dW_i = dy_i^T x."""
+
+    @staticmethod
+    def forward(ctx, x, group, sequence_parallel, rows, *params):
+        n = len(rows)
+        weights, biases = params[:n], params[n:]
+        total = comm.all_gather(x, group, SEQ_DIM) if sequence_parallel else x
+        ctx.save_for_backward(x, *weights)
+        ctx.group, ctx.sequence_parallel, ctx.rows = group, sequence_parallel, rows
+        ctx.biases = biases  # parameters (leaves): for their main grads, not saved tensors
+        return tuple(F.linear(total, _used(w, r), b) for w, r, b in zip(weights, rows, biases))
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x, *weights = ctx.saved_tensors
+        group, rows, n = ctx.group, ctx.rows, len(ctx.rows)
+        gather = comm.all_gather_start(x, group, SEQ_DIM) if ctx.sequence_parallel else None
+        reduction = None
+        if ctx.needs_input_grad[0]:
+            dx = sum(dy @ _used(w, r) for dy, w, r in zip(dys, weights, rows))
+        total = x if gather is None else gather.wait()  # (b, s, in): the full sequence
+        if ctx.needs_input_grad[0]:
+            if ctx.sequence_parallel:
+                reduction = comm.reduce_scatter_start(dx, group, SEQ_DIM)
+            else:
+                reduction = comm.Pending(comm.all_reduce(dx, group, async_op=True), lambda: dx)
+        # the weight gradients run while the input gradient's reduction is in flight; last
+        # linear first, bias before weight: the order autograd delivers leaf gradients in
+        # (ZeRO-2's staging estimate replays it: profiling.parameters.gradient_arrival)
+        flat, needs = _flat(total), ctx.needs_input_grad[4:]
+        wgrads, bgrads = [None] * n, [None] * n
+        for i in reversed(range(n)):
+            dy = _flat(dys[i])
+            if ctx.biases[i] is not None and needs[n + i]:
+                bgrads[i] = _weight_grad(ctx.biases[i], None, None, dy)
+            if needs[i]:
+                wgrads[i] = _weight_grad(weights[i], rows[i], flat, dy)
+        dx = None if reduction is None else reduction.wait()
+        return (dx, None, None, None, *wgrads, *bgrads)
+
+
+class _RowParallel(torch.autograd.Function):
+    """forward: y = x W^T, partial sums reduce-scattered along the sequence (SP) or all-reduced;
+    backward: all-gather dy along the sequence (SP), dx = dy W, dW = dy^T x."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, sequence_parallel):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        y = F.linear(x, weight)  # (b, s, out): a partial sum over tp
+        if sequence_parallel:
+            return comm.reduce_scatter(y, group, SEQ_DIM)
+        comm.all_reduce(y, group)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        if ctx.sequence_parallel:
+            dy = comm.all_gather(dy, ctx.group, SEQ_DIM)  # (b, s, out)
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        dw = _weight_grad(weight, None, _flat(x), _flat(dy)) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
+
+
+def column_parallel_linear(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None],
+    rows: Sequence[Rows],
+    group: Any,
+    sequence_parallel: bool,
+) -> tuple[torch.Tensor, ...]:
+    """y_i = x W_i[rows_i]^T + b_i for every weight, x the sequence shard (SP) or the replicated
+    input; each y_i covers the full sequence."""
+    return _ColumnParallel.apply(x, group, sequence_parallel, tuple(rows), *weights, *biases)
+
+
+def row_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, group: Any, sequence_parallel: bool
+) -> torch.Tensor:
+    """x W^T summed over tp: the sequence shard (SP) or the full, replicated result."""
+    return _RowParallel.apply(x, weight, group, sequence_parallel)

@@ -1,0 +1,114 @@
+"""The Megatron-style linears (tensor_parallel/linear.py): the input gradient's collective is in
+flight while the weight-gradient GEMM runs, and weight gradients added straight into the fp32
+main grads equal what `.grad` then copy/add gave (fp32), with and without SP, biases, a shared
+kv head (n_kv_heads < tp) and ZeRO-2's staging."""
+
+import time
+
+import pytest
+import torch
+from equivalence import relative_error
+from megalite.models import GPT, BuildContext, Llama
+
+from megalite import comm
+from megalite.config import load_config
+from megalite.launch import run_ranks
+from megalite.optimizer.grad_buffer import build_grad_buffers
+from megalite.parallel_state import build_parallel_state
+from megalite.tensor_parallel import ColumnParallelLinear, TPRandom, init_parameters, linear
+from megalite.tensor_parallel import normal_init as normal
+
+B, S, H, OUT = 2, 8, 16, 24
+DELAY_S = 0.5
+
+
+def _overlap(sp: bool) -> list[tuple[str, ...]]:
+    """One column-parallel linear's backward on 2 ranks, rank 1 arriving DELAY_S late. Returns
+    rank 0's events: collectives issued and waited for, and for each weight-gradient GEMM
+    which asynchronous collectives were still in flight when it started."""
+    ps = build_parallel_state(2, 1, torch.device("cpu"))
+    layer = ColumnParallelLinear(H, OUT, ps, bias=True, init=normal(1.0), sequence_parallel=sp)
+    init_parameters(layer, 0, ps)
+    x = torch.randn(B, S // 2 if sp else S, H, requires_grad=True)
+    y = layer(x)
+    events, handles = [], []
+    issue, weight_grad = comm._issue, linear._weight_grad
+
+    def tracked_issue(call, fn, async_op):
+        handle = issue(call, fn, async_op)
+        if async_op:
+            events.append(("issue", call.op))
+            handles.append((call.op, handle))
+            wait = handle.wait
+            handle.wait = lambda: events.append(("wait", call.op)) or wait()
+        return handle
+
+    def tracked_weight_grad(*args):
+        pending = [op for op, h in handles if not h.is_completed()]
+        events.append(("weight grad", *pending))
+        return weight_grad(*args)
+
+    comm._issue, linear._weight_grad = tracked_issue, tracked_weight_grad
+    if ps.tp_rank == 1:
+        time.sleep(DELAY_S)
+    y.sum().backward()
+    return events
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["allreduce", "sp"])
+def test_input_grad_collective_in_flight_during_weight_grad(sp):
+    events = run_ranks(2, _overlap, sp)[0]
+    reduce = "reduce_scatter" if sp else "all_reduce"
+    ops = [e for e in events if e[0] != "weight grad"]
+    expected = [("issue", reduce), ("wait", reduce)]
+    if sp:  # the shard is gathered again first, under the input-gradient GEMM
+        expected = [("issue", "all_gather"), ("wait", "all_gather"), *expected]
+    assert ops == expected, events
+    # the weight and bias gradients run between the reduction's issue and its wait
+    first, wait = events.index(("issue", reduce)), events.index(("wait", reduce))
+    grads = [i for i, e in enumerate(events) if e[0] == "weight grad"]
+    assert len(grads) == 2 and all(first < i < wait for i in grads), events
+    if not sp:  # rank 1 is still asleep: the all-reduce cannot have finished
+        assert all(events[i][1:] == (reduce,) for i in grads), events
+
+
+ARCHS = {
+    "gpt": ["model.arch=gpt"],  # biases (q/k/v in the fused function, fc through bias-GELU)
+    "llama-gqa": ["model.arch=llama", "model.n_kv_heads=1"],  # a shared kv head at tp 2
+}
+
+
+def _fused_vs_unfused(arch: str, sp: bool, zero: int) -> float:
+    """The relative difference of this rank's fp32 gradients after 2 micro-batches, fused
+    (accumulate_main_grad) and not."""
+    ps = build_parallel_state(2, 1, torch.device("cpu"))  # dp: the rest of the world
+    overrides = [*ARCHS[arch], "model.hidden=32", "model.n_heads=4", "model.seq_len=16"]
+    cfg = load_config(None, [*overrides, "model.n_layers=2"])
+    results = []
+    for fuse in (True, False):
+        ctx = BuildContext(cfg.model, ps, TPRandom(0, ps), sequence_parallel=sp)
+        chunk = (GPT if arch == "gpt" else Llama)(ctx, range(2))
+        init_parameters(chunk, 0, ps)
+        (buffer,) = build_grad_buffers([chunk], ps, 0.01, zero, fuse_wgrad=fuse)
+        torch.manual_seed(0)
+        for micro_batch in range(2):
+            if micro_batch == 1:
+                buffer.start_sync()
+            ids = torch.randint(0, cfg.model.vocab_size, (B, 17))
+            chunk(ids[:, :-1], ids[:, 1:]).backward()
+            buffer.end_backward()
+        buffer.finish_sync()
+        results.append(buffer.owned_grads.clone())
+    assert results[0].abs().sum() > 0
+    return relative_error(*results)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+def test_fused_accumulation_equals_grad_then_add_in_fp32(arch, sp):
+    assert max(run_ranks(2, _fused_vs_unfused, arch, sp, 0)) < 1e-6
+
+
+def test_fused_accumulation_under_zero2():
+    """tp 2 x dp 2, ZeRO-2: the weight gradients go into the buckets' staging."""
+    assert max(run_ranks(4, _fused_vs_unfused, "gpt", True, 2)) < 1e-6
