@@ -5,7 +5,10 @@ where collectives are identities and nothing touches torch.distributed. That kee
 single-process path free of any distributed setup. `record_collectives` lets tests count the
 bytes each collective moves; `comm_trace` records every call so that tests can check that the
 ranks of each group agree on them, and keeps the last call entered and the one this rank waits
-in (for the watchdog); a call that fails raises `CollectiveError` naming it.
+in (for the watchdog); a call that fails raises `CollectiveError` naming it. A `CommObserver`
+registered with `observe` is told when the rank blocks in a call, when an asynchronous one is
+issued, and when a dim-wise collective copies its tensor into the layout the backend needs
+(the profiler times communication so, with nothing patched).
 """
 
 from __future__ import annotations
@@ -52,6 +55,57 @@ def _count(op: str, tensor: torch.Tensor, group_size: int) -> None:
         log.append(CollectiveRecord(op, tensor.numel() * tensor.element_size(), group_size))
 
 
+class CommObserver:
+    """Sees every collective and p2p message of this process (`observe`); a subclass overrides
+    what it needs. Calls are told apart by `Call.group` (the axis) and `Call.peer` (p2p)."""
+
+    def blocking(self, call: comm_trace.Call) -> contextlib.AbstractContextManager[None]:
+        """Around each time the rank is blocked in `call`: a blocking call, the issue of an
+        asynchronous one, and the wait for it (the same `Call` object)."""
+        return contextlib.nullcontext()
+
+    def started(self, call: comm_trace.Call, work: Any) -> None:
+        """An asynchronous collective was issued; `work` is the backend's handle."""
+
+    def layout_copy(self) -> contextlib.AbstractContextManager[None]:
+        """Around a copy that moves a dim-wise collective's tensor to or from dim 0."""
+        return contextlib.nullcontext()
+
+
+_observers: list[CommObserver] = []
+
+
+@contextlib.contextmanager
+def observe(observer: CommObserver) -> Iterator[CommObserver]:
+    """Register `observer` inside the block."""
+    _observers.append(observer)
+    try:
+        yield observer
+    finally:
+        _observers.remove(observer)
+
+
+@contextlib.contextmanager
+def _blocking(call: comm_trace.Call) -> Iterator[None]:
+    """The rank is blocked in `call`: the watchdog's progress knows, and so does every observer."""
+    with comm_trace.progress.blocking(call), contextlib.ExitStack() as observed:
+        for observer in _observers:
+            observed.enter_context(observer.blocking(call))
+        yield
+
+
+def _layout_copy(tensor: torch.Tensor, source: int, destination: int) -> torch.Tensor:
+    """`tensor` with dim `source` moved to `destination`, contiguous (a copy unless the move
+    leaves it contiguous: dim 0 already, or every dim before it of size 1)."""
+    moved = tensor.movedim(source, destination)
+    if moved.is_contiguous() or not _observers:
+        return moved.contiguous()
+    with contextlib.ExitStack() as observed:
+        for observer in _observers:
+            observed.enter_context(observer.layout_copy())
+        return moved.contiguous()
+
+
 def _record(op: str, tensor: torch.Tensor | None, group: Any) -> comm_trace.Call:
     if tensor is not None:
         _count(op, tensor, size(group))
@@ -66,7 +120,7 @@ class _Tracked:
         self.work, self.call = work, call
 
     def wait(self) -> bool:
-        with comm_trace.progress.blocking(self.call):
+        with _blocking(self.call):
             return self.work.wait()
 
     def __getattr__(self, name: str) -> Any:
@@ -77,9 +131,13 @@ class _Tracked:
 
 def _issue(call: comm_trace.Call, issue: Callable[[bool], Any], async_op: bool) -> Any:
     """Run `issue(async_op)`: watched while it blocks, or its handle tracked when asynchronous."""
-    with comm_trace.progress.blocking(call):
+    with _blocking(call):
         work = issue(async_op)
-    return _Tracked(work, call) if async_op else work
+    if not async_op:
+        return work
+    for observer in _observers:
+        observer.started(call, work)
+    return _Tracked(work, call)
 
 
 def size(group: Any) -> int:
@@ -101,7 +159,7 @@ def all_reduce(tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
 def all_reduce_max(tensor: torch.Tensor, group: Any) -> None:
     if size(group) > 1:
         call = _record("all_reduce_max", tensor, group)
-        with comm_trace.progress.blocking(call):
+        with _blocking(call):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
 
@@ -148,10 +206,10 @@ def all_gather_start(tensor: torch.Tensor, group: Any, dim: int) -> Pending:
     world = size(group)
     if world == 1:
         return Pending(None, lambda: tensor)
-    moved = tensor.movedim(dim, 0).contiguous()
+    moved = _layout_copy(tensor, dim, 0)
     output = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
     handle = all_gather_flat(output.view(-1), moved.view(-1), group, async_op=True)
-    return Pending(handle, lambda: output.movedim(0, dim).contiguous())
+    return Pending(handle, lambda: _layout_copy(output, 0, dim))
 
 
 def all_gather(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
@@ -164,7 +222,7 @@ def reduce_scatter_start(tensor: torch.Tensor, group: Any, dim: int) -> Pending:
     world = size(group)
     if world == 1:
         return Pending(None, lambda: tensor)
-    moved = tensor.movedim(dim, 0).contiguous()
+    moved = _layout_copy(tensor, dim, 0)
     if moved.shape[0] % world:
         raise ValueError(f"dim {dim} of size {moved.shape[0]} does not split over {world} ranks")
     output = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
@@ -199,7 +257,7 @@ class P2PBatch:
         """Whether the batch sends anything (its handle then keeps the messages alive)."""
 
     def wait(self) -> None:
-        with comm_trace.progress.blocking(self.call):
+        with _blocking(self.call):
             while self.works:
                 self.works[-1].wait()
                 self.works.pop()
@@ -231,7 +289,7 @@ def post_p2p(
     batch_isend_irecv = (
         nccl_contract.batch_isend_irecv if nccl_contract.enabled() else dist.batch_isend_irecv
     )
-    with comm_trace.progress.blocking(calls[-1]):
+    with _blocking(calls[-1]):
         works = batch_isend_irecv(ops)
     return P2PBatch(list(works), calls[-1], bool(sends))
 
@@ -239,5 +297,5 @@ def post_p2p(
 def barrier(group: Any = None) -> None:
     if dist.is_initialized():
         call = _record("barrier", None, group)
-        with comm_trace.progress.blocking(call):
+        with _blocking(call):
             dist.barrier(group=group)

@@ -4,8 +4,10 @@ simulated bubble derived from them, and where it goes (console table, JSON, trac
 JSON layout (what `megalite plot` reads): top-level `config`, `world_size`, `layout`, `total`
 and `ranks`, a list with per rank `rank`, `tp_rank`, `pp_rank`, `dp_rank`, `tokens_per_sec`,
 `tflops` (model TFLOP/s per device), `mfu`, `step_time_s`, `time_s` (the disjoint parts of the
-step, which add up to `step_time_s`), `comm_overlapped_s`, `bubble` and `memory_bytes` (the
-parts a rank holds, which add up to `memory_total_bytes`).
+step, which add up to `step_time_s`; communication exposed by axis: `tp_comm_exposed`,
+`dp_comm_exposed`, `other_comm_exposed`), `comm_overlapped_s` (by axis: `tp`, `dp`, `other`;
+beside compute, so not a part of the step), `bubble` and `memory_bytes` (the parts a rank holds,
+which add up to `memory_total_bytes`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from megalite.config import Config, config_to_dict
 from megalite.pipeline.schedule import build_schedule, virtual_stage
 from megalite.pipeline.simulate import simulate
 from megalite.profiling.estimate import LayoutEstimate, estimate_layout
-from megalite.profiling.step_timing import TIME_PARTS
+from megalite.profiling.step_timing import AXES, TIME_PARTS
 from megalite.training.metrics import StepCost
 from megalite.training.setup import Run
 from megalite.training.trackers import new_tracker_id, start_trackers
@@ -89,7 +91,7 @@ def rank_entry(row: dict[str, float], cost: StepCost) -> dict[str, Any]:
         tflops=tflops,
         mfu=tflops * 1e12 / peak if peak else None,
         time_s={part: row[part] for part in TIME_PARTS},
-        comm_overlapped_s=row["comm_overlapped"],
+        comm_overlapped_s={axis: row[f"{axis}_comm_overlapped"] for axis in AXES},
         bubble=row["bubble"] / (row["forward"] + row["backward"]),
         memory_bytes={k: v for k, v in memory.items() if k not in GPU_PEAKS},
     )
@@ -151,12 +153,18 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f}"
 
 
+SHOWN_OVERLAP = ("tp", "dp")
+"""Overlapped communication in the table (the other axes' collectives are blocking)."""
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The console table: one row per rank, then the total (rates at the slowest rank's step
     time, the largest memory), then the bubble measured against the simulator's."""
+    names = [p.removesuffix("_comm_exposed") + (" exp" if "comm" in p else "") for p in TIME_PARTS]
+    names += [f"{axis} ovl" for axis in SHOWN_OVERLAP]
     head = (
         f"{'rank':>4} {'tp':>2} {'pp':>2} {'dp':>2} {'step ms':>8} {'tok/s':>9} {'TFLOP/s':>8} "
-        f"{'MFU':>6} | " + " ".join(f"{p[:8]:>8}" for p in TIME_PARTS) + f" {'overlap':>8} | "
+        f"{'MFU':>6} | " + " ".join(f"{n[:9]:>9}" for n in names) + " | "
         f"{'mem MiB':>8} {'est MiB':>8}"
     )
     lines = [head, "-" * len(head)]
@@ -169,18 +177,20 @@ def format_table(report: dict[str, Any]) -> str:
         )
 
     for r in report["ranks"]:
-        parts = " ".join(f"{r['time_s'][p] * 1e3:8.1f}" for p in TIME_PARTS)
-        parts += f" {r['comm_overlapped_s'] * 1e3:8.1f}"
+        seconds = [r["time_s"][p] for p in TIME_PARTS]
+        seconds += [r["comm_overlapped_s"][axis] for axis in SHOWN_OVERLAP]
+        parts = " ".join(f"{s * 1e3:9.1f}" for s in seconds)
         coords = f"{r['tp_rank']:>2} {r['pp_rank']:>2} {r['dp_rank']:>2}"
         mem = f"{_mib(r['memory_total_bytes']):>8} {_mib(r['estimate_total_bytes']):>8}"
         lines.append(row(str(r["rank"]), coords, r, parts, mem))
     total = report["total"]
-    blank = " ".join(f"{'':>8}" for _ in range(len(TIME_PARTS) + 1))
+    blank = " ".join(f"{'':>9}" for _ in names)
     lines.append("-" * len(head))
     worst_memory = f"{_mib(total['memory_total_bytes_max']):>8}"
     lines.append(row("all", "  worst ", total, blank, worst_memory))
     lines.append(
-        f"(times in ms per step, mean of the measured steps; total at the slowest rank "
+        f"(times in ms per step, mean of the measured steps; exp: communication the rank waited "
+        f"for, ovl: in flight beside compute; total at the slowest rank "
         f"{total['straggler_rank']}) pipeline bubble (idle / compute): measured "
         f"{total['bubble_measured']:.3f}, simulated {total['bubble_simulated']:.3f}"
     )
@@ -196,6 +206,8 @@ def flat_metrics(report: dict[str, Any]) -> dict[str, float]:
             if r[key] is not None:
                 flat[f"{prefix}/{key}"] = r[key]
         flat.update({f"{prefix}/time_s/{k}": v for k, v in r["time_s"].items()})
+        overlapped = r["comm_overlapped_s"].items()
+        flat.update({f"{prefix}/comm_overlapped_s/{k}": v for k, v in overlapped})
         flat.update({f"{prefix}/memory_bytes/{k}": v for k, v in r["memory_bytes"].items()})
     return {k: float(v) for k, v in flat.items() if math.isfinite(float(v))}
 

@@ -2,13 +2,17 @@
 
 Each measured step's time is cut into parts that do not overlap and add up to the step:
 forward, backward (the executor's own intervals), optimizer (gradient finalize, norm, clipping,
-update and the ZeRO parameter all-gather, less their collectives), communication exposed (the
-time the rank is blocked in a collective, in waiting for an asynchronous one, or in posting
-pipeline messages), bubble (waiting for a pipeline receive) and other (the executor's
-bookkeeping). Communication overlapped, the rest of an asynchronous collective's duration from
-issue to completion, runs beside compute and is reported apart. The bubble is receive waits
-only: a rank that finishes its last backward before the others (the pipeline's flush) idles in
-the step's next collective, which reads as exposed communication.
+update and the ZeRO parameter all-gather, less their collectives), communication exposed by
+axis (tp, dp, other: the time the rank is blocked in a collective, in waiting for an
+asynchronous one, or in posting pipeline messages), bubble (waiting for a pipeline receive) and
+other (the executor's bookkeeping). Communication overlapped, by axis, is the time an
+asynchronous collective was in flight before the rank began to wait for it: it runs beside
+compute (the tp input-gradient reduction beside the weight-gradient GEMMs, the dp buckets
+beside the backward) and is reported apart. The bubble is receive waits only: a rank that
+finishes its last backward before the others (the pipeline's flush) idles in the step's next
+collective, which reads as exposed communication.
+
+Collectives are observed through `comm.observe` (a `CommTimer`), not by patching `comm`.
 """
 
 from __future__ import annotations
@@ -17,14 +21,13 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 
-from megalite import comm
+from megalite import comm, comm_trace
 from megalite.data import TokenBatch
 from megalite.optimizer.lr_schedule import learning_rate
 from megalite.pipeline.executor import IntervalTimer, timed
@@ -32,30 +35,53 @@ from megalite.profiling.memory import SavedActivationTracker, live_bytes, live_d
 from megalite.training.setup import Run
 from megalite.training.step import train_step
 
-TIME_PARTS = ("forward", "backward", "optimizer", "comm_exposed", "bubble", "other")
+AXES = ("tp", "dp", "other")
+"""Communication by the axis of its group: tensor parallel, data parallel, and the rest (the
+pipeline's messages, and collectives over the world, model-parallel or pipeline groups)."""
+TIME_PARTS = (
+    "forward",
+    "backward",
+    "optimizer",
+    *(f"{axis}_comm_exposed" for axis in AXES),
+    "bubble",
+    "other",
+)
 """The parts of a step's time: disjoint, they add up to the step."""
-TIMED_COLLECTIVES = ("all_reduce", "all_reduce_max", "all_gather_flat", "reduce_scatter_flat")
-"""Every collective of `comm` a training step issues (the others are built on these)."""
 
 
 @dataclass
-class _AsyncCollective:
+class _InFlight:
     """Marks of one asynchronous collective: perf_counter seconds on CPU, CUDA events recorded
     on the compute stream on a GPU."""
 
-    issued: Any
+    axis: str
+    issue_ended: Any
     wait_started: Any = None
-    wait_ended: Any = None
     completed: float | None = None
-    """When the backend completed it (CPU, from the work's future); else the wait's end."""
+    """When the backend completed it (CPU, from the work's future); None: unknown."""
 
 
-@dataclass
-class CollectiveTimes:
-    """The asynchronous collectives of the current step: issue, wait and completion."""
+class CommTimer(comm.CommObserver):
+    """The profiler's observer of communication (register it with `comm.observe`): the time the
+    rank is blocked in each collective (exposed) runs as a `comm` interval of the active step
+    timer, and is summed by axis; an asynchronous collective's time in flight before its wait
+    began (overlapped: the rank computed meanwhile) is summed by axis too. Pipeline messages
+    are the executor's to time (its `p2p` and `wait` intervals) and are left alone here."""
 
-    on_cuda: bool
-    pending: list[_AsyncCollective] = field(default_factory=list)
+    def __init__(self, groups: dict[str, Any], device: torch.device) -> None:
+        self.on_cuda = device.type == "cuda"
+        self.axis_of = {id(group): axis for axis, group in groups.items() if group is not None}
+        self.blocked: list[tuple[str, Any, Any]] = []
+        """(axis, start, end) of every time the rank was blocked, this step."""
+        self.in_flight: dict[int, _InFlight] = {}
+        """Issued and not yet waited for, by call number (may cross steps: ZeRO's parameter
+        all-gather is issued after the update and waited for in the next forward)."""
+        self.waited: list[_InFlight] = []
+        self.last_issue: tuple[int, Any, Any] | None = None
+
+    @classmethod
+    def of(cls, ps: Any) -> CommTimer:
+        return cls({"tp": ps.tp_group, "dp": ps.dp_group}, ps.device)
 
     def mark(self) -> Any:
         if not self.on_cuda:
@@ -67,78 +93,64 @@ class CollectiveTimes:
     def seconds(self, start: Any, end: Any) -> float:
         return start.elapsed_time(end) / 1000 if self.on_cuda else end - start
 
-    def overlapped_s(self) -> float:
-        """Issue-to-completion time of the step's asynchronous collectives less the time the
-        rank waited for them; forgets them (call once per step, after its timer's totals)."""
-        total = 0.0
-        for op in self.pending:
-            if op.wait_ended is None:
-                continue  # never waited for: nothing says when it ended
-            duration = self.seconds(op.issued, op.completed or op.wait_ended)
-            waited = self.seconds(op.wait_started, op.wait_ended)
-            total += max(0.0, duration - waited)
-        self.pending.clear()
-        return total
-
-
-class _TimedWork:
-    """An asynchronous collective's handle whose wait counts as exposed communication."""
-
-    def __init__(self, work: Any, record: _AsyncCollective, times: CollectiveTimes) -> None:
-        self.work, self.record, self.times = work, record, times
-        if not times.on_cuda:
-            # completion as the backend reports it, from its own thread; without a future (gloo's
-            # reduce-scatter has none), the end of the wait stands for it (an upper bound of the
-            # overlapped time)
+    @contextlib.contextmanager
+    def blocking(self, call: comm_trace.Call) -> Iterator[None]:
+        if call.peer is not None:
+            yield
+            return
+        axis = self.axis_of.get(id(call.group), "other")
+        with timed("comm"):
+            start = self.mark()
             try:
-                work.get_future().then(self._completed)
+                yield
+            finally:
+                end = self.mark()
+        self.blocked.append((axis, start, end))
+        self.last_issue = (call.number, start, end)
+        waited = self.in_flight.pop(call.number, None)
+        if waited is not None:
+            waited.wait_started = start
+            self.waited.append(waited)
+
+    def started(self, call: comm_trace.Call, work: Any) -> None:
+        number, _, issue_ended = self.last_issue
+        assert number == call.number, "an asynchronous collective is issued inside `blocking`"
+        record = _InFlight(self.axis_of.get(id(call.group), "other"), issue_ended)
+        self.in_flight[call.number] = record
+        if not self.on_cuda:
+            # completion as the backend reports it, from its own thread; without a future (gloo's
+            # reduce-scatter has none), the wait's start stands for it (an upper bound)
+            try:
+                work.get_future().then(lambda _: setattr(record, "completed", time.perf_counter()))
             except (AttributeError, RuntimeError):
                 pass
 
-    def _completed(self, _future: Any) -> None:
-        self.record.completed = time.perf_counter()
+    def _overlapped(self, op: _InFlight) -> float:
+        if op.completed is None:
+            return max(0.0, self.seconds(op.issue_ended, op.wait_started))
+        return max(0.0, min(op.completed, op.wait_started) - op.issue_ended)
 
-    def wait(self) -> bool:
-        with timed("comm"):
-            self.record.wait_started = self.times.mark()
-            done = self.work.wait()
-            self.record.wait_ended = self.times.mark()
-        return done
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-
-@contextlib.contextmanager
-def time_collectives(device: torch.device) -> Iterator[CollectiveTimes]:
-    """Inside the block, every collective of `comm` runs as a `comm` interval of the active step
-    timer, and asynchronous ones are tracked from issue to completion."""
-    times = CollectiveTimes(device.type == "cuda")
-
-    def wrap(collective: Callable) -> Callable:
-        def timed_collective(*args: Any, **kwargs: Any) -> Any:
-            with timed("comm"):
-                issued = times.mark()
-                work = collective(*args, **kwargs)
-            if work is None:
-                return None
-            record = _AsyncCollective(issued)
-            times.pending.append(record)
-            return _TimedWork(work, record, times)
-
-        return timed_collective
-
-    with contextlib.ExitStack() as patches:
-        for name in TIMED_COLLECTIVES:
-            patches.enter_context(mock.patch.object(comm, name, wrap(getattr(comm, name))))
-        yield times
+    def step_totals(self) -> dict[str, float]:
+        """`{axis}_comm_exposed` and `{axis}_comm_overlapped` seconds of the collectives blocked
+        in or waited for since the last call (once per step, after the step timer's totals);
+        an exposed and an overlapped time add up to the collectives' issue-to-completion time."""
+        totals = {f"{axis}_comm_{kind}": 0.0 for axis in AXES for kind in ("exposed", "overlapped")}
+        for axis, start, end in self.blocked:
+            totals[f"{axis}_comm_exposed"] += self.seconds(start, end)
+        for op in self.waited:
+            totals[f"{op.axis}_comm_overlapped"] += self._overlapped(op)
+        self.blocked.clear()
+        self.waited.clear()
+        return totals
 
 
 def measure_step(
-    run: Run, tokens: TokenBatch, lr: float, collectives: CollectiveTimes
+    run: Run, tokens: TokenBatch, lr: float, comm_timer: CommTimer
 ) -> dict[str, float]:
     """One `train_step`, cut into TIME_PARTS (seconds, from the step's timers), its wall-clock
-    `step` time (which the parts add up to, timed independently) and `comm_overlapped`."""
+    `step` time (which the parts add up to, timed independently) and `{axis}_comm_overlapped`.
+    The comm timer's collectives are `comm` intervals of the step timers, so its exposed times
+    are what those left out of the other parts; posting pipeline messages counts as `other`."""
     timer = IntervalTimer(run.ps.device)
     _synchronize(run.ps.device)
     start = time.perf_counter()
@@ -147,17 +159,18 @@ def measure_step(
     _synchronize(run.ps.device)
     wall_s = time.perf_counter() - start
     outer = timer.totals()  # step: everything outside the executor and collectives
+    comm_times = comm_timer.step_totals()
+    comm_times["other_comm_exposed"] += inner.p2p_s
     executor_parts = inner.forward_s + inner.backward_s + inner.wait_s + inner.p2p_s + inner.comm_s
     parts = {
         "forward": inner.forward_s,
         "backward": inner.backward_s,
         "optimizer": outer["step"] - inner.total_s,
-        "comm_exposed": outer.get("comm", 0.0) + inner.comm_s + inner.p2p_s,
+        **comm_times,
         "bubble": inner.wait_s,
         "other": inner.total_s - executor_parts,
     }
     parts["step"] = wall_s
-    parts["comm_overlapped"] = collectives.overlapped_s()
     return parts
 
 
@@ -211,14 +224,14 @@ def measure_run(
         return learning_rate(step, cfg.optim, cfg.train.steps)
 
     measured = []
-    with time_collectives(run.ps.device) as collectives:
+    with comm.observe(CommTimer.of(run.ps)) as comm_timer:
         for step in range(warmup_steps):
-            measure_step(run, next_tokens(), lr(step), collectives)
+            measure_step(run, next_tokens(), lr(step), comm_timer)
         if run.ps.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(run.ps.device)
         with torch_trace(trace_dir, run.ps.rank):
             for step in range(warmup_steps, warmup_steps + steps):
-                measured.append(measure_step(run, next_tokens(), lr(step), collectives))
+                measured.append(measure_step(run, next_tokens(), lr(step), comm_timer))
     model_tensors = [t for chunk in run.chunks for t in (*chunk.parameters(), *chunk.buffers())]
     with SavedActivationTracker(exclude=model_tensors) as saved:
         train_step(run, next_tokens(), lr(warmup_steps + steps))

@@ -1,9 +1,11 @@
 """`megalite profile` on gloo ranks: the report has every field, each rank's step time is cut into
 parts that add up to the independently timed step, a pipeline shows a bubble (measured and
-simulated), the CPU memory parts are the live tensors' bytes, and --trace writes one Chrome
-trace per rank."""
+simulated), tp and dp communication split into exposed and overlapped, the CPU memory parts are
+the live tensors' bytes, and --trace writes one Chrome trace per rank."""
 
+import contextlib
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -11,12 +13,14 @@ import torch
 from equivalence import TINY
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megalite import comm
 from megalite.config import load_config
 from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
 from megalite.profiling.memory import live_bytes
 from megalite.profiling.profile import ProfileError, profile
-from megalite.profiling.step_timing import TIME_PARTS
+from megalite.profiling.step_timing import AXES, TIME_PARTS, CommTimer, measure_step
+from megalite.tensor_parallel import linear
 from megalite.training.setup import build_run
 
 RANK_KEYS = {
@@ -91,6 +95,8 @@ def _check_report(report: dict, world_size: int, live: list[dict]) -> None:
             memory["optimizer"],
         )
         assert entry["memory_total_bytes"] == sum(memory.values())
+        assert set(entry["comm_overlapped_s"]) == set(AXES)
+        assert all(seconds >= 0 for seconds in entry["comm_overlapped_s"].values())
     slowest = max(report["ranks"], key=lambda r: r["step_time_s"])
     assert report["total"]["step_time_s"] == slowest["step_time_s"]
 
@@ -144,9 +150,101 @@ def test_data_parallel_gradient_reduction_is_communication(builtin_corpus, tmp_p
     report = results[0][0]
     _check_report(report, 2, [live for _, live in results])
     for entry in report["ranks"]:
-        assert entry["time_s"]["comm_exposed"] > 0
+        assert entry["time_s"]["dp_comm_exposed"] > 0
+        assert entry["time_s"]["tp_comm_exposed"] == 0
         assert entry["time_s"]["bubble"] == 0
-        assert entry["comm_overlapped_s"] > 0  # buckets reduced while the backward went on
+        assert entry["comm_overlapped_s"]["dp"] > 0  # buckets reduced while the backward went on
+        assert entry["comm_overlapped_s"]["tp"] == 0
+
+
+class _IssueToCompletion(comm.CommObserver):
+    """A second observer's sum of the issue-to-completion seconds of one group's collectives,
+    with its own clock readings: from the start of the issue to the end of a blocking call, or
+    of the wait for an asynchronous one still in flight when the wait began, or to its
+    completion as its future reports it, when that came first."""
+
+    def __init__(self, group) -> None:
+        self.group, self.total_s = group, 0.0
+        self.last, self.issued, self.completed = None, {}, {}
+
+    @contextlib.contextmanager
+    def blocking(self, call):
+        start = time.perf_counter()
+        yield
+        end = time.perf_counter()
+        if call.group is not self.group:
+            return
+        if call.number in self.issued:  # the wait for an asynchronous one
+            completed, issued = self.completed.pop(call.number, end), self.issued.pop(call.number)
+            if completed >= start:  # in flight when the wait began: done when the wait returns
+                self.total_s += end - issued
+            else:  # complete before: the wait still blocks the rank for the call's own cost
+                self.total_s += completed - issued + (end - start)
+        else:
+            self.last = (call.number, start, end)
+            self.total_s += end - start
+
+    def started(self, call, work):
+        number, start, end = self.last
+        self.total_s -= end - start  # not over when issued: counted at its wait
+        self.issued[number] = start
+        with contextlib.suppress(AttributeError, RuntimeError):
+            work.get_future().then(lambda _: self.completed.setdefault(number, time.perf_counter()))
+
+
+SLOW_S = 1e-3
+
+
+def _slowed_tp_profile(out_dir: str) -> tuple[dict, dict, dict]:
+    """tp 2 + SP with rank 1 slowed in every weight-gradient GEMM (the work that overlaps the
+    input gradient's reduce-scatter): the profile report, then one more step's parts measured
+    beside a second observer, and that observer's issue-to-completion total of the tp
+    collectives."""
+    cfg = load_config(
+        None, [*TINY, "parallel.tp=2", "parallel.sp=true", f"train.out_dir={out_dir}"]
+    )
+    ps = build_parallel_state(2, 1, torch.device("cpu"))
+    if ps.tp_rank == 1:
+        weight_grad = linear._weight_grad
+
+        def slow_weight_grad(weight, rows, x, dy):
+            time.sleep(SLOW_S)
+            return weight_grad(weight, rows, x, dy)
+
+        linear._weight_grad = slow_weight_grad
+    report = profile(cfg, warmup_steps=1, steps=2)
+    run = build_run(cfg, ps)
+    torch.manual_seed(0)
+    tokens = torch.randint(cfg.model.vocab_size, (8, cfg.model.seq_len + 1))
+    lifetimes = _IssueToCompletion(ps.tp_group)
+    # registered second, its clock readings sit inside the comm timer's (less of its overhead)
+    with comm.observe(CommTimer.of(ps)) as timer, comm.observe(lifetimes):
+        measure_step(run, tokens, 1e-3, timer)  # warm
+        lifetimes.total_s = 0.0
+        parts = measure_step(run, tokens, 1e-3, timer)
+    return report, parts, {"tp": lifetimes.total_s}
+
+
+def test_tensor_parallel_communication_is_split_into_exposed_and_overlapped(
+    builtin_corpus, tmp_path
+):
+    """The column-parallel backward reduce-scatters the input gradient while the weight-gradient
+    GEMMs run: that time is overlapped; what a rank waits for its slowed peer is exposed; the
+    two add up to the collectives' issue-to-completion time, as another observer reads it."""
+    results = run_ranks(2, _slowed_tp_profile, str(tmp_path))
+    report = results[0][0]
+    for entry in report["ranks"]:
+        assert entry["comm_overlapped_s"]["tp"] > 0
+        assert entry["time_s"]["tp_comm_exposed"] > 0
+        assert entry["time_s"]["dp_comm_exposed"] == entry["comm_overlapped_s"]["dp"] == 0
+        parts = entry["time_s"]
+        assert sum(parts.values()) == pytest.approx(entry["step_time_s"], rel=0.05, abs=2e-3)
+    fast, slow = report["ranks"]
+    assert fast["time_s"]["tp_comm_exposed"] > slow["time_s"]["tp_comm_exposed"]
+    for _, parts, lifetimes in results:
+        split = parts["tp_comm_exposed"] + parts["tp_comm_overlapped"]
+        assert parts["tp_comm_overlapped"] > 0
+        assert split == pytest.approx(lifetimes["tp"], rel=0.02, abs=2e-3)
 
 
 def test_bad_step_counts_are_refused(tmp_path):

@@ -1,6 +1,7 @@
 """The executor's step timer: host clocks on CPU; on a GPU, CUDA events that time what the stream
 executes, where a host clock would time only the queueing of kernels."""
 
+import contextlib
 import time
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from megalite import comm
 from megalite.pipeline.executor import IntervalTimer, StepTimes, timed
-from megalite.profiling.step_timing import time_collectives
+from megalite.profiling.step_timing import CommTimer
 
 
 def test_host_timer_sums_each_name_on_cpu():
@@ -137,21 +138,53 @@ class _SlowWork:
 
 
 def test_async_collective_splits_into_overlapped_and_exposed(monkeypatch):
-    """Issued, then compute, then a wait for the rest of its 50 ms: the time until the wait is
-    overlapped with compute, the wait is exposed (the rank was blocked)."""
-    monkeypatch.setattr(comm, "all_reduce", lambda *args, **kwargs: _SlowWork(0.05))
-    issue = comm.all_reduce
+    """Issued on the tp group, then compute, then a wait for the rest of its 50 ms: the time
+    until the wait is overlapped with compute, the wait is exposed (the rank was blocked), both
+    counted for tp; the comm timer sees it through `comm.observe`, with `comm` unpatched. (The
+    backend is faked: `dist.all_reduce` returns a slow handle on a pretend two-rank group.)"""
+    tp_group, dp_group = object(), object()
+    monkeypatch.setattr(comm, "size", lambda group: 2)
+    monkeypatch.setattr(comm.dist, "all_reduce", lambda *args, **kwargs: _SlowWork(0.05))
     cpu = torch.device("cpu")
     timer = IntervalTimer(cpu)
-    with time_collectives(cpu) as collectives, timer.active(), timer.interval("step"):
+    comm_timer = CommTimer({"tp": tp_group, "dp": dp_group}, cpu)
+    with comm.observe(comm_timer), timer.active(), timer.interval("step"):
         t0 = time.perf_counter()
-        work = comm.all_reduce(torch.zeros(1), None, async_op=True)
+        work = comm.all_reduce(torch.zeros(1), tp_group, async_op=True)
         time.sleep(0.03)
         t1 = time.perf_counter()
         work.wait()
         t2 = time.perf_counter()
+    comm.all_reduce(torch.zeros(1), tp_group, async_op=True).wait()  # not observed any more
     assert t2 - t0 >= 0.05
     assert timer.totals()["comm"] == pytest.approx(t2 - t1, abs=5e-3)
-    assert collectives.overlapped_s() == pytest.approx(t1 - t0, abs=5e-3)
-    assert collectives.overlapped_s() == 0  # forgotten once read: the next step starts afresh
-    assert comm.all_reduce is issue  # unwrapped after the block
+    totals = comm_timer.step_totals()
+    assert totals["tp_comm_exposed"] == pytest.approx(t2 - t1, abs=5e-3)
+    assert totals["tp_comm_overlapped"] == pytest.approx(t1 - t0, abs=5e-3)
+    assert totals["dp_comm_exposed"] == totals["dp_comm_overlapped"] == 0
+    assert totals["other_comm_exposed"] == totals["other_comm_overlapped"] == 0
+    assert sum(comm_timer.step_totals().values()) == 0  # forgotten once read
+
+
+def test_layout_copies_are_observed_only_when_they_copy(monkeypatch):
+    """A dim-wise collective on (b, s, h) moves dim 1 to dim 0: a copy at b > 1 that an observer
+    sees; at b = 1 the move is free and nothing is reported."""
+    copies = []
+
+    class Copies(comm.CommObserver):
+        @contextlib.contextmanager
+        def layout_copy(self):
+            copies.append(1)
+            yield
+
+    def all_gather_flat(output, shard, *args, **kwargs):
+        output.copy_(shard.repeat(2))  # a pretend two-rank gather, done at once: no handle
+
+    monkeypatch.setattr(comm, "all_gather_flat", all_gather_flat)
+    monkeypatch.setattr(comm, "size", lambda group: 1 if group is None else 2)
+    group = object()
+    with comm.observe(Copies()):
+        comm.all_gather(torch.zeros(1, 4, 8), group, dim=1)
+        assert copies == []
+        comm.all_gather(torch.zeros(2, 4, 8), group, dim=1)
+    assert copies == [1, 1]  # the shard to dim 0, the result back to dim 1
