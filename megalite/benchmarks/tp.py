@@ -20,6 +20,9 @@ gradient accumulation per step:
     torchrun --nproc-per-node 2 tools/bench_tp.py  # same, launched by torchrun
     python -m megalite.benchmarks.tp               # the same, from an installed megalite
 
+Then the activation layout's tables (`sp_layout`): the SP collectives in (b, s, h) against
+(s, b, h), and the share of a tp 2 + SP step spent in (b, s, h)'s layout copies.
+
 Gradient norm on the torch side: `torch.nn.utils.get_total_norm` over the DTensor gradients
 (`.full_tensor()` of the result) combined with the norm of the plain-tensor ones (position
 embedding, and the LayerNorms without SP), then the gradients are scaled in place: the stock
@@ -29,11 +32,7 @@ embedding, and the LayerNorms without SP), then the gradients are scaled in plac
 from __future__ import annotations
 
 import argparse
-import functools
-import statistics
-import time
 import traceback
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,8 +48,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from megalite import comm
-from megalite.benchmarks import harness
+from megalite.benchmarks import harness, sp_layout
 from megalite.benchmarks.table import COMMON_COLUMNS, common_cells, common_notes, print_table
 from megalite.benchmarks.torch_gpt import TorchGPT, lm_loss, torch_adamw
 from megalite.launch import run_or_join
@@ -184,33 +182,9 @@ def worker(args: argparse.Namespace) -> dict:
     return {
         "rows": harness.summary(order, harness.global_batch(args) * args.seq),
         "failures": failures,
-        "layouts": sp_collective_layouts(args, ps),
+        "layouts": sp_layout.collective_layouts(args, ps),
+        "layout_steps": sp_layout.copy_share(args, ps),
     }
-
-
-def sp_collective_layouts(args: argparse.Namespace, ps: Any, repeats: int = 30) -> list[list]:
-    """Median ms of one SP all-gather and one reduce-scatter of a micro-batch's activation,
-    (batch, seq, hidden) split on dim 1 against (seq, batch, hidden) split on dim 0: the first
-    needs a transposing copy before and after each collective once batch > 1, the second none."""
-    b, s, h = args.micro_batch, args.seq, args.hidden
-    rows = []
-    for name, shard_shape, dim in (("(b, s, h), dim 1", (b, s // TP, h), 1),
-                                   ("(s, b, h), dim 0", (s // TP, b, h), 0)):  # fmt: skip
-        shard = torch.randn(shard_shape)
-        full = comm.all_gather(shard, ps.tp_group, dim)
-        gather = functools.partial(comm.all_gather, shard, ps.tp_group, dim)
-        scatter = functools.partial(comm.reduce_scatter, full, ps.tp_group, dim)
-        cells = [name]
-        for op in (gather, scatter):
-            times = []
-            for _ in range(repeats):
-                dist.barrier(group=ps.tp_group)
-                start = time.perf_counter()
-                op()
-                times.append(time.perf_counter() - start)
-            cells.append(f"{statistics.median(times) * 1e3:.3f}")
-        rows.append(cells)
-    return rows
 
 
 def options() -> argparse.ArgumentParser:
@@ -236,12 +210,7 @@ def report(args: argparse.Namespace, result: dict) -> None:
     for name, error in result["failures"].items():
         notes.append(f"{name} failed; its last frames:\n{error}")
     print_table(COMMON_COLUMNS, table, notes)
-    b, s, h = args.micro_batch, args.seq, args.hidden
-    print_table(
-        ["SP collective layout", "all-gather ms", "reduce-scatter ms"],
-        result["layouts"],
-        [f"fp32 activation of one micro-batch, b={b} s={s} h={h}, over {TP} gloo ranks; median."],
-    )
+    sp_layout.report(args, result["layouts"], result["layout_steps"])
 
 
 def main(argv: list[str] | None = None) -> None:

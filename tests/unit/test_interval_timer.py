@@ -1,7 +1,6 @@
 """The executor's step timer: host clocks on CPU; on a GPU, CUDA events that time what the stream
 executes, where a host clock would time only the queueing of kernels."""
 
-import contextlib
 import time
 
 import pytest
@@ -164,27 +163,3 @@ def test_async_collective_splits_into_overlapped_and_exposed(monkeypatch):
     assert totals["dp_comm_exposed"] == totals["dp_comm_overlapped"] == 0
     assert totals["other_comm_exposed"] == totals["other_comm_overlapped"] == 0
     assert sum(comm_timer.step_totals().values()) == 0  # forgotten once read
-
-
-def test_layout_copies_are_observed_only_when_they_copy(monkeypatch):
-    """A dim-wise collective on (b, s, h) moves dim 1 to dim 0: a copy at b > 1 that an observer
-    sees; at b = 1 the move is free and nothing is reported."""
-    copies = []
-
-    class Copies(comm.CommObserver):
-        @contextlib.contextmanager
-        def layout_copy(self):
-            copies.append(1)
-            yield
-
-    def all_gather_flat(output, shard, *args, **kwargs):
-        output.copy_(shard.repeat(2))  # a pretend two-rank gather, done at once: no handle
-
-    monkeypatch.setattr(comm, "all_gather_flat", all_gather_flat)
-    monkeypatch.setattr(comm, "size", lambda group: 1 if group is None else 2)
-    group = object()
-    with comm.observe(Copies()):
-        comm.all_gather(torch.zeros(1, 4, 8), group, dim=1)
-        assert copies == []
-        comm.all_gather(torch.zeros(2, 4, 8), group, dim=1)
-    assert copies == [1, 1]  # the shard to dim 0, the result back to dim 1
