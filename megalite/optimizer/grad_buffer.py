@@ -42,6 +42,8 @@ from torch import nn
 from megalite import comm
 from megalite.kernels import wgrad_accumulate
 from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel.layers import ParamMeta, param_parts
+from megalite.tensor_parallel.linear import Rows
 
 
 @dataclass
@@ -175,6 +177,17 @@ class GradBuffer:
             owned_offset += end - start
         return segments
 
+    def owned_parts(self, param: nn.Parameter) -> list[tuple[int, int, ParamMeta]]:
+        """Where each global tensor `param` holds (itself, or the parts of a fused parameter)
+        meets this rank's owned pieces: (owned start, owned end, that tensor's meta)."""
+        found = []
+        for start, end, offset in self.owned_segments(param):
+            for _, meta, lo, hi in param_parts("", param):
+                lo, hi = max(lo, offset), min(hi, offset + end - start)
+                if lo < hi:
+                    found.append((start + lo - offset, start + hi - offset, meta))
+        return found
+
     def gradient_tensors(self) -> list[torch.Tensor]:
         """The long-lived fp32 gradient storage: the full buffer and (ZeRO-1) the owned shard it
         is reduce-scattered into, or (ZeRO-2) the owned shard alone."""
@@ -211,26 +224,27 @@ class GradBuffer:
         self._count_arrival(param)
 
     def _accumulate(
-        self, param: nn.Parameter, dy: torch.Tensor, x: torch.Tensor | None, rows: slice | None
+        self, param: nn.Parameter, dy: torch.Tensor, x: torch.Tensor | None, rows: Rows
     ) -> None:
         """A tensor-parallel linear's weight gradient dy^T x (dy (tokens, out), x (tokens, in);
-        only `rows` of the weight when given; a bias, x None: dy summed over the tokens), added
-        in fp32 straight into the main grad, or ZeRO-2's staging: no `.grad` in between, and the
-        bucket counts it as arrived."""
+        only `rows` of the weight when given, dy's columns in their order; a bias, x None: dy
+        summed over the tokens), added in fp32 straight into the main grad, or ZeRO-2's
+        staging: no `.grad` in between, and the bucket counts it as arrived."""
         if self.grads_sharded:
             target, first = self._staged(param), False
         else:
             target, first = param.main_grad, param not in self.arrived
             self.arrived.add(param)
-        if rows is not None:
+        if rows is None:
+            _add_wgrad(target, dy, x, first)
+        else:
             if first:  # the other rows get no gradient on this rank
                 target.zero_()
-            target, first = target[rows], False
-        if x is None:
-            bias_grad = dy.sum(0, dtype=torch.float32)
-            target.copy_(bias_grad) if first else target.add_(bias_grad)
-        else:
-            wgrad_accumulate(target, dy, x, overwrite=first)
+            start = 0
+            for piece in rows:
+                end = start + piece.stop - piece.start
+                _add_wgrad(target[piece], dy[:, start:end], x, False)
+                start = end
         if self.grads_sharded:
             self._stage_done(param)
         else:
@@ -367,6 +381,15 @@ class GradBuffer:
         checkpoint, the next update)."""
         for bucket in self.buckets:
             self.wait_param_gather(bucket)
+
+
+def _add_wgrad(target: torch.Tensor, dy: torch.Tensor, x: torch.Tensor | None, first: bool) -> None:
+    """target (+)= dy^T x in fp32; a bias (x None): dy summed over the tokens."""
+    if x is None:
+        bias_grad = dy.sum(0, dtype=torch.float32)
+        target.copy_(bias_grad) if first else target.add_(bias_grad)
+    else:
+        wgrad_accumulate(target, dy, x, overwrite=first)
 
 
 def _wait_for_parameters(pairs: list[tuple[GradBuffer, Bucket]], *_: Any) -> None:
