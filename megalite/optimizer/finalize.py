@@ -15,11 +15,24 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from megalite import comm
 from megalite.optimizer.grad_buffer import GradBuffer
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.layers import ParamMeta
+from megalite.tensor_parallel.layers import ParamMeta, param_parts
+
+
+def _owned_parts(buffer: GradBuffer, param: nn.Parameter) -> list[tuple[int, int, ParamMeta]]:
+    """Where each global tensor `param` holds (itself, or the parts of a fused parameter)
+    meets this rank's owned pieces: (owned start, owned end, that tensor's meta)."""
+    found = []
+    for start, end, offset in buffer.owned_segments(param):
+        for _, meta, lo, hi in param_parts("", param):
+            lo, hi = max(lo, offset), min(hi, offset + end - start)
+            if lo < hi:
+                found.append((start + lo - offset, start + hi - offset, meta))
+    return found
 
 
 def _sum_owned(buffers: list[GradBuffer], select: Callable[[ParamMeta], bool], group: Any) -> None:
@@ -31,7 +44,7 @@ def _sum_owned(buffers: list[GradBuffer], select: Callable[[ParamMeta], bool], g
         buffer.owned_grads[start:end]
         for buffer in buffers
         for param in buffer.params
-        for start, end, meta in buffer.owned_parts(param)
+        for start, end, meta in _owned_parts(buffer, param)
         if select(meta)
     ]
     if not pieces:

@@ -10,6 +10,9 @@ are in: reduce-scattered when the optimizer is sharded (ZeRO-1), all-reduced oth
 Tensor-parallel linears add their weight and bias gradients in fp32 straight into the main grad
 (or ZeRO-2's staging) through `param.accumulate_main_grad` (Megatron's gradient-accumulation
 fusion): no 16-bit `.grad` in between, and the bucket counts the gradient as arrived at once.
+A fused parameter (q/k/v, gate/up) holds several global tensors (`ParamMeta.parts`); the
+fix-ups and the optimizer select by each part's meta (`finalize`, `zero1`), so a shared kv head's
+rows are summed over tp and the query rows beside it are not.
 
 ZeRO-2 (sharded gradients) keeps no full-size gradient buffer: a bucket's fp32 gradients are
 staged in a bucket-sized tensor taken when its first gradient of a backward arrives, and every
@@ -42,7 +45,6 @@ from torch import nn
 from megalite import comm
 from megalite.kernels import wgrad_accumulate
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.layers import ParamMeta, param_parts
 from megalite.tensor_parallel.linear import Rows
 
 
@@ -176,17 +178,6 @@ class GradBuffer:
                 )
             owned_offset += end - start
         return segments
-
-    def owned_parts(self, param: nn.Parameter) -> list[tuple[int, int, ParamMeta]]:
-        """Where each global tensor `param` holds (itself, or the parts of a fused parameter)
-        meets this rank's owned pieces: (owned start, owned end, that tensor's meta)."""
-        found = []
-        for start, end, offset in self.owned_segments(param):
-            for _, meta, lo, hi in param_parts("", param):
-                lo, hi = max(lo, offset), min(hi, offset + end - start)
-                if lo < hi:
-                    found.append((start + lo - offset, start + hi - offset, meta))
-        return found
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         """The long-lived fp32 gradient storage: the full buffer and (ZeRO-1) the owned shard it

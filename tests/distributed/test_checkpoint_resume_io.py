@@ -34,10 +34,9 @@ def _state(config: str | None, overrides: tuple[str, ...]):
 
 def _owned(state) -> dict[tuple[str, str, int], np.ndarray]:
     """The optimizer state a rank owns, as numpy arrays (a forked rank returns no tensors)."""
-    names = {param: name for name, param in state.params.items()}
     return {
-        (names[param], kind, lo): view.numpy().copy()
-        for param, lo, _, views in state.optimizer.owned_pieces()
+        (name, kind, lo): view.numpy().copy()
+        for name, _, lo, _, views in state.optimizer.owned_pieces()
         for kind, view in views.items()
     }
 
