@@ -17,6 +17,7 @@ from megalite.config import load_config
 from megalite.data import GlobalBatchSampler
 from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
+from megalite.tensor_parallel import global_tensors
 from megalite.training.loop import run_state
 from megalite.training.setup import build_run
 
@@ -70,7 +71,8 @@ def _load(path: str, config: str | None, overrides: tuple[str, ...]):
     held = sum(p.numel() * p.element_size() for p in state.params.values())
     owned = _owned(state)
     share = held + sum(v.nbytes for v in owned.values())
-    return read, share, owned, {n: p.detach().numpy().copy() for n, p in state.params.items()}
+    pieces = global_tensors(state.params)  # as saved: fused parameters by part
+    return read, share, owned, {n: p.detach().numpy().copy() for n, p in pieces.items()}
 
 
 def _global(pieces: list[dict]) -> dict[tuple[str, str], np.ndarray]:
