@@ -185,6 +185,9 @@ class Attention(nn.Module):
         v = v.view(b, s, -1, self.head_dim)
         if self.rotary:
             q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+            # q and k are new tensors now; a copy of v lets the fused output go (attention
+            # keeps v for backward, and a view would keep q/k/v's whole output alive)
+            v = v.contiguous()
         y = self.core(q, k, v)  # (b, s, local heads, hd)
         return self.wo(y.reshape(b, s, -1))
 
