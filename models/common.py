@@ -21,8 +21,8 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import (
+    ColumnOutput,
     FusedColumnParallelLinear,
-    Output,
     ParamMeta,
     RowParallelLinear,
     TPRandom,
@@ -161,8 +161,8 @@ class Attention(nn.Module):
         kv_width, shared = cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads < tp
         kv_heads = cfg.n_kv_heads if shared else 0
         assert not (bias and shared), "shared kv heads are llama-only (no biases)"
-        qkv = [Output("wq", cfg.hidden), Output("wk", kv_width, kv_heads)]
-        qkv.append(Output("wv", kv_width, kv_heads))
+        qkv = [ColumnOutput("wq", cfg.hidden), ColumnOutput("wk", kv_width, kv_heads)]
+        qkv.append(ColumnOutput("wv", kv_width, kv_heads))
         self.wqkv = FusedColumnParallelLinear(cfg.hidden, qkv, ps, **linear)
         self.wo = RowParallelLinear(
             cfg.hidden,

@@ -20,8 +20,8 @@ from megalite.models.common import (
 from torch import nn
 
 from megalite.tensor_parallel import (
+    ColumnOutput,
     FusedColumnParallelLinear,
-    Output,
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelOutput,
@@ -37,7 +37,7 @@ class MLP(nn.Module):
         super().__init__()
         cfg, ps, sp = ctx.cfg, ctx.ps, ctx.sequence_parallel
         init = normal_init(cfg.init_std)
-        gate_up = [Output("gate", cfg.ffn_hidden), Output("up", cfg.ffn_hidden)]
+        gate_up = [ColumnOutput("gate", cfg.ffn_hidden), ColumnOutput("up", cfg.ffn_hidden)]
         self.gate_up = FusedColumnParallelLinear(
             cfg.hidden, gate_up, ps, bias=False, init=init, sequence_parallel=sp
         )

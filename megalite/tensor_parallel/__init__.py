@@ -3,9 +3,9 @@ vocab-parallel loss and layout-independent randomness."""
 
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_head_loss
 from megalite.tensor_parallel.layers import (
+    ColumnOutput,
     ColumnParallelLinear,
     FusedColumnParallelLinear,
-    Output,
     ParamMeta,
     Part,
     RowParallelLinear,
@@ -32,7 +32,7 @@ from megalite.tensor_parallel.random import TPRandom, init_parameters, recompute
 __all__ = [
     "ColumnParallelLinear",
     "FusedColumnParallelLinear",
-    "Output",
+    "ColumnOutput",
     "ParamMeta",
     "Part",
     "RowParallelLinear",

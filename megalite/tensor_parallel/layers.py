@@ -138,7 +138,7 @@ def tp_output(x: torch.Tensor, ps: ParallelState, sequence_parallel: bool) -> to
 
 
 @dataclass(frozen=True)
-class Output:
+class ColumnOutput:
     """One output of a column-parallel linear, a global tensor of its own (`name` beside the
     fused parameter: "wq" gives `wq.weight`, `wq.bias`)."""
 
@@ -162,7 +162,7 @@ class FusedColumnParallelLinear(nn.Module):
     def __init__(
         self,
         in_features: int,
-        outputs: Sequence[Output],
+        outputs: Sequence[ColumnOutput],
         ps: ParallelState,
         *,
         bias: bool,
@@ -240,7 +240,7 @@ class ColumnParallelLinear(FusedColumnParallelLinear):
     ) -> None:
         super().__init__(
             in_features,
-            [Output("", out_features)],
+            [ColumnOutput("", out_features)],
             ps,
             bias=bias,
             init=init,

@@ -28,7 +28,7 @@ SEQ_DIM = 1
 
 Rows = tuple[slice, ...] | None
 """The rows of a weight a linear computes, in order (q and a shared kv head of a fused q/k/v:
-`Output.shared_heads`); None: all."""
+`ColumnOutput.shared_heads`); None: all."""
 
 
 def _used(weight: torch.Tensor | None, rows: Rows) -> torch.Tensor | None:
