@@ -215,11 +215,13 @@ def _merged(used: list[slice], rows: int) -> Rows:
 
 
 def _fused_param(shape: tuple[int, ...], parts: list[Part], ps: ParallelState) -> nn.Parameter:
-    """One part: that part's own plain parameter (the same layout as the separate linear)."""
+    """The parameter holding `parts` as blocks of rows. A lone split part is a plain parameter
+    (a single linear, as before); a fused one has no global tensor of its own, so its meta
+    carries only its local shape and the parts."""
     if len(parts) == 1 and parts[0].meta.tp_split_dim == 0:
         return make_param(shape, parts[0].meta, ps)
-    fused = ParamMeta(shape, parts[0].meta.init, weight_decay=parts[0].meta.weight_decay)
-    fused.parts = tuple(parts)
+    first = parts[0].meta
+    fused = ParamMeta(shape, first.init, weight_decay=first.weight_decay, parts=tuple(parts))
     return make_param(shape, fused, ps)
 
 
