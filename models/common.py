@@ -21,12 +21,11 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import (
-    ColumnParallelLinear,
-    HeadReplicatedLinear,
+    ColumnOutput,
+    FusedColumnParallelLinear,
     ParamMeta,
     RowParallelLinear,
     TPRandom,
-    column_parallel,
     constant_init,
     make_param,
     normal_init,
@@ -146,9 +145,10 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) 
 
 
 class Attention(nn.Module):
-    """Causal self-attention with heads split over tp ranks: q/k/v column-parallel, the output
-    projection row-parallel. Grouped-query attention keeps n_kv_heads key/value heads; when
-    there are fewer kv heads than tp ranks, each rank computes the one its query heads use."""
+    """Causal self-attention with heads split over tp ranks: q/k/v one fused column-parallel
+    linear, the output projection row-parallel. Grouped-query attention keeps n_kv_heads
+    key/value heads; when there are fewer kv heads than tp ranks, each rank computes the one its
+    query heads use."""
 
     def __init__(self, ctx: BuildContext, *, bias: bool, rotary: bool) -> None:
         super().__init__()
@@ -156,15 +156,14 @@ class Attention(nn.Module):
         self.ctx, self.rotary, self.head_dim = ctx, rotary, cfg.head_dim
         init = normal_init(cfg.init_std)
         linear = dict(bias=bias, init=init, sequence_parallel=ctx.sequence_parallel)
-        kv_width = cfg.n_kv_heads * cfg.head_dim
-        self.wq = ColumnParallelLinear(cfg.hidden, cfg.hidden, ps, **linear)
-        if cfg.n_kv_heads >= tp:
-            self.wk = ColumnParallelLinear(cfg.hidden, kv_width, ps, **linear)
-            self.wv = ColumnParallelLinear(cfg.hidden, kv_width, ps, **linear)
-        else:
-            assert not bias, "shared kv heads are llama-only (no biases)"
-            self.wk = HeadReplicatedLinear(cfg.hidden, cfg.n_kv_heads, cfg.head_dim, ps, init=init)
-            self.wv = HeadReplicatedLinear(cfg.hidden, cfg.n_kv_heads, cfg.head_dim, ps, init=init)
+        # q, k and v are one weight: one GEMM. With fewer kv heads than tp ranks each rank
+        # holds every kv head and computes the one its query heads use.
+        kv_width, shared = cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads < tp
+        kv_heads = cfg.n_kv_heads if shared else 0
+        assert not (bias and shared), "shared kv heads are llama-only (no biases)"
+        qkv = [ColumnOutput("wq", cfg.hidden), ColumnOutput("wk", kv_width, kv_heads)]
+        qkv.append(ColumnOutput("wv", kv_width, kv_heads))
+        self.wqkv = FusedColumnParallelLinear(cfg.hidden, qkv, ps, **linear)
         self.wo = RowParallelLinear(
             cfg.hidden,
             cfg.hidden,
@@ -179,16 +178,16 @@ class Attention(nn.Module):
             self.register_buffer("sin", sin.to(ps.device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one gather of the sequence shards feeds q, k and v: (b, s, local heads * hd) each
-        q, k, v = column_parallel(
-            x, (self.wq, self.wk, self.wv), self.ctx.ps, self.ctx.sequence_parallel
-        )
+        q, k, v = self.wqkv(x)  # one gather, one GEMM: (b, s, local heads * hd) each
         b, s = q.shape[:2]
         q = q.view(b, s, -1, self.head_dim)  # (b, s, local heads, hd)
         k = k.view(b, s, -1, self.head_dim)  # (b, s, local kv heads, hd)
         v = v.view(b, s, -1, self.head_dim)
         if self.rotary:
             q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+            # q and k are new tensors now; a copy of v lets the fused output go (attention
+            # keeps v for backward, and a view would keep q/k/v's whole output alive)
+            v = v.contiguous()
         y = self.core(q, k, v)  # (b, s, local heads, hd)
         return self.wo(y.reshape(b, s, -1))
 

@@ -20,27 +20,27 @@ from megalite.models.common import (
 from torch import nn
 
 from megalite.tensor_parallel import (
-    ColumnParallelLinear,
+    ColumnOutput,
+    FusedColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelOutput,
-    column_parallel,
     normal_init,
 )
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up column-parallel (each rank its
-    ffn_hidden/tp columns), down row-parallel (partial sums combined over tp)."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up one fused column-parallel linear (each
+    rank its ffn_hidden/tp columns of each), down row-parallel (partial sums combined over tp)."""
 
     def __init__(self, ctx: BuildContext) -> None:
         super().__init__()
         cfg, ps, sp = ctx.cfg, ctx.ps, ctx.sequence_parallel
-        self.ctx = ctx
         init = normal_init(cfg.init_std)
-        up = dict(bias=False, init=init, sequence_parallel=sp)
-        self.gate = ColumnParallelLinear(cfg.hidden, cfg.ffn_hidden, ps, **up)
-        self.up = ColumnParallelLinear(cfg.hidden, cfg.ffn_hidden, ps, **up)
+        gate_up = [ColumnOutput("gate", cfg.ffn_hidden), ColumnOutput("up", cfg.ffn_hidden)]
+        self.gate_up = FusedColumnParallelLinear(
+            cfg.hidden, gate_up, ps, bias=False, init=init, sequence_parallel=sp
+        )
         self.down = RowParallelLinear(
             cfg.ffn_hidden,
             cfg.hidden,
@@ -51,8 +51,7 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one gather of the sequence shards feeds gate and up: (b, s, ffn/tp) each
-        gate, up = column_parallel(x, (self.gate, self.up), self.ctx.ps, self.ctx.sequence_parallel)
+        gate, up = self.gate_up(x)  # one gather, one GEMM: (b, s, ffn/tp) each
         x = swiglu(gate, up)  # one fused kernel
         return self.down(x)  # (b, s, h), or (b, s/tp, h) under SP
 

@@ -37,7 +37,7 @@ from megalite.benchmarks.table import print_table
 from megalite.config import load_config
 from megalite.models import build_chunks
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel import TPRandom, init_parameters
+from megalite.tensor_parallel import TPRandom, global_tensors, init_parameters
 from megalite.tensor_parallel.random import param_seed
 
 LAYOUTS = [
@@ -52,7 +52,7 @@ def full_tensor_init(model: torch.nn.Module, seed: int, ps: ParallelState) -> in
     """The baseline: every parameter's whole global tensor from one (seed, name) stream, then
     this rank's shard kept. Returns the values drawn."""
     drawn = 0
-    for name, param in model.named_parameters():
+    for name, param in global_tensors(dict(model.named_parameters())).items():
         meta = param.meta
         generator = torch.Generator().manual_seed(param_seed(seed, meta.tied_name or name))
         full = torch.zeros(meta.global_shape)
@@ -68,7 +68,7 @@ def full_tensor_init(model: torch.nn.Module, seed: int, ps: ParallelState) -> in
 def shard_only_init(model: torch.nn.Module, seed: int, ps: ParallelState) -> int:
     """megalite's initialisation, with each init function wrapped to count the values filled."""
     drawn = 0
-    for param in model.parameters():
+    for param in global_tensors(dict(model.named_parameters())).values():
         init = param.meta.init
 
         def counted(block: torch.Tensor, generator: torch.Generator, init=init) -> None:

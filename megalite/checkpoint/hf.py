@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from megalite.checkpoint.sharded import Checkpoint, CheckpointError, resolve_checkpoint
 from megalite.config import ModelConfig
+from megalite.tensor_parallel import global_tensors
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -181,9 +182,9 @@ def export_hf(checkpoint: Path, out: Path, dtype: str = "fp32") -> Path:
     saved = Checkpoint(resolve_checkpoint(Path(checkpoint)))
     model, tokenizer = saved.model(), saved.tokenizer
     m = model.ctx.cfg
-    params = {
+    params = {  # a fused parameter by parts: q/k/v, gate/up as HF names them (or GPT-2 fuses)
         name: p.detach()[: m.vocab_size] if p.meta.init_rows is not None else p.detach()
-        for name, p in model.named_parameters()
+        for name, p in global_tensors(dict(model.named_parameters())).items()
     }
     config = hf_config(m)
     config.bos_token_id = tokenizer.bos_id if tokenizer.bos_id >= 0 else None

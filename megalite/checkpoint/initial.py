@@ -14,6 +14,7 @@ from megalite.checkpoint.reader import local_piece
 from megalite.checkpoint.sharded import SHAPE_KEYS, Checkpoint, CheckpointError
 from megalite.config import ModelConfig, build_config
 from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel import global_tensors
 
 
 def check_saved_model(path: Path, saved: dict, model: ModelConfig) -> None:
@@ -46,10 +47,11 @@ def load_initial_weights(
         check_saved_model(path, saved.config["model"], model)
         saved.load_parameters(params, ps)
     elif (path / "config.json").is_file():
-        sources = {name: param.meta.tied_name or name for name, param in params.items()}
+        pieces = global_tensors(params)  # a fused parameter by parts, as HF stores them
+        sources = {name: piece.meta.tied_name or name for name, piece in pieces.items()}
         tensors = read_hf(path, model, set(sources.values()))  # only what this rank holds
-        for name, param in params.items():
-            param.copy_(local_piece(tensors[sources[name]], sources[name], param, ps))
+        for name, piece in pieces.items():
+            piece.copy_(local_piece(tensors[sources[name]], sources[name], piece, ps))
     else:
         raise CheckpointError(
             f"checkpoint.init_from={path}: neither a megalite checkpoint (no manifest.json) nor "

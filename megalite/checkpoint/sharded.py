@@ -50,7 +50,7 @@ from megalite.data.tokenizer import HFTokenizer, Tokenizer, open_tokenizer
 from megalite.models import CausalLM, build_chunks
 from megalite.optimizer.zero1 import STATE_KINDS
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel import TPRandom
+from megalite.tensor_parallel import TPRandom, global_tensors
 
 FORMAT = "megalite-checkpoint-v4"
 READABLE_FORMATS = (
@@ -338,8 +338,8 @@ class Checkpoint:
     def load_parameters(self, params: dict[str, nn.Parameter], ps: ParallelState) -> None:
         """Fill local parameters (global name -> this rank's piece in layout `ps`) with their
         saved values, whatever layout saved them."""
-        for name, param in params.items():
-            param.copy_(self._tensors.local(param.meta.tied_name or name, param, ps))
+        for name, tensor in global_tensors(params).items():  # a fused parameter by parts
+            tensor.copy_(self._tensors.local(tensor.meta.tied_name or name, tensor, ps))
 
     def weight_names(self) -> list[str]:
         """Global names of the saved model weights (a tied copy is saved once, as its original)."""
@@ -418,11 +418,10 @@ def _load_tensors(ckpt: Checkpoint, state: RunState) -> None:
         ckpt.check_present()
         ckpt.verify_tokenizer()
     ckpt.load_parameters(state.params, ps)
-    names = {param: name for name, param in state.params.items()}
 
-    def read_state(param: nn.Parameter, kind: str, lo: int, hi: int) -> torch.Tensor:
-        source = state_name(param.meta.tied_name or names[param], kind)
-        return tensors.local_range(source, param, ps, lo, hi).to(ps.device)
+    def read_state(name: str, tensor: torch.Tensor, kind: str, lo: int, hi: int) -> torch.Tensor:
+        source = state_name(tensor.meta.tied_name or name, kind)
+        return tensors.local_range(source, tensor, ps, lo, hi).to(ps.device)
 
     state.optimizer.load_pieces(read_state, manifest["optimizer_step"])
     if manifest["layout"] == layout_of(ps):

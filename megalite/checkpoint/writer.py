@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from megalite import comm
 from megalite.checkpoint.files import safetensors_chunks, write_atomic
@@ -47,6 +46,7 @@ from megalite.checkpoint.staging import HostStaging
 from megalite.checkpoint.state import RunState
 from megalite.data.tokenizer import tokenizer_files
 from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel import global_tensors
 
 
 def _entry(meta, pieces: int) -> dict[str, Any]:
@@ -59,7 +59,7 @@ def _entry(meta, pieces: int) -> dict[str, Any]:
     }
 
 
-def _saved_name(param: nn.Parameter, name: str, ps: ParallelState) -> str | None:
+def _saved_name(param: torch.Tensor, name: str, ps: ParallelState) -> str | None:
     """The name `param` is saved under by this rank, or None: a tied copy is saved by its
     original, a tp-replicated tensor by tp rank 0."""
     meta = param.meta
@@ -86,17 +86,15 @@ def owned_tensors(state: RunState) -> tuple[dict[str, dict[str, torch.Tensor]], 
         entry["segments"].append([piece, lo, lo + tensor.numel(), file, key])
         files.setdefault(file, {})[key] = tensor.detach()
 
-    if ps.dp_rank == 0:
-        for name, param in state.params.items():
-            if _saved_name(param, name, ps) is not None:
-                add(name, param, model_file, 0, param)
+    if ps.dp_rank == 0:  # fused parameters as their parts: the layout before fusing
+        for name, tensor in global_tensors(state.params).items():
+            if _saved_name(tensor, name, ps) is not None:
+                add(name, tensor, model_file, 0, tensor)
     if optimizer.sharded or ps.dp_rank == 0:
-        names = {param: name for name, param in state.params.items()}
-        for param, lo, _, views in optimizer.owned_pieces():
-            name = _saved_name(param, names[param], ps)
-            if name is not None:
+        for name, tensor, lo, _, views in optimizer.owned_pieces():
+            if _saved_name(tensor, name, ps) is not None:
                 for kind, view in views.items():
-                    add(f"{state_name(name, kind)}@{lo}", param, optim_file, lo, view)
+                    add(f"{state_name(name, kind)}@{lo}", tensor, optim_file, lo, view)
     return files, entries
 
 

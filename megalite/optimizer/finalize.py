@@ -20,19 +20,32 @@ from torch import nn
 from megalite import comm
 from megalite.optimizer.grad_buffer import GradBuffer
 from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel.layers import ParamMeta, param_parts
 
 
-def _sum_owned(
-    buffers: list[GradBuffer], select: Callable[[nn.Parameter], bool], group: Any
-) -> None:
+def _owned_parts(buffer: GradBuffer, param: nn.Parameter) -> list[tuple[int, int, ParamMeta]]:
+    """Where each global tensor `param` holds (itself, or the parts of a fused parameter)
+    meets this rank's owned pieces: (owned start, owned end, that tensor's meta)."""
+    found = []
+    for start, end, offset in buffer.owned_segments(param):
+        for _, meta, lo, hi in param_parts("", param):
+            lo, hi = max(lo, offset), min(hi, offset + end - start)
+            if lo < hi:
+                found.append((start + lo - offset, start + hi - offset, meta))
+    return found
+
+
+def _sum_owned(buffers: list[GradBuffer], select: Callable[[ParamMeta], bool], group: Any) -> None:
+    """Sum over `group` the owned gradients of the global tensors `select` picks (a fused
+    parameter's parts each by their own meta: a shared kv head, not the q rows beside it)."""
     if comm.size(group) == 1:
         return
     pieces = [
         buffer.owned_grads[start:end]
         for buffer in buffers
         for param in buffer.params
-        if select(param)
-        for start, end, _ in buffer.owned_segments(param)
+        for start, end, meta in _owned_parts(buffer, param)
+        if select(meta)
     ]
     if not pieces:
         return
@@ -47,6 +60,6 @@ def _sum_owned(
 def finalize_grads(buffers: list[GradBuffer], ps: ParallelState) -> None:
     for buffer in buffers:
         buffer.finish_sync()
-    _sum_owned(buffers, lambda p: p.meta.tp_grad_reduce, ps.tp_group)
+    _sum_owned(buffers, lambda meta: meta.tp_grad_reduce, ps.tp_group)
     if ps.pp_size > 1:
-        _sum_owned(buffers, lambda p: p.meta.pp_tied, ps.embedding_group)
+        _sum_owned(buffers, lambda meta: meta.pp_tied, ps.embedding_group)

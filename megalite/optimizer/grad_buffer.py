@@ -10,6 +10,9 @@ are in: reduce-scattered when the optimizer is sharded (ZeRO-1), all-reduced oth
 Tensor-parallel linears add their weight and bias gradients in fp32 straight into the main grad
 (or ZeRO-2's staging) through `param.accumulate_main_grad` (Megatron's gradient-accumulation
 fusion): no 16-bit `.grad` in between, and the bucket counts the gradient as arrived at once.
+A fused parameter (q/k/v, gate/up) holds several global tensors (`ParamMeta.parts`); the
+fix-ups and the optimizer select by each part's meta (`finalize`, `zero1`), so a shared kv head's
+rows are summed over tp and the query rows beside it are not.
 
 ZeRO-2 (sharded gradients) keeps no full-size gradient buffer: a bucket's fp32 gradients are
 staged in a bucket-sized tensor taken when its first gradient of a backward arrives, and every
@@ -42,6 +45,7 @@ from torch import nn
 from megalite import comm
 from megalite.kernels import wgrad_accumulate
 from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel.linear import Rows
 
 
 @dataclass
@@ -211,26 +215,27 @@ class GradBuffer:
         self._count_arrival(param)
 
     def _accumulate(
-        self, param: nn.Parameter, dy: torch.Tensor, x: torch.Tensor | None, rows: slice | None
+        self, param: nn.Parameter, dy: torch.Tensor, x: torch.Tensor | None, rows: Rows
     ) -> None:
         """A tensor-parallel linear's weight gradient dy^T x (dy (tokens, out), x (tokens, in);
-        only `rows` of the weight when given; a bias, x None: dy summed over the tokens), added
-        in fp32 straight into the main grad, or ZeRO-2's staging: no `.grad` in between, and the
-        bucket counts it as arrived."""
+        only `rows` of the weight when given, dy's columns in their order; a bias, x None: dy
+        summed over the tokens), added in fp32 straight into the main grad, or ZeRO-2's
+        staging: no `.grad` in between, and the bucket counts it as arrived."""
         if self.grads_sharded:
             target, first = self._staged(param), False
         else:
             target, first = param.main_grad, param not in self.arrived
             self.arrived.add(param)
-        if rows is not None:
+        if rows is None:
+            _add_wgrad(target, dy, x, first)
+        else:
             if first:  # the other rows get no gradient on this rank
                 target.zero_()
-            target, first = target[rows], False
-        if x is None:
-            bias_grad = dy.sum(0, dtype=torch.float32)
-            target.copy_(bias_grad) if first else target.add_(bias_grad)
-        else:
-            wgrad_accumulate(target, dy, x, overwrite=first)
+            start = 0
+            for piece in rows:
+                end = start + piece.stop - piece.start
+                _add_wgrad(target[piece], dy[:, start:end], x, False)
+                start = end
         if self.grads_sharded:
             self._stage_done(param)
         else:
@@ -367,6 +372,15 @@ class GradBuffer:
         checkpoint, the next update)."""
         for bucket in self.buckets:
             self.wait_param_gather(bucket)
+
+
+def _add_wgrad(target: torch.Tensor, dy: torch.Tensor, x: torch.Tensor | None, first: bool) -> None:
+    """target (+)= dy^T x in fp32; a bias (x None): dy summed over the tokens."""
+    if x is None:
+        bias_grad = dy.sum(0, dtype=torch.float32)
+        target.copy_(bias_grad) if first else target.add_(bias_grad)
+    else:
+        wgrad_accumulate(target, dy, x, overwrite=first)
 
 
 def _wait_for_parameters(pairs: list[tuple[GradBuffer, Bucket]], *_: Any) -> None:

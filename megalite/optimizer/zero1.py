@@ -24,6 +24,7 @@ from megalite.optimizer.clip import sum_of_squares
 from megalite.optimizer.grad_buffer import GradBuffer
 from megalite.optimizer.offload import OnDevice, OnHost
 from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel.layers import ParamMeta, global_tensors, param_parts
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 """The optimizer state kept per owned element: fp32 master, moments in optim.state_dtype
@@ -53,19 +54,23 @@ class ShardState:
 
 
 def _ranges(buffer: GradBuffer, start: int, end: int, include) -> list[tuple[int, int]]:
-    """Where the parameters `include` selects meet buffer[start:end], relative to start, with
-    adjacent ranges merged."""
+    """Where the global tensors `include` selects by their meta (a fused parameter's parts
+    each by its own) meet buffer[start:end], relative to start, with adjacent ranges merged."""
     ranges: list[tuple[int, int]] = []
     for param in buffer.params:
-        lo = max(start, buffer.offsets[param])
-        hi = min(end, buffer.offsets[param] + param.numel())
-        if lo >= hi or not include(param):
-            continue
-        if ranges and ranges[-1][1] == lo - start:
-            ranges[-1] = (ranges[-1][0], hi - start)
-        else:
-            ranges.append((lo - start, hi - start))
+        for _, meta, part_lo, part_hi in param_parts("", param):
+            lo = max(start, buffer.offsets[param] + part_lo)
+            hi = min(end, buffer.offsets[param] + part_hi)
+            if lo < hi and include(meta):
+                _append_merged(ranges, lo - start, hi - start)
     return sorted(ranges)
+
+
+def _append_merged(ranges: list[tuple[int, int]], lo: int, hi: int) -> None:
+    if ranges and ranges[-1][1] == lo:
+        ranges[-1] = (ranges[-1][0], hi)
+    else:
+        ranges.append((lo, hi))
 
 
 class DistributedOptimizer:
@@ -102,14 +107,14 @@ class DistributedOptimizer:
                     master=master,
                     exp_avg=self.adamw.zeros(master.numel()),
                     exp_avg_sq=self.adamw.zeros(master.numel()),
-                    decay=_ranges(buffer, start, end, lambda p: p.meta.weight_decay),
+                    decay=_ranges(buffer, start, end, lambda meta: meta.weight_decay),
                     counted=_ranges(buffer, start, end, self._counts_in_norm),
                 )
             )
 
-    def _counts_in_norm(self, param: nn.Parameter) -> bool:
-        replicated_over_tp = param.meta.tp_split_dim is None
-        return param.meta.tied_name is None and (self.ps.tp_rank == 0 or not replicated_over_tp)
+    def _counts_in_norm(self, meta: ParamMeta) -> bool:
+        replicated_over_tp = meta.tp_split_dim is None
+        return meta.tied_name is None and (self.ps.tp_rank == 0 or not replicated_over_tp)
 
     @property
     def sharded(self) -> bool:
@@ -176,35 +181,43 @@ class DistributedOptimizer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def owned_pieces(self) -> Iterator[tuple[nn.Parameter, int, int, dict[str, torch.Tensor]]]:
-        """(param, lo, hi, {kind: state}) for every range [lo, hi) of a parameter's flattened
-        elements whose optimizer state this rank holds, `kind` in STATE_KINDS. The state
-        tensors are views: a checkpoint saves and restores exactly what this rank owns, with no
-        gather over dp."""
+    def owned_pieces(
+        self,
+    ) -> Iterator[tuple[str, torch.Tensor, int, int, dict[str, torch.Tensor]]]:
+        """(name, tensor, lo, hi, {kind: state}) for every range [lo, hi) of a global tensor's
+        local piece, flattened, whose optimizer state this rank holds, `kind` in STATE_KINDS.
+        `tensor` is that piece, carrying its meta: a parameter, or a part of a fused one
+        (`global_tensors`), so checkpoints keep one state per global tensor, as before fusing.
+        The state tensors are views: a checkpoint saves and restores exactly what this rank
+        owns, with no gather over dp."""
         for state in self.states:
             end = state.start + state.master.numel()
             for param in state.buffer.params:
-                p_start = state.buffer.offsets[param]
-                lo, hi = max(state.start, p_start), min(end, p_start + param.numel())
-                if lo < hi:
-                    views = {
-                        k: getattr(state, k)[lo - state.start : hi - state.start]
-                        for k in STATE_KINDS
-                    }
-                    yield param, lo - p_start, hi - p_start, views
+                name, p_start = self.names[param], state.buffer.offsets[param]
+                pieces = global_tensors({name: param})
+                for part_name, _, part_lo, part_hi in param_parts(name, param):
+                    lo = max(state.start, p_start + part_lo)
+                    hi = min(end, p_start + part_hi)
+                    if lo < hi:
+                        views = {
+                            k: getattr(state, k)[lo - state.start : hi - state.start]
+                            for k in STATE_KINDS
+                        }
+                        start = p_start + part_lo
+                        yield part_name, pieces[part_name], lo - start, hi - start, views
 
     @torch.no_grad()
     def load_pieces(
-        self, read: Callable[[nn.Parameter, str, int, int], torch.Tensor], step_count: int
+        self, read: Callable[[str, torch.Tensor, str, int, int], torch.Tensor], step_count: int
     ) -> None:
-        """Restore the owned state; `read(param, kind, lo, hi)` gives elements [lo, hi) of the
-        local parameter's state, flattened: only the owned range is read, so a rank reads
-        its share and host memory stays at one range."""
+        """Restore the owned state; `read(name, tensor, kind, lo, hi)` gives elements [lo, hi)
+        of the global tensor's local piece's state, flattened (see `owned_pieces`): only the
+        owned range is read, so a rank reads its share and host memory stays at one range."""
         self.finish_param_gather()
         self.step_count = step_count
-        for param, lo, hi, views in self.owned_pieces():
+        for name, tensor, lo, hi, views in self.owned_pieces():
             for kind, view in views.items():
-                view.copy_(read(param, kind, lo, hi))
+                view.copy_(read(name, tensor, kind, lo, hi))
         for state in self.states:
             if state.master is not state.params:
                 state.params.copy_(state.master)

@@ -31,9 +31,7 @@ def _layer(cfg: Config, i: int) -> list[Param]:
     if m.arch == "gpt":
         shapes = [
             ("attn_norm.weight", h), ("attn_norm.bias", h),
-            ("attn.wq.weight", q * h), ("attn.wq.bias", q),
-            ("attn.wk.weight", kv * h), ("attn.wk.bias", kv),
-            ("attn.wv.weight", kv * h), ("attn.wv.bias", kv),
+            ("attn.wqkv.weight", (q + 2 * kv) * h), ("attn.wqkv.bias", q + 2 * kv),
             ("attn.wo.weight", h * q), ("attn.wo.bias", h),
             ("mlp_norm.weight", h), ("mlp_norm.bias", h),
             ("mlp.fc.weight", f * h), ("mlp.fc.bias", f),
@@ -42,10 +40,10 @@ def _layer(cfg: Config, i: int) -> list[Param]:
     else:
         shapes = [
             ("attn_norm.weight", h),
-            ("attn.wq.weight", q * h), ("attn.wk.weight", kv * h), ("attn.wv.weight", kv * h),
+            ("attn.wqkv.weight", (q + 2 * kv) * h),
             ("attn.wo.weight", h * q),
             ("mlp_norm.weight", h),
-            ("mlp.gate.weight", f * h), ("mlp.up.weight", f * h), ("mlp.down.weight", h * f),
+            ("mlp.gate_up.weight", 2 * f * h), ("mlp.down.weight", h * f),
         ]  # fmt: skip
     return [Param(pre + name, n) for name, n in shapes]
 

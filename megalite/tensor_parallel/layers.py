@@ -8,6 +8,7 @@ small and the layout never leaks into model code.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -66,6 +67,50 @@ class ParamMeta:
     copies' gradients are summed over the embedding group."""
     weight_decay: bool = True
     """Matrices decay; norms, biases and embeddings-as-vectors do not."""
+    parts: tuple[Part, ...] = ()
+    """A fused parameter (q/k/v, gate/up) holds several global tensors as consecutive blocks of
+    rows; each has its own meta and name, and init, gradient fix-ups, the optimizer and
+    checkpoints see only those (`param_parts`). The fused tensor itself is never global."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One global tensor inside a fused parameter: `rows` local rows, named `name` beside the
+    fused parameter (`wq.weight` beside `wqkv.weight`)."""
+
+    name: str
+    meta: ParamMeta
+    rows: int
+
+
+def param_parts(name: str, param: torch.Tensor) -> list[tuple[str, ParamMeta, int, int]]:
+    """(global name, meta, flat start, flat end) of each global tensor a local parameter holds:
+    the parameter itself, or each part of a fused one."""
+    parts = param.meta.parts
+    if not parts:
+        return [(name, param.meta, 0, param.numel())]
+    parent = name.rsplit(".", 2)[0] + "." if name.count(".") >= 2 else ""
+    row, found, start = math.prod(param.shape[1:]), [], 0
+    for part in parts:
+        found.append((parent + part.name, part.meta, start, start + part.rows * row))
+        start += part.rows * row
+    return found
+
+
+def global_tensors(params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+    """Global name -> this rank's piece, each carrying its `meta`: a fused parameter's parts are
+    views of it, so reading or filling them reads or fills the parameter. What init,
+    checkpoints and Hugging Face conversion work on: names and values as before fusing."""
+    found: dict[str, torch.Tensor] = {}
+    for name, param in params.items():
+        if not param.meta.parts:
+            found[name] = param
+            continue
+        for part_name, meta, start, end in param_parts(name, param):
+            view = param.detach().view(-1)[start:end].view(-1, *param.shape[1:])
+            view.meta = meta
+            found[part_name] = view
+    return found
 
 
 def make_param(local_shape: tuple[int, ...], meta: ParamMeta, ps: ParallelState) -> nn.Parameter:
@@ -92,13 +137,98 @@ def tp_output(x: torch.Tensor, ps: ParallelState, sequence_parallel: bool) -> to
     return reduce_from_tp_region(x, ps.tp_group)
 
 
-class ColumnParallelLinear(nn.Module):
+@dataclass(frozen=True)
+class ColumnOutput:
+    """One output of a column-parallel linear, a global tensor of its own (`name` beside the
+    fused parameter: "wq" gives `wq.weight`, `wq.bias`)."""
+
+    name: str
+    features: int
+    shared_heads: int = 0
+    """When > 0: the output has this many heads, fewer than tp ranks (grouped-query attention
+    with n_kv_heads < tp). Every rank holds all of them but computes only the head its query
+    heads use, so each rank's gradient covers that head alone and is summed over tp."""
+
+
+class FusedColumnParallelLinear(nn.Module):
+    """Several column-parallel linears that read the same input (q, k, v; gate, up) as one:
+    one parameter holding, per tp rank, [this rank's rows of output 1; of output 2; ...], so
+    one all-gather of the sequence shards and one GEMM produce every output.
+
+    The fused rows of rank r are not a cut of any one global tensor, so each output stays a
+    global tensor of its own in `ParamMeta.parts`: init draws, and checkpoints store, exactly
+    what the separate linears did (see `param_parts`)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        outputs: Sequence[ColumnOutput],
+        ps: ParallelState,
+        *,
+        bias: bool,
+        init: InitFn,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.ps, self.sequence_parallel = ps, sequence_parallel
+        weights, biases, used, self.sizes, start = [], [], [], [], 0
+        for out in outputs:
+            shared = out.shared_heads > 0
+            meta = dict(tp_split_dim=None if shared else 0, tp_grad_reduce=shared)
+            rows = out.features if shared else out.features // ps.tp_size
+            weight = ParamMeta((out.features, in_features), init, **meta)
+            bias_meta = ParamMeta((out.features,), constant_init(0.0), weight_decay=False, **meta)
+            weights.append(Part(f"{out.name}.weight", weight, rows))
+            biases.append(Part(f"{out.name}.bias", bias_meta, rows))
+            if shared:  # the one head this rank's query heads use
+                width = out.features // out.shared_heads
+                head = ps.tp_rank * out.shared_heads // ps.tp_size
+                used.append(slice(start + head * width, start + (head + 1) * width))
+            else:
+                used.append(slice(start, start + rows))
+            self.sizes.append(used[-1].stop - used[-1].start)
+            start += rows
+        self.rows: Rows = _merged(used, start)
+        self.weight = _fused_param((start, in_features), weights, ps)
+        self.bias = _fused_param((start,), biases, ps) if bias else None
+
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> tuple[torch.Tensor, ...]:
+        """The outputs (b, s, out_i/tp) for x the sequence shard (SP) or the replicated input:
+        one gather in forward and one in backward, one reduction of the input gradient, and
+        only the shard kept for backward. add_bias=False leaves the bias to a fused consumer
+        (bias-GELU)."""
+        bias = self.bias if add_bias else None
+        group, sp = self.ps.tp_group, self.sequence_parallel
+        y = column_parallel_linear(x, self.weight, bias, self.rows, group, sp)
+        return y.split(self.sizes, dim=-1)
+
+
+def _merged(used: list[slice], rows: int) -> Rows:
+    """The row slices a linear computes, adjacent ones merged; None when that is every row."""
+    merged = [used[0]]
+    for piece in used[1:]:
+        if piece.start == merged[-1].stop:
+            merged[-1] = slice(merged[-1].start, piece.stop)
+        else:
+            merged.append(piece)
+    return None if merged == [slice(0, rows)] else tuple(merged)
+
+
+def _fused_param(shape: tuple[int, ...], parts: list[Part], ps: ParallelState) -> nn.Parameter:
+    """The parameter holding `parts` as blocks of rows. A lone split part is a plain parameter
+    (a single linear, as before); a fused one has no global tensor of its own, so its meta
+    carries only its local shape and the parts."""
+    if len(parts) == 1 and parts[0].meta.tp_split_dim == 0:
+        return make_param(shape, parts[0].meta, ps)
+    first = parts[0].meta
+    fused = ParamMeta(shape, first.init, weight_decay=first.weight_decay, parts=tuple(parts))
+    return make_param(shape, fused, ps)
+
+
+class ColumnParallelLinear(FusedColumnParallelLinear):
     """y = x W^T + b with W split by output rows: rank r computes output features piece r.
 
-    x is the sequence shard under SP (gathered inside), else the replicated input. Linears that
-    read the same input run together through `column_parallel` (one gather for all)."""
-
-    rows: Rows = None
+    x is the sequence shard under SP (gathered inside), else the replicated input."""
 
     def __init__(
         self,
@@ -110,69 +240,18 @@ class ColumnParallelLinear(nn.Module):
         init: InitFn,
         sequence_parallel: bool = False,
     ) -> None:
-        super().__init__()
-        tp = ps.tp_size
-        self.ps, self.sequence_parallel = ps, sequence_parallel
-        self.weight = make_param(
-            (out_features // tp, in_features),
-            ParamMeta((out_features, in_features), init, tp_split_dim=0),
+        super().__init__(
+            in_features,
+            [ColumnOutput("", out_features)],
             ps,
-        )
-        self.bias = (
-            make_param(
-                (out_features // tp,),
-                ParamMeta((out_features,), constant_init(0.0), 0, weight_decay=False),
-                ps,
-            )
-            if bias
-            else None
+            bias=bias,
+            init=init,
+            sequence_parallel=sequence_parallel,
         )
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
-        """add_bias=False leaves the bias to a fused consumer (bias-GELU)."""
-        (y,) = column_parallel(x, [self], self.ps, self.sequence_parallel, add_bias)
+        (y,) = super().forward(x, add_bias)
         return y  # (b, s, out/tp)
-
-
-class HeadReplicatedLinear(nn.Module):
-    """Key/value projection when there are fewer kv heads than tp ranks (grouped-query attention
-    with n_kv_heads < tp): every rank holds the whole weight but computes only the one kv head
-    its query heads use; each rank's gradient covers only that head, so it is summed over tp.
-    Used through `column_parallel` beside the query projection."""
-
-    bias = None
-
-    def __init__(
-        self, in_features: int, n_heads: int, head_dim: int, ps: ParallelState, *, init: InitFn
-    ) -> None:
-        super().__init__()
-        head = ps.tp_rank * n_heads // ps.tp_size
-        self.rows: Rows = slice(head * head_dim, (head + 1) * head_dim)
-        self.weight = make_param(
-            (n_heads * head_dim, in_features),
-            ParamMeta((n_heads * head_dim, in_features), init, tp_grad_reduce=True),
-            ps,
-        )
-
-
-def column_parallel(
-    x: torch.Tensor,
-    linears: Sequence[ColumnParallelLinear | HeadReplicatedLinear],
-    ps: ParallelState,
-    sequence_parallel: bool,
-    add_bias: bool = True,
-) -> tuple[torch.Tensor, ...]:
-    """The outputs (b, s, out_i/tp) of column-parallel linears that read the same input x (the
-    sequence shard under SP): one all-gather in forward and one in backward, one reduction of
-    the input gradient, and only the shard kept for backward."""
-    return column_parallel_linear(
-        x,
-        [linear.weight for linear in linears],
-        [linear.bias if add_bias else None for linear in linears],
-        [linear.rows for linear in linears],
-        ps.tp_group,
-        sequence_parallel,
-    )
 
 
 class RowParallelLinear(nn.Module):

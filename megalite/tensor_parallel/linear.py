@@ -1,9 +1,9 @@
 """The autograd functions of the column- and row-parallel linears, in the style of Megatron-LM's
 `LinearWithGradAccumulationAndAsyncCommunication`.
 
-Column-parallel (one function for every linear that reads the same input: q, k, v; gate, up):
-- forward: all-gather the sequence shards (SP) once, one GEMM per weight; keep the SHARD for
-  backward, not the gathered input (s*b*h/t instead of s*b*h per layer input);
+Column-parallel (q, k, v and gate, up are one fused weight each: `FusedColumnParallelLinear`):
+- forward: all-gather the sequence shards (SP), one GEMM; keep the SHARD for backward, not
+  the gathered input (s*b*h/t instead of s*b*h per layer input);
 - backward: start the all-gather of the shard again and compute the input gradient under it;
   start the input gradient's reduce-scatter (SP) or all-reduce and compute the weight
   gradients under it; then wait.
@@ -16,7 +16,6 @@ parameter an `accumulate_main_grad` (optimizer/grad_buffer.py): no 16-bit `.grad
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,12 +26,19 @@ from megalite import comm
 SEQ_DIM = 1
 """Activations are (batch, seq, hidden): SP shards dim 1."""
 
-Rows = slice | None
-"""The rows of a weight a linear uses (a shared kv head, `HeadReplicatedLinear`); None: all."""
+Rows = tuple[slice, ...] | None
+"""The rows of a weight a linear computes, in order (q and a shared kv head of a fused q/k/v:
+`ColumnOutput.shared_heads`); None: all."""
 
 
-def _used(weight: torch.Tensor, rows: Rows) -> torch.Tensor:
-    return weight if rows is None else weight[rows]
+def _used(weight: torch.Tensor | None, rows: Rows) -> torch.Tensor | None:
+    """The rows computed: the weight itself, a view, or (a shared kv head beside q) a copy of
+    the rows, one weight-sized copy that keeps the product one GEMM."""
+    if weight is None or rows is None:
+        return weight
+    if len(rows) == 1:
+        return weight[rows[0]]
+    return torch.cat([weight[piece] for piece in rows])
 
 
 def _weight_grad(
@@ -48,8 +54,11 @@ def _weight_grad(
     grad = dy.sum(0) if x is None else dy.t() @ x
     if rows is None:
         return grad
-    full = grad.new_zeros(weight.shape)
-    full[rows] = grad
+    full, start = grad.new_zeros(weight.shape), 0
+    for piece in rows:
+        end = start + piece.stop - piece.start
+        full[piece] = grad[start:end]
+        start = end
     return full
 
 
@@ -58,47 +67,42 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 class _ColumnParallel(torch.autograd.Function):
-    """forward: all-gather along the sequence (SP) or identity, then y_i = x W_i^T + b_i;
-    backward: all-gather again (SP), dx = sum_i dy_i W_i reduce-scattered along the sequence
-    (SP) or all-reduced, overlapped with dW_i = dy_i^T x."""
+    """forward: all-gather along the sequence (SP) or identity, then y = x W^T + b;
+    backward: all-gather again (SP), dx = dy W reduce-scattered along the sequence (SP) or
+    all-reduced, overlapped with dW = dy^T x."""
 
     @staticmethod
-    def forward(ctx, x, group, sequence_parallel, rows, *params):
-        n = len(rows)
-        weights, biases = params[:n], params[n:]
+    def forward(ctx, x, weight, bias, group, sequence_parallel, rows):
         total = comm.all_gather(x, group, SEQ_DIM) if sequence_parallel else x
-        ctx.save_for_backward(x, *weights)
+        ctx.save_for_backward(x, weight)
         ctx.group, ctx.sequence_parallel, ctx.rows = group, sequence_parallel, rows
-        ctx.biases = biases  # parameters (leaves): for their main grads, not saved tensors
-        return tuple(F.linear(total, _used(w, r), b) for w, r, b in zip(weights, rows, biases))
+        ctx.bias = bias  # a parameter (leaf): for its main grad, not a saved tensor
+        return F.linear(total, _used(weight, rows), _used(bias, rows))
 
     @staticmethod
-    def backward(ctx, *dys):
-        x, *weights = ctx.saved_tensors
-        group, rows, n = ctx.group, ctx.rows, len(ctx.rows)
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        group, rows = ctx.group, ctx.rows
         gather = comm.all_gather_start(x, group, SEQ_DIM) if ctx.sequence_parallel else None
         reduction = None
         if ctx.needs_input_grad[0]:
-            dx = sum(dy @ _used(w, r) for dy, w, r in zip(dys, weights, rows))
+            dx = dy @ _used(weight, rows)
         total = x if gather is None else gather.wait()  # (b, s, in): the full sequence
         if ctx.needs_input_grad[0]:
             if ctx.sequence_parallel:
                 reduction = comm.reduce_scatter_start(dx, group, SEQ_DIM)
             else:
                 reduction = comm.Pending(comm.all_reduce(dx, group, async_op=True), lambda: dx)
-        # the weight gradients run while the input gradient's reduction is in flight; last
-        # linear first, bias before weight: the order autograd delivers leaf gradients in
-        # (ZeRO-2's staging estimate replays it: profiling.parameters.gradient_arrival)
-        flat, needs = _flat(total), ctx.needs_input_grad[4:]
-        wgrads, bgrads = [None] * n, [None] * n
-        for i in reversed(range(n)):
-            dy = _flat(dys[i])
-            if ctx.biases[i] is not None and needs[n + i]:
-                bgrads[i] = _weight_grad(ctx.biases[i], None, None, dy)
-            if needs[i]:
-                wgrads[i] = _weight_grad(weights[i], rows[i], flat, dy)
+        # the weight gradient runs while the input gradient's reduction is in flight; bias
+        # before weight: the order autograd delivers leaf gradients in (ZeRO-2's staging
+        # estimate replays it: profiling.parameters.gradient_arrival)
+        flat_dy, wgrad, bgrad = _flat(dy), None, None
+        if ctx.bias is not None and ctx.needs_input_grad[2]:
+            bgrad = _weight_grad(ctx.bias, rows, None, flat_dy)
+        if ctx.needs_input_grad[1]:
+            wgrad = _weight_grad(weight, rows, _flat(total), flat_dy)
         dx = None if reduction is None else reduction.wait()
-        return (dx, None, None, None, *wgrads, *bgrads)
+        return dx, wgrad, bgrad, None, None, None
 
 
 class _RowParallel(torch.autograd.Function):
@@ -127,15 +131,15 @@ class _RowParallel(torch.autograd.Function):
 
 def column_parallel_linear(
     x: torch.Tensor,
-    weights: Sequence[torch.Tensor],
-    biases: Sequence[torch.Tensor | None],
-    rows: Sequence[Rows],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows: Rows,
     group: Any,
     sequence_parallel: bool,
-) -> tuple[torch.Tensor, ...]:
-    """y_i = x W_i[rows_i]^T + b_i for every weight, x the sequence shard (SP) or the replicated
-    input; each y_i covers the full sequence."""
-    return _ColumnParallel.apply(x, group, sequence_parallel, tuple(rows), *weights, *biases)
+) -> torch.Tensor:
+    """y = x W[rows]^T + b[rows], x the sequence shard (SP) or the replicated input; y covers
+    the full sequence."""
+    return _ColumnParallel.apply(x, weight, bias, group, sequence_parallel, rows)
 
 
 def row_parallel_linear(

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.layers import ParamMeta
+from megalite.tensor_parallel.layers import ParamMeta, global_tensors
 
 VALUES_PER_BLOCK = 2**16
 """About this many values share one stream: enough that the per-block cost (a generator, a
@@ -95,11 +95,12 @@ def init_parameters(
 ) -> None:
     """Fill every parameter with this rank's piece of its global tensor. A copy of a tied
     parameter (GPT's head on the last pipeline stage) draws from the tied name's streams.
-    Tests pass a small `values_per_block` to put block boundaries inside tiny shards."""
-    for name, param in model.named_parameters():
-        source = param.meta.tied_name or name
-        shard = draw_shard(param.meta, source, seed, ps.tp_rank, ps.tp_size, values_per_block)
-        param.copy_(shard)
+    Tests pass a small `values_per_block` to put block boundaries inside tiny shards. A fused
+    parameter's parts are drawn as the separate tensors they were before fusing."""
+    for name, piece in global_tensors(dict(model.named_parameters())).items():
+        source = piece.meta.tied_name or name
+        shard = draw_shard(piece.meta, source, seed, ps.tp_rank, ps.tp_size, values_per_block)
+        piece.copy_(shard)
 
 
 class TPRandom:

@@ -17,6 +17,7 @@ from megalite.config import load_config
 from megalite.data import GlobalBatchSampler
 from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
+from megalite.tensor_parallel import global_tensors
 from megalite.training.loop import run_state
 from megalite.training.setup import build_run
 
@@ -34,10 +35,9 @@ def _state(config: str | None, overrides: tuple[str, ...]):
 
 def _owned(state) -> dict[tuple[str, str, int], np.ndarray]:
     """The optimizer state a rank owns, as numpy arrays (a forked rank returns no tensors)."""
-    names = {param: name for name, param in state.params.items()}
     return {
-        (names[param], kind, lo): view.numpy().copy()
-        for param, lo, _, views in state.optimizer.owned_pieces()
+        (name, kind, lo): view.numpy().copy()
+        for name, _, lo, _, views in state.optimizer.owned_pieces()
         for kind, view in views.items()
     }
 
@@ -71,7 +71,8 @@ def _load(path: str, config: str | None, overrides: tuple[str, ...]):
     held = sum(p.numel() * p.element_size() for p in state.params.values())
     owned = _owned(state)
     share = held + sum(v.nbytes for v in owned.values())
-    return read, share, owned, {n: p.detach().numpy().copy() for n, p in state.params.items()}
+    pieces = global_tensors(state.params)  # as saved: fused parameters by part
+    return read, share, owned, {n: p.detach().numpy().copy() for n, p in pieces.items()}
 
 
 def _global(pieces: list[dict]) -> dict[tuple[str, str], np.ndarray]:

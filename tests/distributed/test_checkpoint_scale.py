@@ -16,6 +16,7 @@ from megalite.config import load_config
 from megalite.data import GlobalBatchSampler
 from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
+from megalite.tensor_parallel import global_tensors
 from megalite.training.loop import run_state
 from megalite.training.setup import build_run
 
@@ -39,10 +40,10 @@ def _save(root: str):
         for kind in ("model_", "optim_")
     }
     # What this tp rank saves: its piece of split tensors, replicated ones on tp rank 0 only,
-    # tied copies never (their original is saved).
+    # tied copies never (their original is saved); fused parameters by part.
     saved = [
         p
-        for p in run.named_parameters().values()
+        for p in global_tensors(run.named_parameters()).values()
         if p.meta.tied_name is None and (p.meta.tp_split_dim is not None or ps.tp_rank == 0)
     ]
     elements = sum(p.numel() for p in saved)

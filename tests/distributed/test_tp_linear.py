@@ -1,7 +1,7 @@
 """The Megatron-style linears (tensor_parallel/linear.py): the input gradient's collective is in
 flight while the weight-gradient GEMM runs, and weight gradients added straight into the fp32
 main grads equal what `.grad` then copy/add gave (fp32), with and without SP, biases, a shared
-kv head (n_kv_heads < tp) and ZeRO-2's staging."""
+kv head (n_kv_heads < tp) and ZeRO-2's staging; fused q/k/v and gate/up run one GEMM each."""
 
 import time
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 from equivalence import relative_error
 from megalite.models import GPT, BuildContext, Llama
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalite import comm
 from megalite.config import load_config
@@ -112,3 +113,50 @@ def test_fused_accumulation_equals_grad_then_add_in_fp32(arch, sp):
 def test_fused_accumulation_under_zero2():
     """tp 2 x dp 2, ZeRO-2: the weight gradients go into the buckets' staging."""
     assert max(run_ranks(4, _fused_vs_unfused, "gpt", True, 2)) < 1e-6
+
+
+GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+class _CountGemms(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in GEMMS
+        return func(*args, **(kwargs or {}))
+
+
+def _gemms(overrides: list[str]) -> dict[str, tuple[int, int]]:
+    """(forward, backward) GEMMs of each column-parallel group of a block at tp 2 with SP."""
+    ps = build_parallel_state(2, 1, torch.device("cpu"))
+    cfg = load_config(None, [*overrides, "model.hidden=32", "model.n_heads=4", "model.n_layers=1"])
+    ctx = BuildContext(cfg.model, ps, TPRandom(0, ps), sequence_parallel=True)
+    block = (GPT if cfg.model.arch == "gpt" else Llama)(ctx, range(1)).layers["0"]
+    init_parameters(block, 0, ps)
+    groups = {"qkv": block.attn.wqkv}
+    if cfg.model.arch == "llama":
+        groups["gate_up"] = block.mlp.gate_up
+    counts = {}
+    for name, group in groups.items():
+        x = torch.randn(B, S // 2, 32, requires_grad=True)
+        with _CountGemms() as forward:
+            outputs = group(x)
+        loss = sum(y.square().sum() for y in outputs)
+        with _CountGemms() as backward:
+            loss.backward()
+        counts[name] = (forward.count, backward.count)
+    return counts
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["model.arch=gpt"], ["model.arch=llama", "model.n_kv_heads=2"], ARCHS["llama-gqa"]],
+    ids=["gpt", "llama-kv-split", "llama-kv-shared"],
+)
+def test_fused_column_parallel_runs_one_gemm(overrides):
+    """One GEMM forward, and the input and weight gradients one each backward, for q/k/v
+    (k/v split over tp, or one kv head shared by both ranks) and gate/up."""
+    for counts in run_ranks(2, _gemms, overrides):
+        assert set(counts.values()) == {(1, 2)}, counts

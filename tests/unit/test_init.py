@@ -12,7 +12,13 @@ from run_configs import TWO_LAYERS
 
 from megalite.config import load_config
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel import ParamMeta, TPRandom, init_parameters, normal_init
+from megalite.tensor_parallel import (
+    ParamMeta,
+    TPRandom,
+    global_tensors,
+    init_parameters,
+    normal_init,
+)
 from megalite.tensor_parallel.random import draw_shard, slices_per_block
 from megalite.training.loop import train
 
@@ -40,7 +46,8 @@ def _model_config(arch: str):
 
 def _rank_params(arch: str, tp_size: int, tp_rank: int, pp_size: int) -> dict[str, torch.Tensor]:
     """Global name -> initialised local tensor over one rank's pipeline stages (layer i on
-    stage i), built without process groups: construction and init need none."""
+    stage i), built without process groups: construction and init need none. Fused q/k/v and
+    gate/up are compared by their parts: each must equal the tensor drawn before fusing."""
     cfg = _model_config(arch)
     params = {}
     for pp_rank in range(pp_size):
@@ -51,7 +58,7 @@ def _rank_params(arch: str, tp_size: int, tp_rank: int, pp_size: int) -> dict[st
         first, last = pp_rank == 0, pp_rank == pp_size - 1
         chunk = ARCHITECTURES[arch](ctx, layers, has_embedding=first, has_head=last)
         init_parameters(chunk, SEED, ps, VALUES_PER_BLOCK)
-        params.update(chunk.named_parameters())
+        params.update(global_tensors(dict(chunk.named_parameters())))
     return params
 
 
