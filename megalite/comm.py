@@ -251,10 +251,8 @@ class P2PBatch:
     item 1), so a batch's receives are ready only once all of them have completed. Each work is
     waited for once (gloo hangs on a second wait)."""
 
-    def __init__(self, works: list[Any], call: comm_trace.Call, sends: bool) -> None:
+    def __init__(self, works: list[Any], call: comm_trace.Call) -> None:
         self.works, self.call = works, call
-        self.sends = sends
-        """Whether the batch sends anything (its handle then keeps the messages alive)."""
 
     def wait(self) -> None:
         with _blocking(self.call):
@@ -291,7 +289,7 @@ def post_p2p(
     )
     with _blocking(calls[-1]):
         works = batch_isend_irecv(ops)
-    return P2PBatch(list(works), calls[-1], bool(sends))
+    return P2PBatch(list(works), calls[-1])
 
 
 def barrier(group: Any = None) -> None:
