@@ -11,11 +11,14 @@
 """
 
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from ._triton import HAVE_TRITON, INTERPRETED_AT_IMPORT, interpreter_enabled
 
+T = TypeVar("T")
 ENV_VAR = "MEGALITE_KERNELS"
 CHOICES = ("auto", "triton", "torch")
 
@@ -61,6 +64,14 @@ def _check_triton_can_run(on_cuda: bool) -> None:
         raise RuntimeError(
             f"{ENV_VAR}=triton but Triton is not installed; use {ENV_VAR}=torch or auto"
         )
+
+
+def opaque(launch: Callable[..., T]) -> Callable[..., T]:
+    """`launch` (a Triton kernel's autograd Function `.apply`) run outside torch.compile's
+    tracing: a compiled region calls it as one opaque op (a graph break), so dynamo never
+    traces Triton launches, our autotune pruning or their host-side checks. The PyTorch
+    references stay traceable, which is where compile fuses on CPU."""
+    return torch.compiler.disable(launch, recursive=True)
 
 
 def use_triton(*tensors: torch.Tensor, unsupported: str | None = None) -> bool:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ._triton import INTERPRETED_AT_IMPORT, tl, triton
 from .autotune import autotune
-from .dispatch import use_triton
+from .dispatch import opaque, use_triton
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -378,5 +378,5 @@ def flash_attention(
     _check_inputs(q, k, v)
     if use_triton(q, k, v, unsupported=_unsupported(q)):
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        return FlashAttentionFunction.apply(q, k, v, causal, scale)
+        return opaque(FlashAttentionFunction.apply)(q, k, v, causal, scale)
     return attention_reference(q, k, v, causal, softmax_scale)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import tl, triton
-from .dispatch import use_triton
+from .dispatch import opaque, use_triton
 
 BLOCK = 1024  # elements per program
 
@@ -77,5 +77,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must match")
     if use_triton(gate, up):
-        return SwiGLUFunction.apply(gate, up)
+        return opaque(SwiGLUFunction.apply)(gate, up)
     return swiglu_reference(gate, up)

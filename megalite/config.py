@@ -209,6 +209,9 @@ class TrainConfig:
     """Run directory: resolved config, metrics.jsonl, checkpoints."""
     device: str = "auto"
     """auto (CUDA when present), cpu or cuda."""
+    compile: bool = False
+    """torch.compile each transformer block (regional); the tensor- and pipeline-parallel
+    communication stays eager between the compiled pieces (training/compile.py)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "global_batch_size", "eval_steps"):
