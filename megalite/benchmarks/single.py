@@ -10,6 +10,7 @@ medians over the steps after warm-up.
 
     python tools/bench_single.py                    # both architectures
     python tools/bench_single.py --arch llama --kv-heads 2 --threads 2
+    python tools/bench_single.py --compile          # + megalite and transformers compiled
     python -m megalite.benchmarks.single            # the same, from an installed megalite
 
 The batches are drawn from a fixed Zipf-like unigram distribution (seeded), so the loss has
@@ -31,6 +32,7 @@ from megalite.checkpoint.hf import hf_config
 from megalite.config import Config
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import padded_vocab_size
+from megalite.training.compile import compile_seconds, compiled_graphs
 from megalite.training.setup import build_run
 from megalite.training.step import train_step
 
@@ -54,6 +56,11 @@ def options() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also megalite with train.compile=true and transformers under torch.compile",
+    )
+    parser.add_argument(
         "--hf-adamw",
         choices=tuple(ADAMW_IMPLEMENTATIONS),
         default="default",
@@ -62,9 +69,9 @@ def options() -> argparse.ArgumentParser:
     return parser
 
 
-def megalite_config(args: argparse.Namespace, arch: str) -> Config:
+def megalite_config(args: argparse.Namespace, arch: str, compiled: bool = False) -> Config:
     """The benchmark model as megalite's config: one micro-batch of the whole batch."""
-    overrides = [f"model.arch={arch}"]
+    overrides = [f"model.arch={arch}", f"train.compile={str(compiled).lower()}"]
     if arch == "llama" and args.kv_heads is not None:
         overrides.append(f"model.n_kv_heads={args.kv_heads}")
     return harness.megalite_config(args, args.batch, args.batch, *overrides)
@@ -77,7 +84,28 @@ def megalite_contender(cfg: Config, lr: float) -> harness.Contender:
     def step(tokens: torch.Tensor) -> dict[str, float]:
         return {"loss": train_step(training, tokens, lr).loss}
 
-    return harness.Contender("megalite", step, info={"params": params})
+    name = "megalite" + (" compiled" if cfg.train.compile else "")
+    return harness.Contender(name, step, info={"params": params})
+
+
+def watch_compiles(contender: harness.Contender) -> harness.Contender:
+    """The contender, its info counting the seconds its steps spent compiling ("compile_s")
+    and the graphs compiled after its first step ("recompiles"): the process-wide counters of
+    `training.compile`, read around each of its own steps."""
+    step, info, steps_done = contender.step, contender.info, []
+    info |= {"compile_s": 0.0, "recompiles": 0}
+
+    def watched(tokens: torch.Tensor) -> dict[str, float]:
+        graphs, seconds = compiled_graphs(), compile_seconds()
+        result = step(tokens)
+        info["compile_s"] += compile_seconds() - seconds
+        if steps_done:
+            info["recompiles"] += compiled_graphs() - graphs
+        steps_done.append(True)
+        return result
+
+    contender.step = watched
+    return contender
 
 
 def hf_model(cfg: Config) -> torch.nn.Module:
@@ -93,9 +121,12 @@ def hf_model(cfg: Config) -> torch.nn.Module:
     return model.train()
 
 
-def hf_contender(cfg: Config, lr: float, adamw: str) -> harness.Contender:
+def hf_contender(cfg: Config, lr: float, adamw: str, compiled: bool = False) -> harness.Contender:
+    """transformers' model; `compiled`: the whole model under torch.compile (its forward and
+    backward; the optimizer step stays eager)."""
     torch.manual_seed(cfg.train.seed)
     model = hf_model(cfg)
+    forward = torch.compile(model) if compiled else model
     optimizer = torch_adamw(model.parameters(), lr, adamw)
     params = sum(p.numel() for p in model.parameters())  # tied weights are counted once
     vocab = cfg.model.vocab_size
@@ -103,14 +134,15 @@ def hf_contender(cfg: Config, lr: float, adamw: str) -> harness.Contender:
     def step(tokens: torch.Tensor) -> dict[str, float]:
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         optimizer.zero_grad(set_to_none=True)
-        logits = model(input_ids=inputs, use_cache=False).logits  # (b, s, vocab)
+        logits = forward(input_ids=inputs, use_cache=False).logits  # (b, s, vocab)
         loss = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
         return {"loss": loss.item()}
 
-    return harness.Contender("transformers", step, info={"params": params})
+    name = "transformers" + (" compiled" if compiled else "")
+    return harness.Contender(name, step, info={"params": params})
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -126,12 +158,17 @@ def run(args: argparse.Namespace) -> list[dict]:
     rows = []
     for arch in archs:
         cfg = megalite_config(args, arch)
-        pair = [megalite_contender(cfg, args.lr), hf_contender(cfg, args.lr, args.hf_adamw)]
-        harness.measure(pair, batches, args.warmup)
+        contenders = [megalite_contender(cfg, args.lr), hf_contender(cfg, args.lr, args.hf_adamw)]
+        if args.compile:
+            compiled = megalite_contender(megalite_config(args, arch, compiled=True), args.lr)
+            contenders.insert(1, watch_compiles(compiled))
+            hf = hf_contender(cfg, args.lr, args.hf_adamw, compiled=True)
+            contenders.append(watch_compiles(hf))
+        harness.measure(contenders, batches, args.warmup)
         rows += [
             {"model": LABELS[arch], "implementation": c.name, "times": c.times, "losses": c.losses}
             | c.info
-            for c in pair
+            for c in contenders
         ]
     return rows
 
@@ -140,7 +177,7 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
     """Print the table of `run`'s rows."""
     tokens_per_step = args.batch * args.seq
     header = (
-        f"{'model':<7} {'implementation':<14} {'params':>11} {'tokens/s':>10} {'step ms':>9} "
+        f"{'model':<7} {'implementation':<22} {'params':>11} {'tokens/s':>10} {'step ms':>9} "
         f"{'min ms':>8} {'ratio':>7} {'paired':>7} {'loss first -> last':>20}"
     )
     print(header)
@@ -149,20 +186,26 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
     for r in rows:
         step_s = statistics.median(r["times"])
         ratio = paired = "ref"
-        if r["implementation"] == "megalite" and r["model"] in reference:
+        if r["implementation"] != "transformers" and r["model"] in reference:
             hf_times = reference[r["model"]]["times"]
             ratio = f"{statistics.median(hf_times) / step_s:.2f}x"
             paired = f"{statistics.median(h / m for h, m in zip(hf_times, r['times'])):.2f}x"
         losses = f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"
         rate = tokens_per_step / step_s
         print(
-            f"{r['model']:<7} {r['implementation']:<14} {r['params']:>11,} {rate:>10,.0f} "
+            f"{r['model']:<7} {r['implementation']:<22} {r['params']:>11,} {rate:>10,.0f} "
             f"{step_s * 1e3:>9.1f} {min(r['times']) * 1e3:>8.1f} {ratio:>7} {paired:>7} "
             f"{losses:>20}"
         )
     print()
     for note in notes(args, tokens_per_step):
         print(note)
+    for r in rows:
+        if "compile_s" in r:
+            print(
+                f"{r['model']} {r['implementation']}: {r['compile_s']:.1f} s compiling (in its "
+                f"first step), {r['recompiles']} graphs compiled after it."
+            )
 
 
 def notes(args: argparse.Namespace, tokens_per_step: int) -> list[str]:
@@ -172,7 +215,7 @@ def notes(args: argparse.Namespace, tokens_per_step: int) -> list[str]:
         f"fp32 CPU, {torch.get_num_threads()} threads; batch {args.batch} x seq {args.seq} = "
         f"{tokens_per_step} tokens/step; tokens/s and step ms are medians over {args.steps} steps "
         f"after {args.warmup} warm-up steps (min ms: fastest step); contenders interleaved.",
-        "ratio = megalite tokens/s / transformers tokens/s (>= 1.00x: megalite at least as fast);"
+        "ratio = a row's tokens/s / eager transformers' (>= 1.00x: at least as fast);"
         " paired = median over steps of the same ratio\nfor the two back-to-back steps on one "
         "batch (robust to load that drifts during the run on a shared machine).",
         f"megalite pads the vocabulary to a multiple of {round_to} rows "

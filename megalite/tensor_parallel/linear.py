@@ -10,6 +10,9 @@ Column-parallel (q, k, v and gate, up are one fused weight each: `FusedColumnPar
 Row-parallel: forward reduce-scatters (SP) or all-reduces the partial products; backward
 all-gathers the output gradient (SP); its input gradient needs no communication.
 
+Both are opaque to torch.compile (`train.compile`): a compiled block runs eagerly through them,
+so their collectives, overlap and observers stay exactly as written here.
+
 Weight gradients go straight into the fp32 main grad when the gradient buffer gave the
 parameter an `accumulate_main_grad` (optimizer/grad_buffer.py): no 16-bit `.grad` is made.
 """
@@ -129,6 +132,7 @@ class _RowParallel(torch.autograd.Function):
         return dx, dw, None, None
 
 
+@torch.compiler.disable
 def column_parallel_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -142,6 +146,7 @@ def column_parallel_linear(
     return _ColumnParallel.apply(x, weight, bias, group, sequence_parallel, rows)
 
 
+@torch.compiler.disable
 def row_parallel_linear(
     x: torch.Tensor, weight: torch.Tensor, group: Any, sequence_parallel: bool
 ) -> torch.Tensor:

@@ -3,6 +3,8 @@ Korthikanti et al. 2022). Each pair is a collective in forward and its conjugate
 
 Activations are laid out (batch, seq, hidden); the "sequence" functions work on dim 1 and the
 "tensor-parallel region" functions on the last dim. At tp = 1 every function is the identity.
+Each is opaque to torch.compile: collectives stay eager between compiled pieces
+(training/compile.py).
 """
 
 from __future__ import annotations
@@ -85,21 +87,26 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return comm.all_gather(grad, ctx.group, dim=SEQ_DIM), None
 
 
+@torch.compiler.disable
 def copy_to_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x if comm.size(group) == 1 else _CopyToTPRegion.apply(x, group)
 
 
+@torch.compiler.disable
 def reduce_from_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x if comm.size(group) == 1 else _ReduceFromTPRegion.apply(x, group)
 
 
+@torch.compiler.disable
 def gather_from_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x if comm.size(group) == 1 else _GatherFromTPRegion.apply(x, group)
 
 
+@torch.compiler.disable
 def gather_from_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x if comm.size(group) == 1 else _GatherFromSequenceRegion.apply(x, group)
 
 
+@torch.compiler.disable
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x if comm.size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group)

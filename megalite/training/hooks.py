@@ -165,9 +165,12 @@ class Summary(Hook):
         self.start_step, self.tokens_per_step = start_step, tokens_per_step
         self.step, self.train_time_s = start_step, 0.0
         self.loss, self.val_loss, self.checkpoint = math.nan, None, None
+        self.compiled: tuple[float, int] | None = None  # (compile seconds, recompiles)
 
     def after_step(self, record: StepRecord) -> None:
         self.step, self.loss = record.step, record.row["loss"]
+        if "compile_s" in record.row:
+            self.compiled = (record.row["compile_s"], record.row["recompiles"])
         self.train_time_s += record.elapsed_s
         self.val_loss = record.row.get("val_loss", self.val_loss)
         self.checkpoint = record.checkpoint or self.checkpoint
@@ -175,6 +178,10 @@ class Summary(Hook):
     def line(self) -> str:
         steps_run = self.step - self.start_step
         throughput = steps_run * self.tokens_per_step / self.train_time_s
-        return summary_line(
+        line = summary_line(
             self.step, steps_run, self.loss, self.val_loss, throughput, self.checkpoint
         )
+        if self.compiled is not None:
+            seconds, recompiles = self.compiled
+            line += f" (train.compile: {seconds:.1f} s compiling, {recompiles} recompiles)"
+        return line

@@ -102,7 +102,7 @@ def metrics_row(
     `tflops` is achieved model TFLOP/s per device and `mfu` that over the device's peak."""
     per_device = cost.flops / elapsed_s / cost.devices
     peak = cost.peak_for(per_device)
-    return {
+    row = {
         "step": step,
         "loss": metrics.loss,
         "lr": lr,
@@ -115,6 +115,9 @@ def metrics_row(
         "skipped_steps": scaler.skipped_steps,
         "loss_scale": scaler.scale,
     }
+    if metrics.compile_s is not None:
+        row |= {"compile_s": metrics.compile_s, "recompiles": metrics.recompiles}
+    return row
 
 
 def reset_peak_memory(device: torch.device) -> None:

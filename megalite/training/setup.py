@@ -21,6 +21,7 @@ from megalite.parallel_state import ParallelState
 from megalite.pipeline.executor import PipelineExecutor
 from megalite.pipeline.schedule import Action, Op, build_schedule
 from megalite.tensor_parallel import TPRandom
+from megalite.training.compile import CompileWatch, compile_blocks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,6 +48,8 @@ class Run:
     bad_steps: BadStepPolicy
     """Judges each step (NaN / inf, loss spikes); its counters are part of the run state."""
     names: dict[nn.Parameter, str] = field(default_factory=dict)
+    compile_watch: CompileWatch | None = None
+    """With `train.compile`: compile time and recompiles of the blocks (training/compile.py)."""
     _schedules: dict[tuple[int, bool], list[Action]] = field(default_factory=dict)
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
@@ -111,6 +114,10 @@ def build_run(
         dtype=DTYPES[precision],
         buffers_of_chunk=buffers_of_chunk,
     )
+    compile_watch = None
+    if cfg.train.compile:
+        compile_blocks(chunks)
+        compile_watch = CompileWatch()
     return Run(
         cfg=cfg,
         ps=ps,
@@ -122,4 +129,5 @@ def build_run(
         tp_random=tp_random,
         bad_steps=BadStepPolicy.from_config(cfg.fault),
         names=names,
+        compile_watch=compile_watch,
     )

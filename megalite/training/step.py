@@ -13,6 +13,7 @@ from megalite.data.dataset import TokenBatch
 from megalite.optimizer.clip import clip_coefficient
 from megalite.optimizer.finalize import finalize_grads
 from megalite.pipeline.executor import MicroBatch, StepTimes, bubble_fraction
+from megalite.training.compile import eager
 from megalite.training.setup import Run
 
 
@@ -30,6 +31,10 @@ class StepMetrics:
     """This rank's run of the schedule: where its time went, its peak of micro-batches held."""
     bad: str | None = None
     """Why the bad-step policy skipped the update (a NaN loss, a spike); None when it did not."""
+    compile_s: float | None = None
+    """With `train.compile`: seconds this rank has spent compiling so far (the first step's)."""
+    recompiles: int | None = None
+    """With `train.compile`: graphs this rank compiled after its first step (should be 0)."""
 
 
 def micro_batches(batch: TokenBatch | torch.Tensor, micro_batch_size: int) -> list[MicroBatch]:
@@ -79,7 +84,16 @@ def train_step(run: Run, tokens: TokenBatch | torch.Tensor, lr: float) -> StepMe
     wait_and_compute = torch.tensor([times.wait_s, times.compute_s], device=run.ps.device)
     comm.all_reduce(wait_and_compute, run.ps.pp_group)
     bubble = bubble_fraction(*wait_and_compute.tolist())  # of the whole pipeline
-    return StepMetrics(loss, grad_norm, skipped, bubble, times, bad)
+    metrics = StepMetrics(loss, grad_norm, skipped, bubble, times, bad)
+    if run.compile_watch is not None:
+        run.compile_watch.step_done()
+        # the slowest rank's compile time, and recompiles on any rank (rank 0 logs them)
+        watched = torch.tensor(
+            [run.compile_watch.seconds, run.compile_watch.recompiles], device=run.ps.device
+        )
+        comm.all_reduce_max(watched, run.ps.world_group)
+        metrics.compile_s, metrics.recompiles = watched[0].item(), int(watched[1].item())
+    return metrics
 
 
 @torch.no_grad()
@@ -88,5 +102,7 @@ def eval_loss(run: Run, batch: TokenBatch) -> float:
     run.train(False)
     batches = micro_batches(batch, run.cfg.train.micro_batch_size)
     total_tokens = batch.size * run.ps.dp_size * run.cfg.model.seq_len
-    local_loss, _ = run.executor.run(run.schedule(len(batches), True), batches, 1.0 / total_tokens)
+    with eager():  # compiled blocks run eagerly: no graphs for a few no-grad batches
+        schedule = run.schedule(len(batches), True)
+        local_loss, _ = run.executor.run(schedule, batches, 1.0 / total_tokens)
     return global_loss(local_loss, run)

@@ -1,6 +1,7 @@
 """A training step with the Triton kernels forced on (run by the interpreter on CPU) gives the
 reference path's loss and gradients, for GPT (flash attention, fused bias-GELU) and Llama
-(flash attention with grouped-query heads, fused SwiGLU)."""
+(flash attention with grouped-query heads, fused SwiGLU); also with every block compiled
+(`train.compile`), where the Triton launches run as opaque ops inside the compiled blocks."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from megalite.models import build_chunks
 from megalite.config import load_config
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import TPRandom
+from megalite.training.compile import compile_blocks
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 MODELS = {
@@ -17,7 +19,7 @@ MODELS = {
 }
 
 
-def _loss_and_grads(arch: str, dtype: torch.dtype):
+def _loss_and_grads(arch: str, dtype: torch.dtype, compiled: bool = False):
     cfg = load_config(
         None,
         [
@@ -32,6 +34,8 @@ def _loss_and_grads(arch: str, dtype: torch.dtype):
     ps = ParallelState.single()
     (model,) = build_chunks(cfg, ps, TPRandom(3, ps))
     model.to(dtype)
+    if compiled:
+        compile_blocks([model])
     tokens = torch.randint(0, 300, (2, 41), generator=torch.Generator().manual_seed(11))
     loss = model(tokens[:, :-1], tokens[:, 1:]).float().mean()
     loss.backward()
@@ -39,12 +43,16 @@ def _loss_and_grads(arch: str, dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_model_step_with_kernels_matches_reference(arch, dtype, monkeypatch):
+@pytest.mark.parametrize(
+    ("dtype", "compiled"),
+    [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+    ids=["fp32", "bf16", "fp32-compiled"],
+)
+def test_model_step_with_kernels_matches_reference(arch, dtype, compiled, monkeypatch):
     monkeypatch.setenv("MEGALITE_KERNELS", "torch")
     ref_loss, ref_grads = _loss_and_grads(arch, dtype)
     monkeypatch.setenv("MEGALITE_KERNELS", "triton")
-    loss, grads = _loss_and_grads(arch, dtype)
+    loss, grads = _loss_and_grads(arch, dtype, compiled)
     tol = TOLERANCE[dtype]
     assert abs(loss - ref_loss) < tol * ref_loss
     errors = {}

@@ -1,0 +1,91 @@
+"""`train.compile`: torch.compile in the regional style (torchtitan's): every transformer block
+is compiled on its own, so one compiled graph serves all the blocks of a model, on every
+pipeline stage and virtual chunk, whatever the schedule runs next.
+
+What is compiled and what is not (DESIGN.md, "A compiled step"):
+- compiled: the compute between the tensor-parallel linears: norms, residual adds, dropout,
+  rotary, the attention core's reshapes and, on the PyTorch reference path, bias-GELU / SwiGLU;
+- eager, as opaque ops between the compiled pieces (graph breaks): the column- and
+  row-parallel linears with their collectives and main-grad accumulation
+  (`tensor_parallel/linear.py`), the sequence-parallel mappings, and every Triton kernel
+  (`kernels.dispatch.opaque`). Their communication overlap is hand-scheduled (the input
+  gradient's collective in flight under the weight-gradient GEMM), their observers count
+  and time every collective, and the gloo / NCCL work objects they wait on are not traceable.
+- eager: embedding, LM head and loss, the pipeline's sends and receives, the optimizer.
+
+Shapes are static: every micro-batch of a run has the same shape, so there is nothing to
+recompile after the first step; `CompileWatch` counts what is compiled after it (the training
+loop logs it, tests require 0). Evaluation and generation run eager (`eager()`): no-grad and
+eval-mode graphs would only add compile time for a few batches.
+
+Dropout: inductor's fused random numbers differ from eager's, so `fallback_random` keeps the
+eager generator: compiled equals eager, mask for mask, as every layout does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch._dynamo.utils
+import torch._inductor.config
+from torch import nn
+
+
+def compile_blocks(chunks: list[nn.Module]) -> int:
+    """Compile every block (`chunk.layers`) of this rank's chunks in place; returns how many."""
+    torch._inductor.config.fallback_random = True
+    blocks = [block for chunk in chunks for block in chunk.layers.values()]
+    for block in blocks:
+        block.compile(dynamic=False)
+    return len(blocks)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (each forward graph; AOTAutograd
+    compiles its backward with it)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def compile_seconds() -> float:
+    """Wall time this process has spent compiling so far (dynamo, AOTAutograd, inductor;
+    backward graphs included)."""
+    return torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0)
+
+
+@contextlib.contextmanager
+def eager() -> Iterator[None]:
+    """Run compiled modules eagerly inside (evaluation, generation): no new graphs."""
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
+class CompileWatch:
+    """Compile time and recompiles of a run: the first step compiles every graph; any graph
+    compiled after it is a recompile (a guard failed: a shape, dtype or mode changed)."""
+
+    def __init__(self) -> None:
+        self._graphs, self._seconds = compiled_graphs(), compile_seconds()
+        self._graphs_after_first: int | None = None
+
+    def step_done(self) -> None:
+        if self._graphs_after_first is None:
+            self._graphs_after_first = compiled_graphs()
+
+    @property
+    def graphs(self) -> int:
+        """Graphs compiled since the watch began."""
+        return compiled_graphs() - self._graphs
+
+    @property
+    def seconds(self) -> float:
+        """Seconds spent compiling since the watch began."""
+        return compile_seconds() - self._seconds
+
+    @property
+    def recompiles(self) -> int:
+        """Graphs compiled after the first step (0 unless a guard failed)."""
+        if self._graphs_after_first is None:
+            return 0
+        return compiled_graphs() - self._graphs_after_first
