@@ -1,0 +1,40 @@
+"""comm's reduce-scatter on gloo (an all-to-all and a local sum, not ProcessGroupGloo's
+clone + all-reduce + copy) gives each rank the sum of its piece, blocking and asynchronous,
+flat and along a middle dim, at 2 and 4 ranks, for fp32 and bf16."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite import comm
+from megalite.launch import run_ranks
+
+
+def _reduce_scatters(dtype: torch.dtype) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    generator = torch.Generator().manual_seed(7)
+    every_rank = torch.randn(world, 3, 4 * world, 5, generator=generator, dtype=torch.float64)
+    mine = every_rank[rank].to(dtype)
+    expected = every_rank.to(dtype).double().sum(0).chunk(world, dim=1)[rank]  # (3, 4, 5)
+    errors = []
+    for async_op in (False, True):
+        flat = torch.empty(mine.numel() // world, dtype=dtype)
+        source = mine.movedim(1, 0).contiguous().view(-1)
+        handle = comm.reduce_scatter_flat(flat, source, group, async_op=async_op)
+        if async_op:
+            handle.wait()
+        got_flat = flat.view(4, 3, 5).movedim(0, 1)
+        got_dim = comm.reduce_scatter(mine, group, dim=1)
+        for got in (got_flat, got_dim):
+            assert got.shape == expected.shape and got.dtype == dtype
+            errors.append(((got.double() - expected).norm() / expected.norm()).item())
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gloo_reduce_scatter_sums_each_rank_piece(world_size, dtype):
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    for errors in run_ranks(world_size, _reduce_scatters, dtype):
+        assert max(errors) < tolerance, errors
