@@ -1,33 +1,46 @@
 """A training step with the Triton kernels forced on (run by the interpreter on CPU) gives the
-reference path's loss and gradients, for GPT (flash attention, fused bias-GELU) and Llama
-(flash attention with grouped-query heads, fused SwiGLU)."""
+reference path's loss and gradients, for GPT (flash attention, fused bias-GELU, LayerNorm with
+the residual add) and Llama (flash attention with grouped-query heads, fused SwiGLU, RMSNorm with
+the residual add, rotary q and k in one pass), in 32 and 16 bits, and under recompute."""
 
 import pytest
 import torch
+from megalite.kernels.flash_attention import FlashAttentionFunction
+from megalite.kernels.gelu import BiasGeluFunction
+from megalite.kernels.norms import AddNormFunction
+from megalite.kernels.rotary import RotaryFunction
+from megalite.kernels.swiglu import SwiGLUFunction
 from megalite.models import build_chunks
 
 from megalite.config import load_config
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import TPRandom
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 MODELS = {
     "gpt": ["model.arch=gpt"],
     "llama": ["model.arch=llama", "model.n_kv_heads=2"],
 }
+N_LAYERS = 2
+# The Triton kernels each block launches (the final norm is one more AddNormFunction)
+PER_BLOCK = {
+    "gpt": {FlashAttentionFunction: 1, BiasGeluFunction: 1, AddNormFunction: 2},
+    "llama": {FlashAttentionFunction: 1, SwiGLUFunction: 1, AddNormFunction: 2, RotaryFunction: 1},
+}
 
 
-def _loss_and_grads(arch: str, dtype: torch.dtype):
+def _loss_and_grads(arch: str, dtype: torch.dtype, recompute: str = "none"):
     cfg = load_config(
         None,
         [
             *MODELS[arch],
-            "model.n_layers=2",
+            f"model.n_layers={N_LAYERS}",
             "model.hidden=64",
             "model.n_heads=4",
             "model.vocab_size=300",
-            "model.seq_len=40",
-        ],  # 40: not a multiple of the block size
+            "model.seq_len=40",  # not a multiple of the block size
+            f"train.recompute={recompute}",
+        ],
     )
     ps = ParallelState.single()
     (model,) = build_chunks(cfg, ps, TPRandom(3, ps))
@@ -38,13 +51,36 @@ def _loss_and_grads(arch: str, dtype: torch.dtype):
     return loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}
 
 
+def _count_launches(monkeypatch: pytest.MonkeyPatch, functions) -> dict:
+    """Count the forward calls of each Triton autograd Function."""
+    counts = dict.fromkeys(functions, 0)
+    for function in functions:
+
+        def apply(*args, _function=function, _apply=function.apply):
+            counts[_function] += 1
+            return _apply(*args)
+
+        monkeypatch.setattr(function, "apply", apply)
+    return counts
+
+
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_model_step_with_kernels_matches_reference(arch, dtype, monkeypatch):
+@pytest.mark.parametrize(
+    ("dtype", "recompute"),
+    [(torch.float32, "none"), (torch.bfloat16, "none"), (torch.float16, "none")]
+    + [(torch.float32, "full")],
+    ids=["fp32", "bf16", "fp16", "fp32-full-recompute"],
+)
+def test_model_step_with_kernels_matches_reference(arch, dtype, recompute, monkeypatch):
     monkeypatch.setenv("MEGALITE_KERNELS", "torch")
-    ref_loss, ref_grads = _loss_and_grads(arch, dtype)
+    ref_loss, ref_grads = _loss_and_grads(arch, dtype, recompute)
     monkeypatch.setenv("MEGALITE_KERNELS", "triton")
-    loss, grads = _loss_and_grads(arch, dtype)
+    launches = _count_launches(monkeypatch, PER_BLOCK[arch])
+    loss, grads = _loss_and_grads(arch, dtype, recompute)
+    forwards = 2 if recompute == "full" else 1  # full recompute runs each block forward again
+    expected = {f: n * N_LAYERS * forwards for f, n in PER_BLOCK[arch].items()}
+    expected[AddNormFunction] += 1  # the final norm
+    assert launches == expected  # every kernel of the model took the Triton path
     tol = TOLERANCE[dtype]
     assert abs(loss - ref_loss) < tol * ref_loss
     errors = {}
