@@ -14,6 +14,8 @@ from megalite.models import build_chunks
 
 from megalite.config import load_config
 from megalite.parallel_state import ParallelState
+from megalite.profiling.activations import Shapes, layer_body
+from megalite.profiling.memory import SavedActivationTracker
 from megalite.tensor_parallel import TPRandom
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -29,19 +31,14 @@ PER_BLOCK = {
 }
 
 
+def _config(arch: str, *overrides: str):
+    sizes = [f"model.n_layers={N_LAYERS}", "model.hidden=64", "model.n_heads=4"]
+    sizes += ["model.vocab_size=300", "model.seq_len=40"]  # 40: not a multiple of a block
+    return load_config(None, [*MODELS[arch], *sizes, *overrides])
+
+
 def _loss_and_grads(arch: str, dtype: torch.dtype, recompute: str = "none"):
-    cfg = load_config(
-        None,
-        [
-            *MODELS[arch],
-            f"model.n_layers={N_LAYERS}",
-            "model.hidden=64",
-            "model.n_heads=4",
-            "model.vocab_size=300",
-            "model.seq_len=40",  # not a multiple of the block size
-            f"train.recompute={recompute}",
-        ],
-    )
+    cfg = _config(arch, f"train.recompute={recompute}")
     ps = ParallelState.single()
     (model,) = build_chunks(cfg, ps, TPRandom(3, ps))
     model.to(dtype)
@@ -93,3 +90,21 @@ def test_model_step_with_kernels_matches_reference(arch, dtype, recompute, monke
             continue
         errors[name] = ((grads[name] - want).norm() / want.norm()).item()
     assert max(errors.values()) < tol, errors
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_estimate_on_gpu_counts_what_the_triton_kernels_save(arch, precision):
+    """The estimator's GPU figure for one layer (`Shapes(device="cuda")`: Triton kernels) is
+    what a block saves with the Triton kernels, to the byte: its input and its body."""
+    cfg = _config(arch, f"train.precision={precision}", "train.micro_batch_size=2")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    ps = ParallelState.single()
+    (model,) = build_chunks(cfg, ps, TPRandom(3, ps))
+    model.to(dtype)
+    x = torch.randn(2, 40, 64, dtype=dtype, requires_grad=True)
+    with SavedActivationTracker(exclude=[*model.parameters(), *model.buffers()]) as saved:
+        out = model.layers["0"](x)
+    shapes = Shapes(cfg, element=x.element_size(), device="cuda")
+    assert out.requires_grad  # its graph holds what the block saved
+    assert saved.current == x.numel() * x.element_size() + sum(layer_body(shapes))
