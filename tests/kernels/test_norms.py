@@ -85,8 +85,9 @@ def test_triton_backward_saves_the_stream_and_row_statistics(randn):
     assert stats == [torch.float32] * 2  # mean and 1/std
 
 
-def test_too_wide_rows_fall_back_under_auto_and_fail_loudly_when_forced(monkeypatch):
-    x, weight = torch.randn(2, 16385), torch.ones(16385)  # 32768 fp32 lanes: 128 KiB
+def test_too_wide_rows_fall_back_under_auto_and_fail_loudly_when_forced(device, monkeypatch):
+    x = torch.randn(2, 16385, device=device)  # a block of 32768 fp32 lanes: 128 KiB
+    weight = torch.ones(16385, device=device)
     with pytest.raises(ValueError, match="hidden size 16385"):
         rms_norm(x, weight, EPS)
     monkeypatch.setenv("MEGALITE_KERNELS", "auto")

@@ -47,10 +47,12 @@ def _float64(x, cos, sin):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_rotary_matches_float64(shape, layout, dtype, path, randn, rel_err, tolerance, monkeypatch):
+def test_rotary_matches_float64(
+    shape, layout, dtype, path, randn, rel_err, tolerance, device, monkeypatch
+):
     monkeypatch.setenv("MEGALITE_KERNELS", path)
-    b, s, hq, hk, hd = shape
-    cos, sin = (t.to(randn(1).device) for t in rotary_tables(hd, POSITIONS, 10000.0))
+    hd = shape[-1]
+    cos, sin = (t.to(device) for t in rotary_tables(hd, POSITIONS, 10000.0))
     leaves = _leaves(randn, layout, *shape, dtype)
     q, k = _views(layout, leaves, *shape)
     q_out, k_out = rotary_embedding(q, k, cos, sin)
@@ -68,17 +70,17 @@ def test_rotary_matches_float64(shape, layout, dtype, path, randn, rel_err, tole
     assert (q_out.shape, k_out.shape, q_out.dtype) == (q.shape, k.shape, dtype)
 
 
-def test_rotation_preserves_norms_and_position_zero(randn):
+def test_rotation_preserves_norms_and_position_zero(randn, device):
     """Each pair is rotated, so per-head norms are kept, and position 0 is not rotated."""
-    cos, sin = rotary_tables(32, POSITIONS, 10000.0)
+    cos, sin = (t.to(device) for t in rotary_tables(32, POSITIONS, 10000.0))
     q, k = randn(2, 10, 4, 32), randn(2, 10, 2, 32)
     q_out, k_out = rotary_embedding(q, k, cos, sin)
     torch.testing.assert_close(q_out.norm(dim=-1), q.norm(dim=-1))
     torch.testing.assert_close(k_out[:, 0], k[:, 0])
 
 
-def test_sequence_longer_than_the_tables_is_an_error():
-    cos, sin = rotary_tables(16, 8, 10000.0)
-    q = torch.zeros(1, 9, 2, 16)
+def test_sequence_longer_than_the_tables_is_an_error(device):
+    cos, sin = (t.to(device) for t in rotary_tables(16, 8, 10000.0))
+    q = torch.zeros(1, 9, 2, 16, device=device)
     with pytest.raises(ValueError, match="9 tokens but rotary tables for 8 positions"):
         rotary_embedding(q, q, cos, sin)
