@@ -217,7 +217,8 @@ def layer_norm(
     """``(h, layer_norm(h) * weight + bias)`` with ``h = x + residual`` (h is x without a
     residual): the residual add and the norm of a pre-norm block in one pass. x (..., hidden)."""
     _check(x, residual, weight, bias)
-    if use_triton(x, weight, unsupported=_unsupported(x)):
+    tensors = [t for t in (x, residual, weight, bias) if t is not None]
+    if use_triton(*tensors, unsupported=_unsupported(x)):
         return _add_norm(x, residual, weight, bias, eps, rms=False)
     return layer_norm_reference(x, weight, bias, eps, residual)
 
@@ -228,6 +229,7 @@ def rms_norm(
     """``(h, h / rms(h) * weight)`` with ``h = x + residual`` (h is x without a residual), the
     normalisation in fp32: the residual add and Llama's RMSNorm in one pass."""
     _check(x, residual, weight)
-    if use_triton(x, weight, unsupported=_unsupported(x)):
+    tensors = [t for t in (x, residual, weight) if t is not None]
+    if use_triton(*tensors, unsupported=_unsupported(x)):
         return _add_norm(x, residual, weight, None, eps, rms=True)
     return rms_norm_reference(x, weight, eps, residual)
