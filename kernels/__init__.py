@@ -8,7 +8,18 @@ it, the PyTorch reference, and a public function that picks between the two at e
 from .dispatch import kernel_backend
 from .flash_attention import flash_attention
 from .gelu import bias_gelu
+from .norms import layer_norm, rms_norm
+from .rotary import rotary_embedding
 from .swiglu import swiglu
 from .wgrad import wgrad_accumulate
 
-__all__ = ["bias_gelu", "flash_attention", "kernel_backend", "swiglu", "wgrad_accumulate"]
+__all__ = [
+    "bias_gelu",
+    "flash_attention",
+    "kernel_backend",
+    "layer_norm",
+    "rms_norm",
+    "rotary_embedding",
+    "swiglu",
+    "wgrad_accumulate",
+]

@@ -40,5 +40,14 @@ if not HAVE_TRITON:
     def _autotune(*_args, **_kwargs):
         return lambda fn: fn
 
-    triton = SimpleNamespace(jit=_jit, autotune=_autotune, Config=lambda *args, **kwargs: None)
+    def _next_power_of_2(n: int) -> int:
+        return 1 << (n - 1).bit_length()
+
+    # the host-side helper the dispatchers use to size blocks before choosing a path
+    triton = SimpleNamespace(
+        jit=_jit,
+        autotune=_autotune,
+        Config=lambda *args, **kwargs: None,
+        next_power_of_2=_next_power_of_2,
+    )
     tl = SimpleNamespace(constexpr=lambda value=None: value)

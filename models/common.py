@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from megalite.kernels import flash_attention
+from megalite.kernels import flash_attention, layer_norm, rms_norm, rotary_embedding
 from torch import nn
 
 from megalite.config import ModelConfig
@@ -93,8 +93,13 @@ class LayerNorm(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual, (h, norm(h)) for h = x + residual, added in the same pass
+        (one fused kernel on GPU)."""
+        h, y = layer_norm(x, self.weight, self.bias, self.eps, residual=residual)
+        return y if residual is None else (h, y)
 
 
 class RMSNorm(nn.Module):
@@ -108,10 +113,12 @@ class RMSNorm(nn.Module):
         )
         self.weight = make_param((hidden,), meta, ctx.ps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.to(x.dtype) * self.weight
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual, (h, norm(h)) for h = x + residual, as LayerNorm does."""
+        h, y = rms_norm(x, self.weight, self.eps, residual=residual)
+        return y if residual is None else (h, y)
 
 
 def rotary_tables(head_dim: int, positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,14 +127,6 @@ def rotary_tables(head_dim: int, positions: int, theta: float) -> tuple[torch.Te
     angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (b, s, heads, hd) by position; the two halves of hd form the rotation pairs."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos, sin = cos[: x.shape[1], None, :].to(x.dtype), sin[: x.shape[1], None, :].to(x.dtype)
-    return x * cos + rotated * sin
 
 
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
@@ -184,7 +183,7 @@ class Attention(nn.Module):
         k = k.view(b, s, -1, self.head_dim)  # (b, s, local kv heads, hd)
         v = v.view(b, s, -1, self.head_dim)
         if self.rotary:
-            q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+            q, k = rotary_embedding(q, k, self.cos, self.sin)  # one pass over both
             # q and k are new tensors now; a copy of v lets the fused output go (attention
             # keeps v for backward, and a view would keep q/k/v's whole output alive)
             v = v.contiguous()

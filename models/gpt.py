@@ -69,9 +69,10 @@ class Block(nn.Module):
         self.drop = ResidualDropout(ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x)))  # (b, s, h), or (b, s/tp, h) under SP
-        x = x + self.drop(self.mlp(self.mlp_norm(x)))
-        return x
+        # the MLP's norm takes the attention's residual add with it (one fused pass): h is the
+        # new residual stream x + attn(...), normed is ln(h)
+        h, normed = self.mlp_norm(x, residual=self.drop(self.attn(self.attn_norm(x))))
+        return h + self.drop(self.mlp(normed))  # (b, s, h), or (b, s/tp, h) under SP
 
 
 class GPT(CausalLM):

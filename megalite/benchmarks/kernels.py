@@ -6,9 +6,10 @@ it accepts the inputs, else torch's own pick), over sequence lengths at a fixed 
 tokens per step. FLOPs: 4*b*h*s*s*d forward, half of that when causal; backward 2.5x forward.
 Peak memory is the most allocated above the inputs during one forward+backward.
 
-MLP activations: GB/s of the fused bias-GELU and SwiGLU against eager PyTorch. Both columns
-count the bytes a fused kernel must move (read inputs, write outputs), so eager's extra
-temporaries show up as lower GB/s.
+MLP activations, norms and rotary: GB/s of the fused bias-GELU, SwiGLU, residual add +
+LayerNorm / RMSNorm and rotary q/k against their eager PyTorch references. Both columns count
+the bytes a fused kernel must move (read inputs, write outputs), so eager's extra temporaries
+show up as lower GB/s.
 
     python tools/bench_kernels.py                  # needs CUDA
     python tools/bench_kernels.py --cpu-smoke      # tiny sizes under the Triton interpreter:
@@ -46,11 +47,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--mlp-tokens", type=int, default=8192)
     p.add_argument("--ffn", type=int, default=16384, help="MLP hidden size for GELU / SwiGLU")
+    p.add_argument("--hidden", type=int, default=4096, help="model width for the norms")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes, Triton interpreter")
     args = p.parse_args(argv)
     if args.cpu_smoke:
         args.seqlens, args.tokens, args.heads, args.head_dim = [48], 96, 2, 32
-        args.mlp_tokens, args.ffn = 40, 200
+        args.mlp_tokens, args.ffn, args.hidden = 40, 200, 100
     args.kv_heads = args.kv_heads or args.heads
     return args
 
@@ -128,24 +130,33 @@ def attention_row(args: argparse.Namespace, seq: int, device: torch.device) -> s
 
 def activation_row(
     name: str,
-    fused: Callable[..., torch.Tensor],
-    eager: Callable[..., torch.Tensor],
+    fused: Callable[..., Any],
+    eager: Callable[..., Any],
     inputs: tuple[torch.Tensor, ...],
-    dout: torch.Tensor,
-    fwd_tensors: int,
-    both_tensors: int,
+    douts: tuple[torch.Tensor, ...],
+    fwd_bytes: int,
+    both_bytes: int,
     device: torch.device,
 ) -> str:
-    """GB/s for fwd and fwd+bwd; *_tensors: how many input-sized tensors each must move."""
-    n_bytes = dout.numel() * dout.element_size()
+    """GB/s for fwd and fwd+bwd of a kernel with one output or several (one dout each);
+    *_bytes: what a fused kernel must read and write."""
+
+    def forward_backward(fn: Callable[..., Any]) -> tuple[torch.Tensor, ...]:
+        outputs = fn(*inputs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        return torch.autograd.grad(outputs, inputs, douts)
+
     rates = []
     for fn in (fused, eager):
         with torch.no_grad():
             fwd_ms, _ = measure(lambda f=fn: f(*inputs), device)
-        both_ms, _ = measure(lambda f=fn: torch.autograd.grad(f(*inputs), inputs, dout), device)
-        rates += [fwd_tensors * n_bytes / fwd_ms / 1e6, both_tensors * n_bytes / both_ms / 1e6]
+        both_ms, _ = measure(lambda f=fn: forward_backward(f), device)
+        rates += [fwd_bytes / fwd_ms / 1e6, both_bytes / both_ms / 1e6]
     fused_fwd, fused_both, eager_fwd, eager_both = rates
     return f"{name:<11} | {fused_fwd:14.0f} {eager_fwd:6.0f} | {fused_both:18.0f} {eager_both:6.0f}"
+
+
+ROW_HEADER = "kernel      | fwd GB/s fused  eager | fwd+bwd GB/s fused  eager"
 
 
 def bench_attention(args: argparse.Namespace, device: torch.device) -> None:
@@ -160,6 +171,10 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> None:
         print(attention_row(args, seq, device))
 
 
+def _rand(device: torch.device, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    return torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+
+
 def bench_activations(args: argparse.Namespace, device: torch.device) -> None:
     """Print the MLP activation table: bias-GELU and SwiGLU, fused against eager."""
     from megalite.kernels.gelu import bias_gelu, bias_gelu_reference
@@ -169,22 +184,75 @@ def bench_activations(args: argparse.Namespace, device: torch.device) -> None:
     shape = (args.mlp_tokens, args.ffn)
     print(f"\nMLP activations: {args.dtype}, (tokens, ffn) = {shape}; GB/s of the bytes a fused")
     print("kernel must move (fwd: inputs + output; bwd: dy + inputs + input grads)")
-    print("kernel      | fwd GB/s fused  eager | fwd+bwd GB/s fused  eager")
-
-    def rand(*s):
-        return torch.randn(s, device=device, dtype=dtype, requires_grad=True)
-
-    dout = torch.randn(shape, device=device, dtype=dtype)
-    gelu_inputs, swiglu_inputs = (rand(*shape), rand(shape[-1])), (rand(*shape), rand(*shape))
+    print(ROW_HEADER)
+    dout = (torch.randn(shape, device=device, dtype=dtype),)
+    size = dout[0].numel() * dout[0].element_size()
+    gelu_inputs = (_rand(device, dtype, *shape), _rand(device, dtype, shape[-1]))
+    swiglu_inputs = (_rand(device, dtype, *shape), _rand(device, dtype, *shape))
     # bias-GELU moves x, y (fwd) and dy, x, dx (bwd); SwiGLU gate, up, y and dy, gate, up, 2 grads
-    print(
-        activation_row("bias-GELU", bias_gelu, bias_gelu_reference, gelu_inputs, dout, 2, 5, device)
+    gelu = bias_gelu, bias_gelu_reference, gelu_inputs, dout, 2 * size, 5 * size, device
+    print(activation_row("bias-GELU", *gelu))
+    swiglu_row = swiglu, swiglu_reference, swiglu_inputs, dout, 3 * size, 8 * size, device
+    print(activation_row("SwiGLU", *swiglu_row))
+
+
+def bench_norms_and_rotary(args: argparse.Namespace, device: torch.device) -> None:
+    """Print the table of the residual add + LayerNorm / RMSNorm and of rotary q and k, fused
+    against eager (the references, rotary on the strided q/k views attention passes)."""
+    from megalite.kernels.norms import (
+        layer_norm,
+        layer_norm_reference,
+        rms_norm,
+        rms_norm_reference,
     )
-    print(activation_row("SwiGLU", swiglu, swiglu_reference, swiglu_inputs, dout, 3, 8, device))
+    from megalite.kernels.rotary import rotary_embedding, rotary_embedding_reference
+    from megalite.models.common import rotary_tables
+
+    dtype, tokens, hidden = DTYPES[args.dtype], args.mlp_tokens, args.hidden
+    print(f"\nresidual add + norm: {args.dtype}, (tokens, hidden) = ({tokens}, {hidden}); rotary:")
+    print(f"{tokens} tokens, heads {args.heads}/{args.kv_heads} (q/kv), head_dim {args.head_dim}")
+    print("GB/s of the bytes a fused kernel must move")
+    print(ROW_HEADER)
+    stream = (_rand(device, dtype, tokens, hidden), _rand(device, dtype, tokens, hidden))
+    weight, bias = _rand(device, dtype, hidden), _rand(device, dtype, hidden)
+    douts = (torch.randn(tokens, hidden, device=device, dtype=dtype),) * 2  # for h and y
+    size = douts[0].numel() * douts[0].element_size()
+    # fwd: x, residual in, h, y out; bwd: dh, dy, h in, dx out (the residual's grad is dx)
+
+    def ln(fn):
+        return lambda x, r, w, b: fn(x, w, b, 1e-5, residual=r)
+
+    def rms(fn):
+        return lambda x, r, w: fn(x, w, 1e-5, residual=r)
+
+    norm = (4 * size, 8 * size, device)
+    ln_row = ln(layer_norm), ln(layer_norm_reference), (*stream, weight, bias), douts, *norm
+    print(activation_row("LayerNorm", *ln_row))
+    rms_row = rms(rms_norm), rms(rms_norm_reference), (*stream, weight), douts, *norm
+    print(activation_row("RMSNorm", *rms_row))
+
+    heads, kv_heads, hd = args.heads, args.kv_heads, args.head_dim
+    cos, sin = (t.to(device) for t in rotary_tables(hd, tokens, 10000.0))
+    qkv = _rand(device, dtype, 1, tokens, (heads + 2 * kv_heads) * hd)
+
+    def rotate(fn):  # q and k: views of the fused q/k/v output, as Attention.forward has them
+        def run(qkv):
+            q = qkv[..., : heads * hd].view(1, tokens, heads, hd)
+            k = qkv[..., heads * hd : (heads + kv_heads) * hd].view(1, tokens, kv_heads, hd)
+            return fn(q, k, cos, sin)
+
+        return run
+
+    douts = tuple(
+        torch.randn(1, tokens, n, hd, device=device, dtype=dtype) for n in (heads, kv_heads)
+    )
+    size = (heads + kv_heads) * hd * tokens * qkv.element_size()  # q and k
+    rotary_row = rotate(rotary_embedding), rotate(rotary_embedding_reference), (qkv,), douts
+    print(activation_row("rotary q/k", *rotary_row, 2 * size, 4 * size, device))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run both tables on CUDA (or the interpreter with --cpu-smoke); 1 without a device."""
+    """Run the tables on CUDA (or the interpreter with --cpu-smoke); 1 without a device."""
     args = parse_args(argv)
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before megalite.kernels imports triton
@@ -204,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {name}, torch {torch.__version__}")
     bench_attention(args, device)
     bench_activations(args, device)
+    bench_norms_and_rotary(args, device)
     return 0
 
 

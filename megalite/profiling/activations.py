@@ -5,9 +5,11 @@ megalite's layers differ in ways that matter once the estimate is held against m
 this module lists the tensors autograd actually saves in `models/` (the counts the tests check
 against `SavedActivationTracker`):
 
-- norms: LayerNorm keeps its input and two statistics per token; RMSNorm (computed in fp32)
-  keeps an fp32 copy of its input (the input itself in fp32), 1/rms per token and the
-  normalised tensor before the weight, and its output feeds the linears;
+- norms: LayerNorm keeps its input and two statistics per token; RMSNorm keeps its input and
+  an fp32 1/rms per token with the Triton kernel, and with PyTorch's reference (computed in
+  fp32) an fp32 copy of its input (the input itself in fp32), 1/rms per token and the
+  normalised tensor before the weight; its output feeds the linears. The MLP's norm adds the
+  attention residual in the same call: the sum is the input it keeps;
 - column-parallel linears keep their input, one tensor for all that read it (q, k, v), under
   SP the sequence shard (gathered again in backward, as Megatron does);
 - attention: with dropout 0 a flash kernel (Triton on GPU, SDPA on CPU) keeps q, k, v (k and v
@@ -86,14 +88,16 @@ def _norm(x: Shapes, keeps_input: bool) -> list[int]:
     if x.cfg.model.arch == "gpt":
         stat = 4 if x.device == "cuda" else e
         return [tr * h * e] * keeps_input + [tr * stat] * 2
+    if x.device == "cuda":  # Triton's RMSNorm
+        return [tr * h * e] * keeps_input + [tr * 4]
     fp32_input = [tr * h * 4] if (keeps_input or e != 4) else []  # in fp32 the input itself
     return fp32_input + [tr * 4, tr * h * e]
 
 
 def norm_keeps_input(x: Shapes) -> bool:
-    """Whether a norm's saved tensors include its input (LayerNorm always; RMSNorm in fp32,
-    where its fp32 copy is the input)."""
-    return x.cfg.model.arch == "gpt" or x.element == 4
+    """Whether a norm's saved tensors include its input (LayerNorm and Triton's RMSNorm always;
+    PyTorch's RMSNorm in fp32, where its fp32 copy is the input)."""
+    return x.cfg.model.arch == "gpt" or x.device == "cuda" or x.element == 4
 
 
 def _attention(x: Shapes, selective: bool) -> list[int]:

@@ -21,7 +21,10 @@ import torch  # does not import triton
 
 DEVICE = os.environ.get("MEGALITE_KERNEL_TEST_DEVICE", "cpu")
 # Dependencies first.
-_KERNEL_MODULES = ["_triton", "autotune", "dispatch", "flash_attention", "gelu", "swiglu", "wgrad"]
+_KERNEL_MODULES = [
+    *("_triton", "autotune", "dispatch", "flash_attention", "gelu", "norms", "rotary", "swiglu"),
+    "wgrad",
+]
 
 
 def _use_interpreter() -> None:

@@ -1,36 +1,46 @@
 """A training step with the Triton kernels forced on (run by the interpreter on CPU) gives the
-reference path's loss and gradients, for GPT (flash attention, fused bias-GELU) and Llama
-(flash attention with grouped-query heads, fused SwiGLU); also with every block compiled
-(`train.compile`), where the Triton launches run as opaque ops inside the compiled blocks."""
+reference path's loss and gradients, for GPT (flash attention, fused bias-GELU, LayerNorm with
+the residual add) and Llama (flash attention with grouped-query heads, fused SwiGLU, RMSNorm with
+the residual add, rotary q and k in one pass), in 32 and 16 bits, under recompute, and with every
+block compiled (`train.compile`: the Triton launches run as opaque ops inside compiled blocks)."""
 
 import pytest
 import torch
+from megalite.kernels.flash_attention import FlashAttentionFunction
+from megalite.kernels.gelu import BiasGeluFunction
+from megalite.kernels.norms import AddNormFunction
+from megalite.kernels.rotary import RotaryFunction
+from megalite.kernels.swiglu import SwiGLUFunction
 from megalite.models import build_chunks
 
 from megalite.config import load_config
 from megalite.parallel_state import ParallelState
+from megalite.profiling.activations import Shapes, layer_body
+from megalite.profiling.memory import SavedActivationTracker
 from megalite.tensor_parallel import TPRandom
 from megalite.training.compile import compile_blocks
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 MODELS = {
     "gpt": ["model.arch=gpt"],
     "llama": ["model.arch=llama", "model.n_kv_heads=2"],
 }
+N_LAYERS = 2
+# The Triton kernels each block launches (the final norm is one more AddNormFunction)
+PER_BLOCK = {
+    "gpt": {FlashAttentionFunction: 1, BiasGeluFunction: 1, AddNormFunction: 2},
+    "llama": {FlashAttentionFunction: 1, SwiGLUFunction: 1, AddNormFunction: 2, RotaryFunction: 1},
+}
 
 
-def _loss_and_grads(arch: str, dtype: torch.dtype, compiled: bool = False):
-    cfg = load_config(
-        None,
-        [
-            *MODELS[arch],
-            "model.n_layers=2",
-            "model.hidden=64",
-            "model.n_heads=4",
-            "model.vocab_size=300",
-            "model.seq_len=40",
-        ],  # 40: not a multiple of the block size
-    )
+def _config(arch: str, *overrides: str):
+    sizes = [f"model.n_layers={N_LAYERS}", "model.hidden=64", "model.n_heads=4"]
+    sizes += ["model.vocab_size=300", "model.seq_len=40"]  # 40: not a multiple of a block
+    return load_config(None, [*MODELS[arch], *sizes, *overrides])
+
+
+def _loss_and_grads(arch: str, dtype: torch.dtype, recompute: str = "none", compiled=False):
+    cfg = _config(arch, f"train.recompute={recompute}")
     ps = ParallelState.single()
     (model,) = build_chunks(cfg, ps, TPRandom(3, ps))
     model.to(dtype)
@@ -42,17 +52,37 @@ def _loss_and_grads(arch: str, dtype: torch.dtype, compiled: bool = False):
     return loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}
 
 
+def _count_launches(monkeypatch: pytest.MonkeyPatch, functions) -> dict:
+    """Count the forward calls of each Triton autograd Function."""
+    counts = dict.fromkeys(functions, 0)
+    for function in functions:
+
+        def apply(*args, _function=function, _apply=function.apply):
+            counts[_function] += 1
+            return _apply(*args)
+
+        monkeypatch.setattr(function, "apply", apply)
+    return counts
+
+
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 @pytest.mark.parametrize(
-    ("dtype", "compiled"),
-    [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
-    ids=["fp32", "bf16", "fp32-compiled"],
+    ("dtype", "recompute", "compiled"),
+    [(torch.float32, "none", False), (torch.bfloat16, "none", False)]
+    + [(torch.float16, "none", False), (torch.float32, "full", False)]
+    + [(torch.float32, "none", True)],
+    ids=["fp32", "bf16", "fp16", "fp32-full-recompute", "fp32-compiled"],
 )
-def test_model_step_with_kernels_matches_reference(arch, dtype, compiled, monkeypatch):
+def test_model_step_with_kernels_matches_reference(arch, dtype, recompute, compiled, monkeypatch):
     monkeypatch.setenv("MEGALITE_KERNELS", "torch")
-    ref_loss, ref_grads = _loss_and_grads(arch, dtype)
+    ref_loss, ref_grads = _loss_and_grads(arch, dtype, recompute)
     monkeypatch.setenv("MEGALITE_KERNELS", "triton")
-    loss, grads = _loss_and_grads(arch, dtype, compiled)
+    launches = _count_launches(monkeypatch, PER_BLOCK[arch])
+    loss, grads = _loss_and_grads(arch, dtype, recompute, compiled)
+    forwards = 2 if recompute == "full" else 1  # full recompute runs each block forward again
+    expected = {f: n * N_LAYERS * forwards for f, n in PER_BLOCK[arch].items()}
+    expected[AddNormFunction] += 1  # the final norm
+    assert launches == expected  # every kernel of the model took the Triton path
     tol = TOLERANCE[dtype]
     assert abs(loss - ref_loss) < tol * ref_loss
     errors = {}
@@ -65,3 +95,21 @@ def test_model_step_with_kernels_matches_reference(arch, dtype, compiled, monkey
             continue
         errors[name] = ((grads[name] - want).norm() / want.norm()).item()
     assert max(errors.values()) < tol, errors
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_estimate_on_gpu_counts_what_the_triton_kernels_save(arch, precision):
+    """The estimator's GPU figure for one layer (`Shapes(device="cuda")`: Triton kernels) is
+    what a block saves with the Triton kernels, to the byte: its input and its body."""
+    cfg = _config(arch, f"train.precision={precision}", "train.micro_batch_size=2")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    ps = ParallelState.single()
+    (model,) = build_chunks(cfg, ps, TPRandom(3, ps))
+    model.to(dtype)
+    x = torch.randn(2, 40, 64, dtype=dtype, requires_grad=True)
+    with SavedActivationTracker(exclude=[*model.parameters(), *model.buffers()]) as saved:
+        out = model.layers["0"](x)
+    shapes = Shapes(cfg, element=x.element_size(), device="cuda")
+    assert out.requires_grad  # its graph holds what the block saved
+    assert saved.current == x.numel() * x.element_size() + sum(layer_body(shapes))
