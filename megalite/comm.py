@@ -2,13 +2,14 @@
 
 Every function takes the process group it works on; a group of None means a group of one rank,
 where collectives are identities and nothing touches torch.distributed. That keeps the
-single-process path free of any distributed setup. `record_collectives` lets tests count the
-bytes each collective moves; `comm_trace` records every call so that tests can check that the
-ranks of each group agree on them, and keeps the last call entered and the one this rank waits
-in (for the watchdog); a call that fails raises `CollectiveError` naming it. A `CommObserver`
-registered with `observe` is told when the rank blocks in a call, when an asynchronous one is
-issued, and when a dim-wise collective copies its tensor into the layout the backend needs
-(the profiler times communication so, with nothing patched).
+single-process path free of any distributed setup.
+
+Communication is watched one way: `CommObserver`s (comm_trace.py). Each is told of every call
+as it is entered, while the rank is blocked in it, when an asynchronous one is issued, and
+around the copies a dim-wise collective makes into the layout the backend needs. Always
+registered: the watchdog's `progress` (which also names a call that fails: `CollectiveError`)
+and the trace file the multi-process tests compare across ranks; for a while (`observe`): the
+byte counts tests read (`record_collectives`) and the profiler's `CommTimer`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import comm_trace, nccl_contract
+from megalite.comm_trace import CommObserver
 
 # torch >= 2.9 names these *_single; older releases only have the *_tensor spelling.
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -36,43 +38,23 @@ class CollectiveRecord:
     group_size: int
 
 
-_recorders: list[list[CollectiveRecord]] = []
+class ByteCounter(CommObserver):
+    """A CollectiveRecord for every collective and send (`record_collectives`)."""
+
+    def __init__(self) -> None:
+        self.records: list[CollectiveRecord] = []
+
+    def entered(self, call: comm_trace.Call) -> None:
+        if call.dtype is None or call.op == "recv":
+            return
+        group_size = 1 if call.peer is not None else size(call.group)
+        nbytes = call.numel * call.dtype.itemsize
+        self.records.append(CollectiveRecord(call.op, nbytes, group_size))
 
 
-@contextlib.contextmanager
-def record_collectives() -> Iterator[list[CollectiveRecord]]:
-    """Collect a CollectiveRecord for every collective issued inside the block."""
-    log: list[CollectiveRecord] = []
-    _recorders.append(log)
-    try:
-        yield log
-    finally:
-        _recorders.remove(log)
-
-
-def _count(op: str, tensor: torch.Tensor, group_size: int) -> None:
-    for log in _recorders:
-        log.append(CollectiveRecord(op, tensor.numel() * tensor.element_size(), group_size))
-
-
-class CommObserver:
-    """Sees every collective and p2p message of this process (`observe`); a subclass overrides
-    what it needs. Calls are told apart by `Call.group` (the axis) and `Call.peer` (p2p)."""
-
-    def blocking(self, call: comm_trace.Call) -> contextlib.AbstractContextManager[None]:
-        """Around each time the rank is blocked in `call`: a blocking call, the issue of an
-        asynchronous one, and the wait for it (the same `Call` object)."""
-        return contextlib.nullcontext()
-
-    def started(self, call: comm_trace.Call, work: Any) -> None:
-        """An asynchronous collective was issued; `work` is the backend's handle."""
-
-    def layout_copy(self) -> contextlib.AbstractContextManager[None]:
-        """Around a copy that moves a dim-wise collective's tensor to or from dim 0."""
-        return contextlib.nullcontext()
-
-
-_observers: list[CommObserver] = []
+_observers: list[CommObserver] = [comm_trace.progress, comm_trace.trace_file]
+"""Every observer of this process's communication: the always-on ones first (`progress`
+outermost, so it names any call that fails), then those `observe` registers."""
 
 
 @contextlib.contextmanager
@@ -86,9 +68,24 @@ def observe(observer: CommObserver) -> Iterator[CommObserver]:
 
 
 @contextlib.contextmanager
+def record_collectives() -> Iterator[list[CollectiveRecord]]:
+    """Collect a CollectiveRecord for every collective issued inside the block."""
+    with observe(ByteCounter()) as counter:
+        yield counter.records
+
+
+def _enter(op: str, tensor: torch.Tensor | None, group: Any, peer: int | None = None):
+    """The record of a call about to be issued, shown to every observer."""
+    call = comm_trace.new_call(op, tensor, group, peer)
+    for observer in _observers:
+        observer.entered(call)
+    return call
+
+
+@contextlib.contextmanager
 def _blocking(call: comm_trace.Call) -> Iterator[None]:
-    """The rank is blocked in `call`: the watchdog's progress knows, and so does every observer."""
-    with comm_trace.progress.blocking(call), contextlib.ExitStack() as observed:
+    """The rank is blocked in `call`: every observer knows (the watchdog's progress first)."""
+    with contextlib.ExitStack() as observed:
         for observer in _observers:
             observed.enter_context(observer.blocking(call))
         yield
@@ -98,18 +95,12 @@ def _layout_copy(tensor: torch.Tensor, source: int, destination: int) -> torch.T
     """`tensor` with dim `source` moved to `destination`, contiguous (a copy unless the move
     leaves it contiguous: dim 0 already, or every dim before it of size 1)."""
     moved = tensor.movedim(source, destination)
-    if moved.is_contiguous() or not _observers:
-        return moved.contiguous()
+    if moved.is_contiguous():
+        return moved
     with contextlib.ExitStack() as observed:
         for observer in _observers:
             observed.enter_context(observer.layout_copy())
         return moved.contiguous()
-
-
-def _record(op: str, tensor: torch.Tensor | None, group: Any) -> comm_trace.Call:
-    if tensor is not None:
-        _count(op, tensor, size(group))
-    return comm_trace.record_collective(op, tensor, group)
 
 
 class _Tracked:
@@ -152,13 +143,13 @@ def all_reduce(tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
     """Sum `tensor` in place over the group."""
     if size(group) == 1:
         return None
-    call = _record("all_reduce", tensor, group)
+    call = _enter("all_reduce", tensor, group)
     return _issue(call, lambda a: dist.all_reduce(tensor, group=group, async_op=a), async_op)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: Any) -> None:
     if size(group) > 1:
-        call = _record("all_reduce_max", tensor, group)
+        call = _enter("all_reduce_max", tensor, group)
         with _blocking(call):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
@@ -168,7 +159,7 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Any, async
     if size(group) == 1:
         output.copy_(shard)
         return None
-    call = _record("all_gather", output, group)
+    call = _enter("all_gather", output, group)
     return _issue(
         call, lambda a: _all_gather_flat(output, shard, group=group, async_op=a), async_op
     )
@@ -181,7 +172,7 @@ def reduce_scatter_flat(
     if size(group) == 1:
         shard.copy_(full)
         return None
-    call = _record("reduce_scatter", full, group)
+    call = _enter("reduce_scatter", full, group)
     if full.device.type == "cpu" and dist.get_backend(group) == "gloo":
         return _issue(call, _gloo_reduce_scatter(shard, full, group), async_op)
     return _issue(
@@ -321,10 +312,8 @@ def post_p2p(
     that deadlocks on GPUs runs here. With MEGALITE_NCCL_LIKE_P2P=1 (the test suite) the batch
     goes through `nccl_contract.batch_isend_irecv`, which behaves and returns as NCCL's does.
     """
-    for tensor, _ in sends:
-        _count("send", tensor, 1)
-    calls = [comm_trace.record_p2p("send", t, peer) for t, peer in sends]
-    calls += [comm_trace.record_p2p("recv", t, peer) for t, peer in recvs]
+    calls = [_enter("send", t, None, peer) for t, peer in sends]
+    calls += [_enter("recv", t, None, peer) for t, peer in recvs]
     if not calls:
         return None
     ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
@@ -339,6 +328,6 @@ def post_p2p(
 
 def barrier(group: Any = None) -> None:
     if dist.is_initialized():
-        call = _record("barrier", None, group)
+        call = _enter("barrier", None, group)
         with _blocking(call):
             dist.barrier(group=group)

@@ -11,9 +11,14 @@ appends one line per call to `<dir>/rank<N>.trace` *before* issuing it, so the r
 rank that aborts inside the call. `check_traces(dir)` then compares the ranks' records and names
 the first call on which the members of a group disagree.
 
-Always on, and cheap (no formatting, no I/O): `progress` keeps the last call this rank entered,
-the call it is blocked in, and when it last moved on. The watchdog (`training/watchdog.py`)
-publishes it and reads it to name a hang; a call that fails is named from it (`CollectiveError`).
+Both are `CommObserver`s, the one way anything watches communication: `comm` tells every
+registered observer of each call as it is entered, while the rank is blocked in it, when an
+asynchronous one is issued, and around its layout copies. Always registered: `trace_file` (the
+record above, when the variable is set) and `progress` (cheap: no formatting, no I/O), which
+keeps the last call this rank entered, the call it is blocked in, and when it last moved on;
+the watchdog (`training/watchdog.py`) publishes it and reads it to name a hang, and a call that
+fails is named from it (`CollectiveError`). Byte counts (`comm.record_collectives`) and the
+profiler's timer (`profiling/step_timing.CommTimer`) are observers registered for a while.
 """
 
 from __future__ import annotations
@@ -68,10 +73,6 @@ class _Trace:
 _trace = _Trace()
 
 
-def _shape(tensor: torch.Tensor | None) -> str:
-    return "-" if tensor is None else _dtype_x_count(tensor.dtype, tensor.numel())
-
-
 def _dtype_x_count(dtype: torch.dtype, numel: int) -> str:
     return f"{str(dtype).removeprefix('torch.')}x{numel}"
 
@@ -106,23 +107,40 @@ class Call:
         return _trace.ranks_of(self.group) if dist.is_initialized() else "?"
 
 
-class Progress:
+class CommObserver:
+    """Sees every collective and p2p message of this process (registered with `comm.observe`,
+    or always: `progress`, `trace_file`); a subclass overrides what it needs. Calls are told
+    apart by `Call.group` (the axis) and `Call.peer` (p2p)."""
+
+    def entered(self, call: Call) -> None:
+        """`call` is about to be issued."""
+
+    def blocking(self, call: Call) -> contextlib.AbstractContextManager[None]:
+        """Around each time the rank is blocked in `call`: a blocking call, the issue of an
+        asynchronous one, and the wait for it (the same `Call` object)."""
+        return contextlib.nullcontext()
+
+    def started(self, call: Call, work: Any) -> None:
+        """An asynchronous collective was issued; `work` is the backend's handle."""
+
+    def layout_copy(self) -> contextlib.AbstractContextManager[None]:
+        """Around a copy that moves a dim-wise collective's tensor to or from dim 0."""
+        return contextlib.nullcontext()
+
+
+class Progress(CommObserver):
     """This process's last call entered, the call it is blocked in (None when it is not), and
     when it last moved on (time.monotonic()). Written by the training thread; read by the
     watchdog's threads (single attribute reads and writes: no lock needed)."""
 
     def __init__(self) -> None:
         self.calls = 0
-        self.entered: Call | None = None
+        self.entered_call: Call | None = None
         self.blocked_in: Call | None = None
         self.moved_at = time.monotonic()
 
-    def enter(self, op: str, tensor: torch.Tensor | None, group: Any, peer: int | None) -> Call:
-        self.calls += 1
-        dtype, numel = (None, 0) if tensor is None else (tensor.dtype, tensor.numel())
-        self.entered = Call(self.calls, op, group, dtype, numel, peer)
-        self.moved_at = time.monotonic()
-        return self.entered
+    def entered(self, call: Call) -> None:
+        self.entered_call, self.moved_at = call, time.monotonic()
 
     def moved_on(self) -> None:
         """Progress that is no collective (a finished step)."""
@@ -134,8 +152,8 @@ class Progress:
 
     @contextlib.contextmanager
     def blocking(self, call: Call) -> Iterator[None]:
-        """Around the wait for `call`: marks this process as blocked in it, and names it (and
-        this rank) when it fails."""
+        """Marks this process as blocked in `call`, and names it (and this rank) when it
+        fails (the outermost observer: it sees every error raised inside)."""
         self.blocked_in = call
         try:
             yield
@@ -147,23 +165,30 @@ class Progress:
             self.moved_at = time.monotonic()
 
 
+class TraceFile(CommObserver):
+    """Writes each call to `<MEGALITE_COLLECTIVE_TRACE>/rank<N>.trace` before it is issued."""
+
+    def entered(self, call: Call) -> None:
+        writer = _trace.writer()
+        if writer is None:
+            return
+        shape = "-" if call.dtype is None else _dtype_x_count(call.dtype, call.numel)
+        if call.peer is None:
+            writer.write(f"group {_trace.ranks_of(call.group)} {call.op} {shape}\n")
+        else:
+            writer.write(f"{call.op} {call.peer} {shape}\n")
+
+
 progress = Progress()
+trace_file = TraceFile()
 
 
-def record_collective(op: str, tensor: torch.Tensor | None, group: Any) -> Call:
-    """Note a collective over `group` on the tensor that every member passes with equal size."""
-    writer = _trace.writer()
-    if writer is not None:
-        writer.write(f"group {_trace.ranks_of(group)} {op} {_shape(tensor)}\n")
-    return progress.enter(op, tensor, group, None)
-
-
-def record_p2p(op: str, tensor: torch.Tensor, peer: int) -> Call:
-    """Note a send or receive (op 'send' / 'recv') with global rank `peer`."""
-    writer = _trace.writer()
-    if writer is not None:
-        writer.write(f"{op} {peer} {_shape(tensor)}\n")
-    return progress.enter(op, tensor, None, peer)
+def new_call(op: str, tensor: torch.Tensor | None, group: Any, peer: int | None = None) -> Call:
+    """The record of this rank's next call: a collective over `group` on the tensor every
+    member passes with equal size, or (peer given) a send or receive."""
+    progress.calls += 1
+    dtype, numel = (None, 0) if tensor is None else (tensor.dtype, tensor.numel())
+    return Call(progress.calls, op, group, dtype, numel, peer)
 
 
 def _read(directory: Path) -> dict[int, list[str]]:

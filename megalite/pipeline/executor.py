@@ -40,7 +40,8 @@ class StepTimes:
     """Posting sends and receives, and waiting for the last sends to complete."""
     comm_s: float = 0.0
     """Blocked in collectives issued by the forwards and backwards (tensor parallelism, the dp
-    gradient reduction); recorded only while a profiler times collectives (`timed`), else 0."""
+    gradient reduction); recorded only while a profiler times collectives into the run's
+    timer, else 0."""
     total_s: float = 0.0
     """The whole run: the parts above plus the executor's own bookkeeping."""
     peak_in_flight: int = 0
@@ -109,15 +110,6 @@ class IntervalTimer:
             interval.end = self._mark()
             self.open.pop()
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[IntervalTimer]:
-        """Make this the timer that `timed` records into, inside the block."""
-        _active_timers.append(self)
-        try:
-            yield self
-        finally:
-            _active_timers.remove(self)
-
     def totals(self) -> dict[str, float]:
         """Self seconds per name (closed intervals only). On a GPU this waits for the last
         recorded event: events on one stream complete in order, so every interval has been
@@ -139,20 +131,6 @@ class IntervalTimer:
         if not self.on_cuda:
             return interval.end - interval.start
         return interval.start.elapsed_time(interval.end) / 1000  # ms -> s
-
-
-_active_timers: list[IntervalTimer] = []
-
-
-@contextlib.contextmanager
-def timed(name: str) -> Iterator[None]:
-    """An interval of the innermost active timer (`IntervalTimer.active`), if there is one: how
-    code outside the executor (a profiler's view of collectives) lands in the step's timing."""
-    if not _active_timers:
-        yield
-        return
-    with _active_timers[-1].interval(name):
-        yield
 
 
 @dataclass
@@ -236,14 +214,16 @@ class PipelineExecutor:
         micro_batches: list[MicroBatch],
         loss_weight: float,
         loss_scale: float = 1.0,
+        timer: IntervalTimer | None = None,
     ) -> tuple[torch.Tensor, StepTimes]:
         """Run the actions of `schedule` (forward-only ones for evaluation, under no_grad);
         returns the sum over this rank's micro-batches of loss_weight * token-loss sum (zero off
-        the last stage) and the timings."""
-        timer = IntervalTimer(self.ps.device)
+        the last stage) and the timings. `timer`: the caller's (a profiler that also times the
+        rest of the step into it); by default one of the run's own."""
+        timer = IntervalTimer(self.ps.device) if timer is None else timer
         step = _Step(micro_batches, loss_weight, loss_scale, self.ps.device, timer)
         last_backward = {a.chunk: a for a in schedule if a.op is Op.BACKWARD}
-        with timer.active(), timer.interval("run"):
+        with timer.interval("run"):
             for action in p2p_batches(schedule):
                 if not isinstance(action, Action):
                     with timer.interval("p2p"):

@@ -30,7 +30,7 @@ import torch
 from megalite import comm, comm_trace
 from megalite.data import TokenBatch
 from megalite.optimizer.lr_schedule import learning_rate
-from megalite.pipeline.executor import IntervalTimer, timed
+from megalite.pipeline.executor import IntervalTimer
 from megalite.profiling.memory import SavedActivationTracker, live_bytes, live_devices
 from megalite.training.setup import Run
 from megalite.training.step import train_step
@@ -63,9 +63,10 @@ class _InFlight:
 
 class CommTimer(comm.CommObserver):
     """The profiler's observer of communication (register it with `comm.observe`): the time the
-    rank is blocked in each collective (exposed) runs as a `comm` interval of the active step
-    timer, and is summed by axis; an asynchronous collective's time in flight before its wait
-    began (overlapped: the rank computed meanwhile) is summed by axis too. Pipeline messages
+    rank is blocked in each collective (exposed) runs as a `comm` interval of the step's timer
+    (`step_timer`, set for each measured step), and is summed by axis; an asynchronous
+    collective's time in flight before its wait began (overlapped: the rank computed
+    meanwhile) is summed by axis too. Pipeline messages
     are the executor's to time (its `p2p` and `wait` intervals) and are left alone here."""
 
     def __init__(self, groups: dict[str, Any], device: torch.device) -> None:
@@ -78,6 +79,9 @@ class CommTimer(comm.CommObserver):
         all-gather is issued after the update and waited for in the next forward)."""
         self.waited: list[_InFlight] = []
         self.last_issue: tuple[int, Any, Any] | None = None
+        self.step_timer: IntervalTimer | None = None
+        """The timer of the step being measured: blocked time is a `comm` interval of it, so
+        the step's other parts leave it out."""
 
     @classmethod
     def of(cls, ps: Any) -> CommTimer:
@@ -99,7 +103,8 @@ class CommTimer(comm.CommObserver):
             yield
             return
         axis = self.axis_of.get(id(call.group), "other")
-        with timed("comm"):
+        in_step = self.step_timer.interval("comm") if self.step_timer else contextlib.nullcontext()
+        with in_step:
             start = self.mark()
             try:
                 yield
@@ -147,25 +152,28 @@ class CommTimer(comm.CommObserver):
 def measure_step(
     run: Run, tokens: TokenBatch, lr: float, comm_timer: CommTimer
 ) -> dict[str, float]:
-    """One `train_step`, cut into TIME_PARTS (seconds, from the step's timers), its wall-clock
+    """One `train_step`, cut into TIME_PARTS (seconds, from the step's timer), its wall-clock
     `step` time (which the parts add up to, timed independently) and `{axis}_comm_overlapped`.
-    The comm timer's collectives are `comm` intervals of the step timers, so its exposed times
-    are what those left out of the other parts; posting pipeline messages counts as `other`."""
+    One timer holds the step: the executor's intervals inside it, and the comm timer's
+    collectives as `comm` intervals, so its exposed times are what the other parts leave out;
+    posting pipeline messages counts as `other`."""
     timer = IntervalTimer(run.ps.device)
+    comm_timer.step_timer = timer
     _synchronize(run.ps.device)
     start = time.perf_counter()
-    with timer.active(), timer.interval("step"):
-        inner = train_step(run, tokens, lr).times
+    with timer.interval("step"):
+        inner = train_step(run, tokens, lr, timer=timer).times
     _synchronize(run.ps.device)
     wall_s = time.perf_counter() - start
-    outer = timer.totals()  # step: everything outside the executor and collectives
+    comm_timer.step_timer = None
+    outside_executor = timer.totals()["step"]  # less the executor's run and the collectives
     comm_times = comm_timer.step_totals()
     comm_times["other_comm_exposed"] += inner.p2p_s
     executor_parts = inner.forward_s + inner.backward_s + inner.wait_s + inner.p2p_s + inner.comm_s
     parts = {
         "forward": inner.forward_s,
         "backward": inner.backward_s,
-        "optimizer": outer["step"] - inner.total_s,
+        "optimizer": outside_executor,
         **comm_times,
         "bubble": inner.wait_s,
         "other": inner.total_s - executor_parts,

@@ -12,7 +12,7 @@ from megalite import comm
 from megalite.data.dataset import TokenBatch
 from megalite.optimizer.clip import clip_coefficient
 from megalite.optimizer.finalize import finalize_grads
-from megalite.pipeline.executor import MicroBatch, StepTimes, bubble_fraction
+from megalite.pipeline.executor import IntervalTimer, MicroBatch, StepTimes, bubble_fraction
 from megalite.training.compile import eager
 from megalite.training.setup import Run
 
@@ -60,9 +60,12 @@ def global_loss(local: torch.Tensor, run: Run) -> float:
     return local.item()
 
 
-def train_step(run: Run, tokens: TokenBatch | torch.Tensor, lr: float) -> StepMetrics:
+def train_step(
+    run: Run, tokens: TokenBatch | torch.Tensor, lr: float, timer: IntervalTimer | None = None
+) -> StepMetrics:
     """tokens: this rank's share of the global batch on its device (`loop.rank_batch`), or its
-    data-parallel slice as whole (n, seq + 1) windows."""
+    data-parallel slice as whole (n, seq + 1) windows. `timer`: the profiler's, which the
+    pipeline executor then times into (`profiling/step_timing.py`)."""
     cfg = run.cfg
     run.train(True)
     for buffer in run.buffers:
@@ -70,7 +73,7 @@ def train_step(run: Run, tokens: TokenBatch | torch.Tensor, lr: float) -> StepMe
     batches = micro_batches(tokens, cfg.train.micro_batch_size)
     loss_weight = 1.0 / (cfg.train.global_batch_size * cfg.model.seq_len)
     local_loss, times = run.executor.run(
-        run.schedule(len(batches)), batches, loss_weight, run.scaler.scale
+        run.schedule(len(batches)), batches, loss_weight, run.scaler.scale, timer
     )
     finalize_grads(run.buffers, run.ps)
 

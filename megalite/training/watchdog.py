@@ -97,7 +97,7 @@ def current_heartbeat(rank: int, step: int) -> Heartbeat:
         rank=rank,
         step=step,
         blocked_in=_describe(progress.blocked_in),
-        entered=_describe(progress.entered),
+        entered=_describe(progress.entered_call),
         idle_s=round(progress.idle_s(), 3),
         wrote_at=time.time(),
         host=socket.gethostname(),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megalite import comm
-from megalite.pipeline.executor import IntervalTimer, StepTimes, timed
+from megalite.pipeline.executor import IntervalTimer, StepTimes
 from megalite.profiling.step_timing import CommTimer
 
 
@@ -49,21 +49,6 @@ def test_nested_intervals_count_once_for_the_innermost_name():
     assert totals["forward"] == pytest.approx((t2 - t1) + (t4 - t3), abs=tolerance)
     assert totals["step"] == pytest.approx((t1 - t0) + (t5 - t4), abs=tolerance)
     assert sum(totals.values()) == pytest.approx(t5 - t0, abs=tolerance)
-
-
-def test_timed_records_into_the_innermost_active_timer_only():
-    outer, inner = IntervalTimer(torch.device("cpu")), IntervalTimer(torch.device("cpu"))
-    with timed("comm"):  # no active timer: nothing to record into, and no error
-        pass
-    with outer.active():
-        with timed("comm"):
-            time.sleep(0.01)
-        with inner.active(), timed("comm"):
-            time.sleep(0.02)
-    with timed("comm"):  # both released
-        pass
-    assert [i.name for i in outer.intervals] == [i.name for i in inner.intervals] == ["comm"]
-    assert 0.01 <= outer.totals()["comm"] and 0.02 <= inner.totals()["comm"]
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 3)])
@@ -147,7 +132,8 @@ def test_async_collective_splits_into_overlapped_and_exposed(monkeypatch):
     cpu = torch.device("cpu")
     timer = IntervalTimer(cpu)
     comm_timer = CommTimer({"tp": tp_group, "dp": dp_group}, cpu)
-    with comm.observe(comm_timer), timer.active(), timer.interval("step"):
+    comm_timer.step_timer = timer  # blocked time lands in the step's timer it is given
+    with comm.observe(comm_timer), timer.interval("step"):
         t0 = time.perf_counter()
         work = comm.all_reduce(torch.zeros(1), tp_group, async_op=True)
         time.sleep(0.03)
@@ -155,11 +141,15 @@ def test_async_collective_splits_into_overlapped_and_exposed(monkeypatch):
         work.wait()
         t2 = time.perf_counter()
     comm.all_reduce(torch.zeros(1), tp_group, async_op=True).wait()  # not observed any more
+    comm_timer.step_timer = None
+    with comm.observe(comm_timer):  # observed, but no step timer: only the comm timer's own
+        comm.all_reduce(torch.zeros(1), dp_group, async_op=True).wait()
+    assert [i.name for i in timer.intervals] == ["step", "comm", "comm"]
     assert t2 - t0 >= 0.05
     assert timer.totals()["comm"] == pytest.approx(t2 - t1, abs=5e-3)
     totals = comm_timer.step_totals()
     assert totals["tp_comm_exposed"] == pytest.approx(t2 - t1, abs=5e-3)
     assert totals["tp_comm_overlapped"] == pytest.approx(t1 - t0, abs=5e-3)
-    assert totals["dp_comm_exposed"] == totals["dp_comm_overlapped"] == 0
+    assert totals["dp_comm_exposed"] + totals["dp_comm_overlapped"] >= 0.05
     assert totals["other_comm_exposed"] == totals["other_comm_overlapped"] == 0
     assert sum(comm_timer.step_totals().values()) == 0  # forgotten once read
