@@ -17,7 +17,7 @@ step, on the same batches:
 Both sides: AdamW with megalite's hyper-parameters (the config's lr, constant; betas 0.9/0.95,
 eps 1e-8, weight decay 0.1 on matrices only), global-norm clipping at 1.0, the mean token loss.
 Steps are interleaved (the order alternating, `harness.measure`) and warm-up steps are not
-timed. Between its steps a contender's state waits in (pinned) host memory, so that each step
+timed. Between its steps a contender's state waits in host memory, so that each step
 has the GPU to itself and the peak memory read around it is the contender's own; those moves
 are not timed, and every timed step ends with `torch.cuda.synchronize`.
 
@@ -115,16 +115,17 @@ def synchronized(
 def _host_copies(
     tensors: Iterable[torch.Tensor], device: torch.device
 ) -> list[tuple[torch.UntypedStorage, torch.UntypedStorage]]:
-    """(storage, its copy in host memory) for each distinct storage of `tensors` on `device`;
-    the copies are queued, not waited for."""
+    """(storage, its copy in host memory) for each distinct storage of `tensors` on `device`,
+    copied by the time it returns. Pageable memory: the pinned allocator rounds every
+    block up to a power of two, which for three 1.3B-parameter contenders would pin more than
+    a 128 GB host has; pageable copies take seconds per step instead, untimed."""
     copies: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()
         if tensor.device != device or not storage.nbytes() or storage.data_ptr() in copies:
             continue
-        pinned = device.type == "cuda"
-        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned)
-        host.untyped_storage().copy_(storage, non_blocking=True)
+        host = torch.empty(storage.nbytes(), dtype=torch.uint8)
+        host.untyped_storage().copy_(storage)
         copies[storage.data_ptr()] = (storage, host.untyped_storage())
     return list(copies.values())
 
@@ -134,18 +135,24 @@ def off_device_between_steps(
     tensors: Callable[[], Iterable[torch.Tensor]],
     device: torch.device,
 ) -> harness.Contender:
-    """Give `contender` an `enter` and a `leave`: its long-lived `tensors` (weights, gradients,
-    optimizer state) stay on the device only during its own steps and wait in host memory
-    otherwise. Their storages are emptied and refilled in place (`resize_`), so every view of
-    them (parameters of a flat buffer, an optimizer's references) stays valid. On a GPU,
+    """Move `contender`'s long-lived `tensors` (weights, gradients, optimizer state) to host
+    memory now, and give it an `enter` and a `leave` that keep them on the device only during
+    its own steps. Their storages are emptied and refilled in place (`resize_`), so every view
+    of them (parameters of a flat buffer, an optimizer's references) stays valid. On a GPU,
     `leave` also records the contender's peak memory (`info["peak_bytes"]`), which then holds
     nothing of the others'."""
     parked: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
 
+    def park() -> None:
+        parked.extend(_host_copies(tensors(), device))
+        synchronize(device)
+        for storage, _ in parked:
+            storage.resize_(0)
+
     def enter() -> None:
         for storage, host in parked:
             storage.resize_(host.nbytes())
-            storage.copy_(host, non_blocking=True)
+            storage.copy_(host)
         parked.clear()
         synchronize(device)
         if device.type == "cuda":
@@ -155,11 +162,9 @@ def off_device_between_steps(
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
             contender.info["peak_bytes"] = max(contender.info.get("peak_bytes", 0), peak)
-        parked.extend(_host_copies(tensors(), device))
-        synchronize(device)
-        for storage, _ in parked:
-            storage.resize_(0)
+        park()
 
+    park()  # the next contender is built, and the first steps run, on a device without it
     contender.enter, contender.leave = enter, leave
     return contender
 

@@ -44,8 +44,9 @@ def test_tiny_run_on_cpu(capsys):
 
 
 def test_state_waits_off_the_device_between_steps():
-    """`leave` empties every storage the contender holds (shared ones once); `enter` brings the
-    same values back into the same storages, so views and optimizer references stay valid."""
+    """The contender's storages are emptied at once (shared ones once) and after each `leave`;
+    `enter` brings the same values back into the same storages, so views and optimizer
+    references stay valid."""
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(2, 4)).sum().backward()
@@ -56,9 +57,10 @@ def test_state_waits_off_the_device_between_steps():
     contender = harness.Contender("c", lambda tokens: {"loss": 0.0})
     gpu.off_device_between_steps(contender, lambda: tensors, torch.device("cpu"))
 
-    contender.leave()
-    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
-    contender.enter()
-    for tensor, value in zip(tensors, before):
-        assert torch.equal(tensor, value)
-    assert alias.data_ptr() == model.weight.data_ptr()
+    for _ in range(2):
+        assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+        contender.enter()
+        for tensor, value in zip(tensors, before):
+            assert torch.equal(tensor, value)
+        assert alias.data_ptr() == model.weight.data_ptr()
+        contender.leave()
