@@ -175,8 +175,11 @@ def measure_step(
 
 
 def _synchronize(device: torch.device) -> None:
+    """Wait for the compute stream, as `megalite train` does at the end of a step (it reads the
+    loss and bubble back): not for the whole device, whose other streams may still carry what
+    training overlaps with its next step (ZeRO's parameter all-gather on the NCCL stream)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def memory_parts(run: Run, saved_activations: int) -> dict[str, int]:
