@@ -113,20 +113,24 @@ def synchronized(
 
 
 def _host_copies(
-    tensors: Iterable[torch.Tensor], device: torch.device
+    tensors: Iterable[torch.Tensor], device: torch.device, hosts: list[torch.UntypedStorage]
 ) -> list[tuple[torch.UntypedStorage, torch.UntypedStorage]]:
     """(storage, its copy in host memory) for each distinct storage of `tensors` on `device`,
-    copied by the time it returns. Pageable memory: the pinned allocator rounds every
-    block up to a power of two, which for three 1.3B-parameter contenders would pin more than
-    a 128 GB host has; pageable copies take seconds per step instead, untimed."""
+    copied by the time it returns. The i-th copy goes into `hosts[i]` when that has its size
+    (the same state, parked again: its pages are already mapped), else into a new buffer that
+    replaces it. Pageable memory: the pinned allocator rounds every block up to a power of
+    two, which for three 1.3B-parameter contenders would pin more than a 128 GB host has;
+    pageable copies take seconds per step instead, untimed."""
     copies: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()
         if tensor.device != device or not storage.nbytes() or storage.data_ptr() in copies:
             continue
-        host = torch.empty(storage.nbytes(), dtype=torch.uint8)
-        host.untyped_storage().copy_(storage)
-        copies[storage.data_ptr()] = (storage, host.untyped_storage())
+        i = len(copies)
+        if i == len(hosts) or hosts[i].nbytes() != storage.nbytes():
+            hosts[i : i + 1] = [torch.empty(storage.nbytes(), dtype=torch.uint8).untyped_storage()]
+        hosts[i].copy_(storage)
+        copies[storage.data_ptr()] = (storage, hosts[i])
     return list(copies.values())
 
 
@@ -142,9 +146,10 @@ def off_device_between_steps(
     `leave` also records the contender's peak memory (`info["peak_bytes"]`), which then holds
     nothing of the others'."""
     parked: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
+    hosts: list[torch.UntypedStorage] = []
 
     def park() -> None:
-        parked.extend(_host_copies(tensors(), device))
+        parked.extend(_host_copies(tensors(), device, hosts))
         synchronize(device)
         for storage, _ in parked:
             storage.resize_(0)
