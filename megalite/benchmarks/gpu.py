@@ -95,6 +95,7 @@ def benchmark_config(model: argparse.Namespace, device: torch.device, *overrides
 
 
 def synchronize(device: torch.device) -> None:
+    """Wait for all the device's work (every stream): a GPU runs behind the host that times it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
