@@ -12,8 +12,9 @@ communication exposed by axis: `tp_comm_exposed`, `dp_comm_exposed`, `other_comm
 `bubble` and `memory_bytes` (the parts a rank holds, which add up to `memory_total_bytes`).
 
 The rates are those of a steady training step, timed as `megalite train` times its steps (the
-step on this rank, reading the batch outside it, up to the compute stream's end): the same
-number its metrics rows log for the same layout.
+step on this rank, reading the batch outside it, up to the compute stream's end): what its
+metrics rows log for the same layout (the total at the slowest rank, as their
+`step_time_max_s`).
 """
 
 from __future__ import annotations
