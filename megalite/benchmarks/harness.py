@@ -154,6 +154,13 @@ class Contender:
     """The loss of every step, warm-up included."""
     info: dict[str, Any] = field(default_factory=dict)
     """Static facts for the table (memory, notes)."""
+    warmup_times: list[float] = field(default_factory=list)
+    """The untimed warm-up steps' times (the first one pays for compilation)."""
+    enter: Callable[[], None] = lambda: None
+    """Run before each of its steps, untimed (a GPU benchmark moves the contender's state back
+    onto the device here)."""
+    leave: Callable[[], None] = lambda: None
+    """Run after each of its steps, untimed (and moves it off again)."""
 
 
 def timed(step: Callable[[], dict[str, float]]) -> tuple[float, dict[str, float]]:
@@ -177,12 +184,16 @@ def timed(step: Callable[[], dict[str, float]]) -> tuple[float, dict[str, float]
 
 
 def measure(contenders: list[Contender], batches: list[torch.Tensor], warmup: int) -> None:
-    """Interleave the contenders step by step, alternating the order; time every step."""
+    """Interleave the contenders step by step, alternating the order; time every step (each
+    between the contender's untimed `enter` and `leave`)."""
     for i, tokens in enumerate(batches):
         for contender in contenders if i % 2 == 0 else contenders[::-1]:
+            contender.enter()
             elapsed, result = timed(lambda c=contender, t=tokens: c.step(t))
+            contender.leave()
             contender.losses.append(result["loss"])
             if i < warmup:
+                contender.warmup_times.append(elapsed)
                 continue
             contender.times.append(elapsed)
             for key, value in result.items():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -121,26 +122,43 @@ def hf_model(cfg: Config) -> torch.nn.Module:
     return model.train()
 
 
-def hf_contender(cfg: Config, lr: float, adamw: str, compiled: bool = False) -> harness.Contender:
-    """transformers' model; `compiled`: the whole model under torch.compile (its forward and
-    backward; the optimizer step stays eager)."""
-    torch.manual_seed(cfg.train.seed)
-    model = hf_model(cfg)
-    forward = torch.compile(model) if compiled else model
-    optimizer = torch_adamw(model.parameters(), lr, adamw)
-    params = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+def hf_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, compile: bool = False
+) -> Callable[[torch.Tensor], dict[str, float]]:
+    """One training step of the Hugging Face model, doing what megalite's step does: the mean
+    token loss, backward, global-norm clipping, AdamW. With train.precision=bf16 the forward
+    runs under bf16 autocast (the weights stay fp32); `compile`: the forward and loss go
+    through torch.compile (its first call compiles them)."""
     vocab = cfg.model.vocab_size
+    device = next(model.parameters()).device
+    bf16 = cfg.train.precision == "bf16"
+
+    def mean_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=inputs, use_cache=False).logits  # (b, s, vocab)
+        return F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
+
+    forward = torch.compile(mean_loss) if compile else mean_loss
 
     def step(tokens: torch.Tensor) -> dict[str, float]:
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
         optimizer.zero_grad(set_to_none=True)
-        logits = forward(input_ids=inputs, use_cache=False).logits  # (b, s, vocab)
-        loss = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
+        loss = forward(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
         return {"loss": loss.item()}
 
+    return step
+
+
+def hf_contender(cfg: Config, lr: float, adamw: str, compiled: bool = False) -> harness.Contender:
+    """transformers' model; `compiled`: its forward and loss under torch.compile (the
+    optimizer step stays eager)."""
+    torch.manual_seed(cfg.train.seed)
+    model = hf_model(cfg)
+    optimizer = torch_adamw(model.parameters(), lr, adamw)
+    params = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+    step = hf_step(model, optimizer, cfg, compile=compiled)
     name = "transformers" + (" compiled" if compiled else "")
     return harness.Contender(name, step, info={"params": params})
 

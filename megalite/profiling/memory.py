@@ -42,24 +42,31 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     return (tensor.device.type, tensor.untyped_storage().data_ptr())
 
 
-def live_bytes(run: Run) -> dict[str, int]:
-    """Bytes of one rank's long-lived training state, counted from its tensors: the model's
-    parameter buffers (bucket padding included) and non-parameter buffers (rotary tables), the
-    fp32 gradient buffers (and the owned-gradient shards ZeRO-1 reduces into; ZeRO-2 keeps the
-    shards alone, its bucket staging lives only inside a backward), and the
-    optimizer's fp32 master copies (where params are 16-bit or offloaded), Adam moments (in
-    optim.state_dtype), update scratch and offload staging. `live_devices` says where each
-    part lives."""
-    grads = sum(t.nbytes for buffer in run.buffers for t in buffer.gradient_tensors())
-    optimizer = sum(t.nbytes for t in run.optimizer.state_tensors())
-    model_buffers = {
-        _storage_key(b): b.untyped_storage().nbytes() for c in run.chunks for b in c.buffers()
-    }
+def live_tensors(run: Run) -> dict[str, list[torch.Tensor]]:
+    """One rank's long-lived training state by part: the model's flat parameter buffers (bucket
+    padding included) and non-parameter buffers (rotary tables), the fp32 gradient buffers (and
+    the owned-gradient shards ZeRO-1 reduces into; ZeRO-2 keeps the shards alone, its bucket
+    staging lives only inside a backward), and the optimizer's fp32 master copies (where params
+    are 16-bit or offloaded), Adam moments (in optim.state_dtype), update scratch and offload
+    staging. What `live_bytes` counts, and what a benchmark moves off the device."""
     return {
-        "params": sum(buffer.params_flat.nbytes for buffer in run.buffers),
+        "params": [buffer.params_flat for buffer in run.buffers],
+        "buffers": [b for chunk in run.chunks for b in chunk.buffers()],
+        "grads": [t for buffer in run.buffers for t in buffer.gradient_tensors()],
+        "optimizer": run.optimizer.state_tensors(),
+    }
+
+
+def live_bytes(run: Run) -> dict[str, int]:
+    """Bytes of `live_tensors` by part (the model's buffers counted by storage: they may share
+    one). `live_devices` says where each part lives."""
+    parts = live_tensors(run)
+    model_buffers = {_storage_key(b): b.untyped_storage().nbytes() for b in parts.pop("buffers")}
+    return {
+        "params": sum(t.nbytes for t in parts["params"]),
         "buffers": sum(model_buffers.values()),
-        "grads": grads,
-        "optimizer": optimizer,
+        "grads": sum(t.nbytes for t in parts["grads"]),
+        "optimizer": sum(t.nbytes for t in parts["optimizer"]),
     }
 
 

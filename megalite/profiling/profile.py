@@ -2,9 +2,11 @@
 
 The run is built exactly as `megalite train` builds it (`loop.setup_topology`, `open_data`,
 `setup.build_run`) and runs `step.train_step` unchanged: warm-up steps, then measured steps
-(`step_timing` cuts each into forward, backward, optimizer, communication and bubble), then one
-more step to count the activations it keeps for backward; nothing is saved. torch is imported
-only when the command runs.
+(`step_timing` cuts each into forward, backward, optimizer, communication and bubble), then
+with `--trace` as many steps under torch.profiler, then one more step to count the activations
+it keeps for backward; nothing is saved. The rates are the median measured step's, so they are
+what training logs for the same layout: the profiler's and the activation count's overheads
+fall on steps of their own. torch is imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -87,7 +89,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--warmup-steps", type=int, default=2, metavar="N")
     parser.add_argument("--steps", type=int, default=5, metavar="M", help="measured steps")
     parser.add_argument(
-        "--trace", type=Path, metavar="DIR", help="write a torch.profiler trace per rank here"
+        "--trace",
+        type=Path,
+        metavar="DIR",
+        help="also trace --steps more steps with torch.profiler, one file per rank here (timed "
+        "apart: the profiler's cost stays out of the rates)",
     )
     parser.add_argument(
         "--out", type=Path, metavar="FILE", help="the JSON report (<train.out_dir>/profile.json)"

@@ -3,11 +3,18 @@ simulated bubble derived from them, and where it goes (console table, JSON, trac
 
 JSON layout (what `megalite plot` reads): top-level `config`, `world_size`, `layout`, `total`
 and `ranks`, a list with per rank `rank`, `tp_rank`, `pp_rank`, `dp_rank`, `tokens_per_sec`,
-`tflops` (model TFLOP/s per device), `mfu`, `step_time_s`, `time_s` (the disjoint parts of the
-step, which add up to `step_time_s`; communication exposed by axis: `tp_comm_exposed`,
-`dp_comm_exposed`, `other_comm_exposed`), `comm_overlapped_s` (by axis: `tp`, `dp`, `other`;
-beside compute, so not a part of the step), `bubble` and `memory_bytes` (the parts a rank holds,
-which add up to `memory_total_bytes`).
+`tflops` (model TFLOP/s per device), `mfu`, `step_time_s` (the rank's median measured step),
+`step_time_min_s` and `step_time_max_s` (its fastest and slowest measured step),
+`traced_step_time_s` (the median step under `--trace`'s profiler, null without it: never in the
+rates), `time_s` (the disjoint parts of the median step, which add up to `step_time_s`;
+communication exposed by axis: `tp_comm_exposed`, `dp_comm_exposed`, `other_comm_exposed`),
+`comm_overlapped_s` (by axis: `tp`, `dp`, `other`; beside compute, so not a part of the step),
+`bubble` and `memory_bytes` (the parts a rank holds, which add up to `memory_total_bytes`).
+
+The rates are those of a steady training step, timed as `megalite train` times its steps (the
+step on this rank, reading the batch outside it, up to the compute stream's end): what its
+metrics rows log for the same layout (the total at the slowest rank, as their
+`step_time_max_s`).
 """
 
 from __future__ import annotations
@@ -87,6 +94,9 @@ def rank_entry(row: dict[str, float], cost: StepCost) -> dict[str, Any]:
     entry: dict[str, Any] = {k: int(row[k]) for k in COORDS}
     entry.update(
         step_time_s=step_s,
+        step_time_min_s=row["step_min"],
+        step_time_max_s=row["step_max"],
+        traced_step_time_s=row["traced_step"] or None,
         tokens_per_sec=cost.tokens / step_s,
         tflops=tflops,
         mfu=tflops * 1e12 / peak if peak else None,
@@ -126,8 +136,10 @@ def build_report(
     tflops = cost.flops / cost.devices / worst / 1e12
     peak = cost.peak_for(tflops * 1e12)
     compute = sum(r["time_s"]["forward"] + r["time_s"]["backward"] for r in ranks)
+    traced = [r["traced_step_time_s"] for r in ranks if r["traced_step_time_s"] is not None]
     total = {
         "step_time_s": worst,
+        "traced_step_time_s": max(traced, default=None),
         "straggler_rank": straggler["rank"],
         "tokens_per_sec": cost.tokens / worst,
         "tflops": tflops,
@@ -188,12 +200,22 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append("-" * len(head))
     worst_memory = f"{_mib(total['memory_total_bytes_max']):>8}"
     lines.append(row("all", "  worst ", total, blank, worst_memory))
+    fastest = min(r["step_time_min_s"] for r in report["ranks"])
+    slowest = max(r["step_time_max_s"] for r in report["ranks"])
     lines.append(
-        f"(times in ms per step, mean of the measured steps; exp: communication the rank waited "
-        f"for, ovl: in flight beside compute; total at the slowest rank "
-        f"{total['straggler_rank']}) pipeline bubble (idle / compute): measured "
+        f"(times in ms: each rank's median measured step and its parts, timed as `megalite "
+        f"train` times a step, measured steps {fastest * 1e3:.1f} to {slowest * 1e3:.1f}; exp: "
+        f"communication the rank waited for, ovl: in flight beside compute; total at the "
+        f"slowest rank {total['straggler_rank']}) pipeline bubble (idle / compute): measured "
         f"{total['bubble_measured']:.3f}, simulated {total['bubble_simulated']:.3f}"
     )
+    if total["traced_step_time_s"] is not None:
+        traced = total["traced_step_time_s"]
+        lines.append(
+            f"traced steps (--trace, torch.profiler on): {traced * 1e3:.1f} ms at the slowest "
+            f"rank, {traced / total['step_time_s'] - 1:+.0%} over the measured steps; the "
+            "profiler's own cost, timed apart and kept out of the rates above"
+        )
     return "\n".join(lines)
 
 

@@ -183,8 +183,11 @@ def measure_step(
 
 
 def _synchronize(device: torch.device) -> None:
+    """Wait for the compute stream, as `megalite train` does at the end of a step (it reads the
+    loss and bubble back): not for the whole device, whose other streams may still carry what
+    training overlaps with its next step (ZeRO's parameter all-gather on the NCCL stream)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def memory_parts(run: Run, saved_activations: int) -> dict[str, int]:
@@ -201,12 +204,9 @@ def memory_parts(run: Run, saved_activations: int) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def torch_trace(trace_dir: Path | None, rank: int) -> Iterator[None]:
+def torch_trace(trace_dir: Path, rank: int) -> Iterator[None]:
     """A torch.profiler trace of the block, written as `rank<r>.pt.trace.json` (Chrome trace
     JSON: Perfetto opens it, and TensorBoard's profiler plugin finds it by that suffix)."""
-    if trace_dir is None:
-        yield
-        return
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -223,25 +223,37 @@ def measure_run(
     steps: int,
     trace_dir: Path | None,
 ) -> tuple[dict[str, float], dict[str, int]]:
-    """Warm-up steps, then `steps` measured (and traced) ones, then one step under a saved-
-    activation tracker (kept apart: its hooks would slow the timed steps). Returns the mean
-    seconds per part of the measured steps and `memory_parts`."""
+    """Warm-up steps, then `steps` measured ones, then (with `trace_dir`) as many traced ones,
+    then one step under a saved-activation tracker. The profiler and the tracker slow the steps
+    they watch, so neither watches a measured one. Returns the parts of the median measured
+    step (by its `step` time: a steady step, as `megalite train` logs it, which one slow step
+    cannot move as it moves a mean), `step_min` and `step_max` of the measured steps,
+    `traced_step` (the median traced step, 0 without a trace) and `memory_parts`."""
     cfg = run.cfg
 
     def lr(step: int) -> float:
         return learning_rate(step, cfg.optim, cfg.train.steps)
 
-    measured = []
-    with comm.observe(CommTimer.of(run.ps)) as comm_timer:
-        for step in range(warmup_steps):
+    def measure(first: int, count: int) -> list[dict[str, float]]:
+        return [
             measure_step(run, next_tokens(), lr(step), comm_timer)
+            for step in range(first, first + count)
+        ]
+
+    traced: list[dict[str, float]] = []
+    with comm.observe(CommTimer.of(run.ps)) as comm_timer:
+        measure(0, warmup_steps)
         if run.ps.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(run.ps.device)
-        with torch_trace(trace_dir, run.ps.rank):
-            for step in range(warmup_steps, warmup_steps + steps):
-                measured.append(measure_step(run, next_tokens(), lr(step), comm_timer))
+        measured = measure(warmup_steps, steps)
+        if trace_dir is not None:
+            with torch_trace(trace_dir, run.ps.rank):
+                traced = measure(warmup_steps + steps, steps)
     model_tensors = [t for chunk in run.chunks for t in (*chunk.parameters(), *chunk.buffers())]
     with SavedActivationTracker(exclude=model_tensors) as saved:
-        train_step(run, next_tokens(), lr(warmup_steps + steps))
-    times = {name: statistics.fmean(m[name] for m in measured) for name in measured[0]}
+        train_step(run, next_tokens(), lr(warmup_steps + steps + len(traced)))
+    seconds = [m["step"] for m in measured]
+    times = dict(sorted(measured, key=lambda m: m["step"])[(len(measured) - 1) // 2])
+    times.update(step_min=min(seconds), step_max=max(seconds))
+    times["traced_step"] = statistics.median(m["step"] for m in traced) if traced else 0.0
     return times, memory_parts(run, saved.peak)

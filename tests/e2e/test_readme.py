@@ -57,6 +57,8 @@ SHORT = {
     "python tools/bench_pp.py": "--steps 1 --warmup 0",
     "python tools/bench_zero.py": "--steps 1 --warmup 0",
     "python tools/bench_kernels.py": "--cpu-smoke",
+    "python tools/bench_gpu.py": "--device cpu --configs configs/gpt2-124m.yaml --layers 2 "
+    "--hidden 64 --heads 2 --seq 32 --vocab 512 --micro-batch 2 --steps 1 --warmup 1",
     "python tools/estimate_memory.py --config configs/llama-7b.yaml --world-size 32": "",
     "python tools/bench_init.py": "--layout configs/gpt2-124m.yaml:tp=2,pp=2,vpp=1 --repeat 1",
     "python tools/bench_prepare.py": "--mb 0.5 --repeat 1",
@@ -112,6 +114,7 @@ EXPECTED = {
     "python tools/bench_pp.py": "tokens/s",
     "python tools/bench_zero.py": "tokens/s",
     "python tools/bench_kernels.py": "fwd",
+    "python tools/bench_gpu.py": "tokens/s",
     "python tools/estimate_memory.py": "GiB",
     "python tools/bench_init.py": "shard",
     "python tools/bench_prepare.py": "MB/s",
