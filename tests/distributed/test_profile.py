@@ -259,9 +259,9 @@ def _profile_watching_the_profiler(out_dir: str) -> tuple[list[bool], dict]:
     """A traced profile, and for each training step it ran whether torch.profiler was on."""
     profiled = []
 
-    def watched(*args):
+    def watched(*args, **kwargs):
         profiled.append(torch.autograd.profiler._is_profiler_enabled)
-        return train_step(*args)
+        return train_step(*args, **kwargs)
 
     step_timing.train_step = watched  # this forked rank's own module
     cfg = load_config(None, [*TINY, f"train.out_dir={out_dir}"])
