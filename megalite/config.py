@@ -140,14 +140,17 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel size: stages the layers are cut into."""
     vpp: int = 1
-    """Virtual pipeline chunks per pipeline rank (interleaved schedule)."""
+    """Virtual pipeline chunks per pipeline rank (interleaved schedule; zb-v: 2)."""
     sp: bool = False
     """Sequence parallelism: norms, dropout and residuals run on sequence shards (needs tp > 1)."""
     zero: int = 0
     """0: every data-parallel rank keeps the full optimizer; 1: shard master weights and Adam
     state over data-parallel ranks (ZeRO-1); 2: shard the fp32 gradients too (ZeRO-2)."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b or interleaved."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 (1F1B with each backward split into
+    input and weight gradients, the weight gradients moved into the bubble: a third of 1F1B's
+    at the same activation memory) or zb-v (two chunks per rank in a V, vpp=2: almost no
+    bubble at 1F1B's activation memory)."""
     microbatch_group_size: int | None = None
     """Interleaved schedule: micro-batches run in groups of this size (default pp)."""
     embedding_layer_weight: float | None = None

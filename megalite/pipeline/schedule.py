@@ -1,9 +1,13 @@
 """Pipeline schedules as data: one list of actions per pipeline rank, built by pure functions.
 
 The model is cut into `pp_size * vpp` chunks of consecutive layers ("virtual stages"). Pipeline
-rank p holds chunks p, p + P, p + 2P, ...: its local chunk c is virtual stage `c * P + p`.
+rank p holds chunks p, p + P, p + 2P, ...: its local chunk c is virtual stage `c * P + p`;
+except under zb-v, whose two chunks per rank lie in a V: rank p holds stages p and 2P - 1 - p,
+so the last rank holds the middle two and hands activations between them without a message.
 A schedule says, for one rank, in which order to run the forward and backward of each
 (micro-batch, local chunk) and where to send and receive activations and their gradients.
+Zero-bubble schedules split the backward in two (`zero_bubble`): B, the input gradient that
+the previous stage waits for, and W, the weight gradients, which nothing waits for.
 
 Keeping schedules as plain lists (no tensors, no processes) lets tests check them exhaustively
 (`megalite.pipeline.simulate`) and keeps the executor a dumb loop over actions. The p2p actions
@@ -19,14 +23,14 @@ receive is listed decides whether two ranks can wait on each other (`_place_p2p`
 from __future__ import annotations
 
 import bisect
-import enum
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from megalite.errors import MegaliteError
+from megalite.pipeline.actions import Action, Op
+from megalite.pipeline.zero_bubble import zb_h1, zb_v
 
-KINDS = ("gpipe", "1f1b", "interleaved")
+KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 """The schedules there are: the values of `parallel.schedule`."""
 
 
@@ -34,58 +38,45 @@ class ScheduleError(MegaliteError, ValueError):
     """An impossible pipeline layout, or a schedule whose p2p does not match or deadlocks."""
 
 
-class Op(enum.Enum):
-    """One kind of schedule step; the values are the short codes used in logs and tests."""
-
-    FORWARD = "F"
-    BACKWARD = "B"
-    RECV_FORWARD = "RF"  # receive the input activation of (mb, chunk) from the previous stage
-    SEND_FORWARD = "SF"  # send the output activation of (mb, chunk) to the next stage
-    RECV_BACKWARD = "RB"  # receive the gradient of the output of (mb, chunk) from the next stage
-    SEND_BACKWARD = "SB"  # send the gradient of the input of (mb, chunk) to the previous stage
-
-    def __init__(self, code: str) -> None:
-        # Plain attributes, not properties: simulations test these a million times.
-        self.is_compute = code in ("F", "B")
-        self.is_send = code.startswith("S")
-
-    # Members are singletons, so identity is their hash: C-fast, where Enum's hashes the name
-    # in Python (simulations hash millions of Actions).
-    __hash__ = object.__hash__
+def v_shaped(kind: str) -> bool:
+    """Whether `kind` lays its chunks in a V (rank p: stages p and 2P - 1 - p) rather than in
+    a loop (rank p: stages p, p + P, ...)."""
+    return kind == "zb-v"
 
 
-class Action(NamedTuple):
-    """One step of a rank's schedule; `chunk` is the LOCAL chunk index on that rank."""
-
-    op: Op
-    microbatch: int
-    chunk: int
-
-    def __str__(self) -> str:
-        return f"{self.op.name}(mb={self.microbatch}, chunk={self.chunk})"
-
-
-def virtual_stage(pp_rank: int, chunk: int, pp_size: int) -> int:
+def virtual_stage(pp_rank: int, chunk: int, pp_size: int, v_shape: bool = False) -> int:
     """Global position of local `chunk` of `pp_rank` in the model (0 = embedding side)."""
+    if v_shape:
+        return pp_rank if chunk == 0 else 2 * pp_size - 1 - pp_rank
     return chunk * pp_size + pp_rank
 
 
-def peer_of(action: Action, pp_rank: int, pp_size: int, vpp: int) -> tuple[int, int]:
+def stage_owner(stage: int, pp_size: int, v_shape: bool = False) -> tuple[int, int]:
+    """(pp rank, local chunk) holding virtual stage `stage`: `virtual_stage`'s inverse."""
+    if v_shape:
+        return (stage, 0) if stage < pp_size else (2 * pp_size - 1 - stage, 1)
+    return stage % pp_size, stage // pp_size
+
+
+def peer_of(
+    action: Action, pp_rank: int, pp_size: int, vpp: int, v_shape: bool = False
+) -> tuple[int, int]:
     """(peer pp rank, peer local chunk) that a send/receive action on `pp_rank` talks to.
 
     Activations and the gradients of outputs come from / go to the next virtual stage;
-    inputs and their gradients the previous one. The last rank's chunk c feeds rank 0's c + 1.
+    inputs and their gradients the previous one. In a loop the last rank's chunk c feeds rank
+    0's c + 1; in a V rank p's chunk 1 feeds rank p - 1's.
     """
     if action.op.is_compute:
         raise ScheduleError(f"{action} is a compute step, it has no p2p peer")
     towards_next = action.op is Op.SEND_FORWARD or action.op is Op.RECV_BACKWARD
-    stage = virtual_stage(pp_rank, action.chunk, pp_size) + (1 if towards_next else -1)
+    stage = virtual_stage(pp_rank, action.chunk, pp_size, v_shape) + (1 if towards_next else -1)
     if not 0 <= stage < pp_size * vpp:
         raise ScheduleError(
             f"{action} on pp rank {pp_rank} has no peer: virtual stage {stage} is outside "
             f"0..{pp_size * vpp - 1} (pp={pp_size}, vpp={vpp})"
         )
-    return stage % pp_size, stage // pp_size
+    return stage_owner(stage, pp_size, v_shape)
 
 
 def build_schedule(
@@ -95,8 +86,10 @@ def build_schedule(
     num_microbatches: int,
     vpp: int = 1,
     group_size: int | None = None,
+    forward_only: bool = False,
 ) -> list[Action]:
-    """The action list of `pp_rank` for one training step, for `kind` in KINDS.
+    """The action list of `pp_rank` for one training step, for `kind` in KINDS; with
+    `forward_only`, for evaluation: GPipe's forwards (chunk-major) on the kind's chunk layout.
 
     `group_size` (N) only matters to interleaved with vpp > 1 (default pp); the other kinds run
     one group of all m micro-batches. A send sits right after the step producing it; a receive
@@ -119,9 +112,11 @@ def build_schedule(
         shrinks to (P - 1) / (vpp * m) for vpp times more p2p messages; the first stage holds
         P + (P - 1) / vpp micro-batches' worth of activations (N = P < m). With vpp = 1 this is
         exactly 1f1b.
+    zb-h1, zb-v (Qi et al. 2024, and their V-shaped follow-up): see `zero_bubble`.
     """
     n = _group_size(kind, pp_size, pp_rank, num_microbatches, vpp, group_size)
-    return list(_every_rank(kind, pp_size, num_microbatches, vpp, n)[pp_rank])
+    every_rank = _every_rank(kind, pp_size, num_microbatches, vpp, n, forward_only)
+    return list(every_rank[pp_rank])
 
 
 def compute_order(
@@ -193,10 +188,14 @@ def check_chunks(kind: str, pp_size: int, vpp: int) -> None:
             f"virtual stages need a pipeline (got pp=1, vpp={vpp}): set parallel.vpp=1 or "
             "raise parallel.pp"
         )
-    if kind == "1f1b" and vpp != 1:
+    if kind in ("1f1b", "zb-h1") and vpp != 1:
         raise ScheduleError(
-            f"parallel.vpp={vpp} needs parallel.schedule=interleaved: 1f1b runs one chunk per "
+            f"parallel.vpp={vpp} needs parallel.schedule=interleaved: {kind} runs one chunk per "
             "rank (or set parallel.vpp=1)"
+        )
+    if kind == "zb-v" and vpp != 2:
+        raise ScheduleError(
+            f"zb-v runs two chunks per rank, in a V (got vpp={vpp}): set parallel.vpp=2"
         )
 
 
@@ -248,18 +247,28 @@ def _forward_order(m: int, vpp: int, group_size: int) -> list[tuple[int, int]]:
 
 @functools.lru_cache(maxsize=64)
 def _every_rank(
-    kind: str, pp_size: int, m: int, vpp: int, n: int
+    kind: str, pp_size: int, m: int, vpp: int, n: int, forward_only: bool
 ) -> tuple[tuple[Action, ...], ...]:
     """Every rank's list (cached: placing one rank's receives needs its neighbours' timing)."""
+    v_shape = v_shaped(kind)
+    if forward_only:
+        kind, n = "gpipe", m
     computes = [_compute_order(kind, pp_size, rank, m, vpp, n) for rank in range(pp_size)]
-    starts, ends = _ideal_timeline(computes, pp_size, vpp)
+    if forward_only:
+        computes = [[a for a in actions if a.op is Op.FORWARD] for actions in computes]
+    timeline = _ideal_timeline(computes, pp_size, vpp, v_shape)
     return tuple(
-        tuple(_place_p2p(computes, starts, ends, rank, pp_size, vpp)) for rank in range(pp_size)
+        tuple(_place_p2p(computes, *timeline, rank, pp_size, vpp, v_shape))
+        for rank in range(pp_size)
     )
 
 
 def _compute_order(kind: str, pp_size: int, pp_rank: int, m: int, vpp: int, n: int) -> list[Action]:
-    """`pp_rank`'s forwards and backwards in order, for the kinds `build_schedule` describes."""
+    """`pp_rank`'s compute steps in order, for the kinds `build_schedule` describes."""
+    if kind == "zb-h1":
+        return zb_h1(pp_size, pp_rank, m)
+    if kind == "zb-v":
+        return zb_v(pp_size, pp_rank, m)
     forwards = _forward_order(m, vpp, n)
     if kind == "gpipe":
         warmup = len(forwards)
@@ -287,39 +296,48 @@ def _one_forward_one_backward(
     return steps
 
 
-_IDEAL_COST = {Op.FORWARD: 1, Op.BACKWARD: 2}
-"""Costs of the timeline that places receives. Any positive costs give a placement that cannot
-deadlock; these are the usual ratio (a backward does twice a forward's work)."""
+def _ideal_cost(op: Op, split: bool) -> int:
+    """Costs of the timeline that places receives. Any positive costs give a placement that
+    cannot deadlock; these are the usual ratios: a backward does twice a forward's work, and
+    split in two, each half one forward's."""
+    return 2 if op is Op.BACKWARD and not split else 1
 
 
-def _producer(compute: Action, pp_rank: int, pp_size: int, vpp: int) -> tuple[int, Action] | None:
-    """(rank, compute step) whose output `compute` consumes, or None at the pipeline's ends."""
-    stage = virtual_stage(pp_rank, compute.chunk, pp_size)
+def _producer(
+    compute: Action, pp_rank: int, pp_size: int, vpp: int, v_shape: bool
+) -> tuple[int, Action] | None:
+    """(rank, compute step) whose output `compute` consumes, or None at the pipeline's ends
+    and for W (it works on what its B left)."""
+    if compute.op is Op.WEIGHT:
+        return None
+    stage = virtual_stage(pp_rank, compute.chunk, pp_size, v_shape)
     source = stage - 1 if compute.op is Op.FORWARD else stage + 1
     if not 0 <= source < pp_size * vpp:
         return None
-    return source % pp_size, Action(compute.op, compute.microbatch, source // pp_size)
+    rank, chunk = stage_owner(source, pp_size, v_shape)
+    return rank, Action(compute.op, compute.microbatch, chunk)
 
 
 def _ideal_timeline(
-    computes: list[list[Action]], pp_size: int, vpp: int
+    computes: list[list[Action]], pp_size: int, vpp: int, v_shape: bool
 ) -> tuple[list[list[int]], dict[tuple[int, Action], int]]:
     """Start time of every compute step (per rank, by position) and the end time of each
     (rank, compute), when every step waits only for its input and messages take no time."""
     starts: list[list[int]] = [[] for _ in computes]
     ends: dict[tuple[int, Action], int] = {}
     clocks = [0] * pp_size
+    split = any(a.op is Op.WEIGHT for actions in computes for a in actions)
     while any(len(starts[r]) < len(computes[r]) for r in range(pp_size)):
         moved = False
         for rank, actions in enumerate(computes):
             while len(starts[rank]) < len(actions):
                 action = actions[len(starts[rank])]
-                producer = _producer(action, rank, pp_size, vpp)
+                producer = _producer(action, rank, pp_size, vpp, v_shape)
                 if producer is not None and producer not in ends:
                     break
                 start = max(clocks[rank], ends[producer] if producer else 0)
                 starts[rank].append(start)
-                clocks[rank] = ends[(rank, action)] = start + _IDEAL_COST[action.op]
+                clocks[rank] = ends[(rank, action)] = start + _ideal_cost(action.op, split)
                 moved = True
         if not moved:
             raise ScheduleError("pipeline compute order waits on itself (a bug in the schedule)")
@@ -333,12 +351,14 @@ def _place_p2p(
     pp_rank: int,
     pp_size: int,
     vpp: int,
+    v_shape: bool,
 ) -> list[Action]:
     """Send right after the compute producing the message; receive in the first batch the rank
     leaves at or after the moment the message is sent, in the ideal timeline.
 
-    Only stage boundaries communicate: the first virtual stage receives no input, the last
-    sends no output (and receives no output gradient: its loss starts the backward).
+    Only stage boundaries between two ranks communicate: the first virtual stage receives no
+    input, the last sends no output (and receives no output gradient: its loss starts the
+    backward), and the two middle stages of a V, both on the last rank, hand over in memory.
 
     Why there: under NCCL a send completes only once the receiver's stream reaches the matching
     receive, and a rank's batches run one after another, so a batch waits on its partners'
@@ -355,8 +375,8 @@ def _place_p2p(
     mine = computes[pp_rank]
     receives: list[list[tuple[int, Action]]] = [[] for _ in range(len(mine) + 1)]
     for action in mine:
-        producer = _producer(action, pp_rank, pp_size, vpp)
-        if producer is not None:
+        producer = _producer(action, pp_rank, pp_size, vpp, v_shape)
+        if producer is not None and producer[0] != pp_rank:
             sent = ends[producer]
             # The batch before the first compute that starts at or after the send:
             batch = bisect.bisect_left(starts[pp_rank], sent)
@@ -367,9 +387,11 @@ def _place_p2p(
     for index, action in enumerate(mine):
         steps += [receive for _, receive in sorted(receives[index], key=lambda r: r[0])]
         steps.append(action)
-        stage = virtual_stage(pp_rank, action.chunk, pp_size)
+        stage = virtual_stage(pp_rank, action.chunk, pp_size, v_shape)
         if action.op is Op.FORWARD and stage < last:
-            steps.append(Action(Op.SEND_FORWARD, action.microbatch, action.chunk))
+            if stage_owner(stage + 1, pp_size, v_shape)[0] != pp_rank:
+                steps.append(Action(Op.SEND_FORWARD, action.microbatch, action.chunk))
         elif action.op is Op.BACKWARD and stage > 0:
-            steps.append(Action(Op.SEND_BACKWARD, action.microbatch, action.chunk))
+            if stage_owner(stage - 1, pp_size, v_shape)[0] != pp_rank:
+                steps.append(Action(Op.SEND_BACKWARD, action.microbatch, action.chunk))
     return steps

@@ -7,7 +7,8 @@ another on one stream; a send completes only when the peer's stream has reached 
 the matching receive, and a batch completes when all of its messages have. Compute runs on its
 own stream and waits only for the batch holding its input. (gloo buffers sends, so a schedule
 that passes here also runs there.) A schedule that passes has matching p2p, cannot deadlock, and
-has the bubble and activation memory reported here.
+has the bubble and activation memory reported here. Schedules with a split backward (W steps)
+run B as the input gradient alone and W as the weight gradients.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from megalite.pipeline.schedule import (
     ScheduleError,
     p2p_batches,
     peer_of,
+    stage_owner,
     virtual_stage,
 )
 
@@ -33,7 +35,8 @@ class SimResult:
     """Timing and memory of one simulated step; lists are indexed by pp rank.
 
     Costs are per chunk: with vpp chunks of equal cost a rank's compute per micro-batch is
-    vpp * (forward_cost + backward_cost); with per-stage costs, the sum over its chunks.
+    vpp * (forward_cost + backward_cost); with per-stage costs, the sum over its chunks. A split
+    backward costs the same in all: B plus W.
     """
 
     makespan: float
@@ -69,24 +72,30 @@ class Message(NamedTuple):
         return f"{what} of mb {self.microbatch} from stage {self.src_stage} to {self.dst_stage}"
 
 
-def message_of(action: Action, pp_rank: int, pp_size: int, vpp: int) -> Message:
+def message_of(
+    action: Action, pp_rank: int, pp_size: int, vpp: int, v_shape: bool = False
+) -> Message:
     """The message a send puts on the wire, or the one a receive expects."""
-    is_activation, src, dst, _ = _link(action.op, action.chunk, pp_rank, pp_size, vpp)
+    is_activation, src, dst, _ = _link(action.op, action.chunk, pp_rank, pp_size, vpp, v_shape)
     return Message(is_activation, action.microbatch, src, dst)
 
 
 @functools.lru_cache(maxsize=4096)
-def _link(op: Op, chunk: int, pp_rank: int, pp_size: int, vpp: int) -> tuple[bool, int, int, int]:
+def _link(
+    op: Op, chunk: int, pp_rank: int, pp_size: int, vpp: int, v_shape: bool
+) -> tuple[bool, int, int, int]:
     """(is activation, source stage, destination stage, peer rank) of a p2p action on a chunk
     (cached: a simulation asks for every message)."""
-    peer_rank, peer_chunk = peer_of(Action(op, 0, chunk), pp_rank, pp_size, vpp)
-    here = virtual_stage(pp_rank, chunk, pp_size)
-    there = virtual_stage(peer_rank, peer_chunk, pp_size)
+    peer_rank, peer_chunk = peer_of(Action(op, 0, chunk), pp_rank, pp_size, vpp, v_shape)
+    here = virtual_stage(pp_rank, chunk, pp_size, v_shape)
+    there = virtual_stage(peer_rank, peer_chunk, pp_size, v_shape)
     src, dst = (here, there) if op.is_send else (there, here)
     return op in (Op.SEND_FORWARD, Op.RECV_FORWARD), src, dst, peer_rank
 
 
-def check_p2p_order(schedules: Sequence[list[Action]], pp_size: int, vpp: int) -> None:
+def check_p2p_order(
+    schedules: Sequence[list[Action]], pp_size: int, vpp: int, v_shape: bool = False
+) -> None:
     """Per ordered pair of ranks, the sends of one must equal the receives of the other in order.
 
     NCCL matches p2p messages between two ranks by posting order, whatever their tags, so a
@@ -98,9 +107,10 @@ def check_p2p_order(schedules: Sequence[list[Action]], pp_size: int, vpp: int) -
         for action in actions:
             if action.op.is_compute:
                 continue
-            message = message_of(action, rank, pp_size, vpp)
+            message = message_of(action, rank, pp_size, vpp, v_shape)
             book = sent if action.op.is_send else received
-            pair = (message.src_stage % pp_size, message.dst_stage % pp_size)
+            src_rank = stage_owner(message.src_stage, pp_size, v_shape)[0]
+            pair = (src_rank, stage_owner(message.dst_stage, pp_size, v_shape)[0])
             book.setdefault(pair, []).append(message)
     for src, dst in sorted(set(sent) | set(received)):
         sends, recvs = sent.get((src, dst), []), received.get((src, dst), [])
@@ -117,13 +127,23 @@ def check_p2p_order(schedules: Sequence[list[Action]], pp_size: int, vpp: int) -
             )
 
 
-def validate(schedules: Sequence[list[Action]], pp_size: int, vpp: int, m: int) -> None:
+def validate(
+    schedules: Sequence[list[Action]], pp_size: int, vpp: int, m: int, v_shape: bool = False
+) -> None:
     """Every rank runs each (mb, chunk) forward and backward exactly once, backward after
-    forward, with exactly the p2p its stage boundaries need, received before and sent after."""
+    forward (and W after B when the backward is split, as soon as any rank has a W), with
+    exactly the p2p its stage boundaries need, received before and sent after; a boundary
+    inside a rank (the middle of a V) hands over in order, without messages."""
     if len(schedules) != pp_size:
         raise ScheduleError(f"expected {pp_size} schedules (one per pp rank), got {len(schedules)}")
+    split = any(a.op is Op.WEIGHT for actions in schedules for a in actions)
     for rank, actions in enumerate(schedules):
-        chains = [_chain(rank, mb, chunk, pp_size, vpp) for mb in range(m) for chunk in range(vpp)]
+        chains = [
+            _chain(rank, mb, chunk, pp_size, vpp, v_shape, split)
+            for mb in range(m)
+            for chunk in range(vpp)
+        ]
+        chains += _handovers(rank, m, pp_size, vpp, v_shape)
         expected = {action for chain in chains for action in chain}
         counts = Counter(actions)
         wrong = {a for a, n in counts.items() if n > 1} | (expected ^ set(counts))
@@ -140,14 +160,36 @@ def validate(schedules: Sequence[list[Action]], pp_size: int, vpp: int, m: int) 
                     raise ScheduleError(f"rank {rank}: {after} comes before {before}")
 
 
-def _chain(rank: int, mb: int, chunk: int, pp_size: int, vpp: int) -> list[Action]:
-    """The actions of one (mb, chunk) in the order they must run; stage boundaries (the first
-    and last virtual stage) have no p2p on their outer side."""
-    stage = virtual_stage(rank, chunk, pp_size)
-    first, last = stage == 0, stage == pp_size * vpp - 1
-    ops = [Op.RECV_FORWARD] * (not first) + [Op.FORWARD] + [Op.SEND_FORWARD] * (not last)
-    ops += [Op.RECV_BACKWARD] * (not last) + [Op.BACKWARD] + [Op.SEND_BACKWARD] * (not first)
+def _chain(
+    rank: int, mb: int, chunk: int, pp_size: int, vpp: int, v_shape: bool, split: bool
+) -> list[Action]:
+    """The actions of one (mb, chunk) in the order they must run; no p2p on the outer side of
+    the first and last virtual stage, nor towards a stage on the same rank."""
+    stage = virtual_stage(rank, chunk, pp_size, v_shape)
+    before = stage > 0 and stage_owner(stage - 1, pp_size, v_shape)[0] != rank
+    after = stage < pp_size * vpp - 1 and stage_owner(stage + 1, pp_size, v_shape)[0] != rank
+    ops = [Op.RECV_FORWARD] * before + [Op.FORWARD] + [Op.SEND_FORWARD] * after
+    ops += [Op.RECV_BACKWARD] * after + [Op.BACKWARD] + [Op.SEND_BACKWARD] * before
+    ops += [Op.WEIGHT] * split
     return [Action(op, mb, chunk) for op in ops]
+
+
+def _handovers(rank: int, m: int, pp_size: int, vpp: int, v_shape: bool) -> list[list[Action]]:
+    """Forward of a stage before the next stage's, backward after it, where both are chunks
+    of this rank."""
+    pairs = []
+    for chunk in range(vpp):
+        stage = virtual_stage(rank, chunk, pp_size, v_shape)
+        if stage + 1 < pp_size * vpp:
+            next_rank, next_chunk = stage_owner(stage + 1, pp_size, v_shape)
+            if next_rank == rank:
+                pairs.append((chunk, next_chunk))
+    return [
+        [Action(op, mb, a), Action(op, mb, b)][:: 1 if op is Op.FORWARD else -1]
+        for a, b in pairs
+        for mb in range(m)
+        for op in (Op.FORWARD, Op.BACKWARD)
+    ]
 
 
 def simulate(
@@ -157,22 +199,36 @@ def simulate(
     forward_cost: float | Sequence[float] = 1.0,
     backward_cost: float | Sequence[float] = 2.0,
     p2p_cost: float = 0.0,
+    weight_cost: float | Sequence[float] | None = None,
+    v_shape: bool = False,
 ) -> SimResult:
     """Run all ranks' schedules together; raise ScheduleError on mismatched p2p or deadlock.
 
-    Costs are per chunk forward / backward: one number for every chunk, or one per virtual
-    stage (pp * vpp, in stage order: `partition.stage_costs` gives a stage's share of the
-    FLOPs, embedding and head included), so the bubble is that of the actual stages. A message
-    takes `p2p_cost` once both of its ends have started their batches. Every time depends only
-    on earlier events, so the order in which the simulation visits ranks does not change the
-    result.
+    Costs are per chunk forward / backward (the whole backward, input and weight gradients):
+    one number for every chunk, or one per virtual stage (pp * vpp, in stage order:
+    `partition.stage_costs` gives a stage's share of the FLOPs, embedding and head included),
+    so the bubble is that of the actual stages. `weight_cost` is the weight gradients' part of
+    the backward (default: half, the papers' F = B = W), which a split backward runs as W. A
+    message takes `p2p_cost` once both of its ends have started their batches. Every time
+    depends only on earlier events, so the order in which the simulation visits ranks does not
+    change the result. `v_shape`: the chunks lie in a V (zb-v).
     """
     if len(schedules) != pp_size:
         raise ScheduleError(f"expected {pp_size} schedules (one per pp rank), got {len(schedules)}")
-    check_p2p_order(schedules, pp_size, vpp)
-    forward = _per_stage(forward_cost, pp_size * vpp, "forward_cost")
-    backward = _per_stage(backward_cost, pp_size * vpp, "backward_cost")
-    sim = _Simulation(schedules, pp_size, vpp, forward, backward, p2p_cost)
+    check_p2p_order(schedules, pp_size, vpp, v_shape)
+    n_stages = pp_size * vpp
+    forward = _per_stage(forward_cost, n_stages, "forward_cost")
+    backward = _per_stage(backward_cost, n_stages, "backward_cost")
+    weight = (
+        [b / 2 for b in backward]
+        if weight_cost is None
+        else _per_stage(weight_cost, n_stages, "weight_cost")
+    )
+    costs = [
+        _rank_costs(rank, pp_size, vpp, v_shape, forward, backward, weight, schedules[rank])
+        for rank in range(pp_size)
+    ]
+    sim = _Simulation(schedules, pp_size, vpp, costs, p2p_cost, v_shape)
     ready = set(range(pp_size))
     while ready:
         ready |= sim.advance(ready.pop())
@@ -208,19 +264,18 @@ class _Simulation:
         schedules: Sequence[list[Action]],
         pp_size: int,
         vpp: int,
-        forward_cost: list[float],
-        backward_cost: list[float],
+        costs: list[dict[tuple[Op, int], tuple[float, int]]],
         p2p_cost: float,
+        v_shape: bool,
     ) -> None:
         self.p2p_cost = p2p_cost
         steps = [p2p_batches(actions) for actions in schedules]
         self.batches = [
             [s for s in rank_steps if not isinstance(s, Action)] for rank_steps in steps
         ]
-        self.partners = _partners(self.batches, pp_size, vpp)
+        self.partners = _partners(self.batches, pp_size, vpp, v_shape)
         self.program = [
-            _program(rank_steps, _rank_costs(rank, pp_size, vpp, forward_cost, backward_cost))
-            for rank, rank_steps in enumerate(steps)
+            _program(rank_steps, rank_costs) for rank_steps, rank_costs in zip(steps, costs)
         ]
         self.position = [0] * pp_size
         self.clock = [0.0] * pp_size
@@ -297,14 +352,24 @@ class _Simulation:
 
 
 def _rank_costs(
-    rank: int, pp_size: int, vpp: int, forward: list[float], backward: list[float]
+    rank: int,
+    pp_size: int,
+    vpp: int,
+    v_shape: bool,
+    forward: list[float],
+    backward: list[float],
+    weight: list[float],
+    actions: list[Action],
 ) -> dict[tuple[Op, int], tuple[float, int]]:
-    """(cost, change of activations held) of each compute op on each of `rank`'s chunks."""
+    """(cost, change of activations held) of each compute op on each of `rank`'s chunks; a
+    rank that runs W steps runs B as the backward less its weight gradients."""
+    split = any(a.op is Op.WEIGHT for a in actions)
     costs = {}
     for chunk in range(vpp):
-        stage = virtual_stage(rank, chunk, pp_size)
+        stage = virtual_stage(rank, chunk, pp_size, v_shape)
         costs[Op.FORWARD, chunk] = (forward[stage], 1)
-        costs[Op.BACKWARD, chunk] = (backward[stage], -1)
+        costs[Op.BACKWARD, chunk] = (backward[stage] - weight[stage] * split, -1)
+        costs[Op.WEIGHT, chunk] = (weight[stage], 0)
     return costs
 
 
@@ -322,14 +387,18 @@ def _program(
             batches += 1
             program.append((None, None, 0))
         else:
-            receive = Op.RECV_FORWARD if step.op is Op.FORWARD else Op.RECV_BACKWARD
+            receive = _RECEIVE_OF.get(step.op)
             cost, in_flight = costs[step.op, step.chunk]
             program.append((cost, batch_of.get((receive, step.microbatch, step.chunk)), in_flight))
     return program
 
 
+_RECEIVE_OF = {Op.FORWARD: Op.RECV_FORWARD, Op.BACKWARD: Op.RECV_BACKWARD}
+"""The receive whose batch a compute waits for (W waits for none)."""
+
+
 def _partners(
-    batches: list[list[tuple[Action, ...]]], pp_size: int, vpp: int
+    batches: list[list[tuple[Action, ...]]], pp_size: int, vpp: int, v_shape: bool
 ) -> list[list[list[tuple[int, int, Action]]]]:
     """For each action of each batch: (peer rank, peer batch, peer action) of its other end.
     The k-th send from a to b meets b's k-th receive from a (their order is checked before)."""
@@ -339,7 +408,7 @@ def _partners(
         count: Counter = Counter()
         for index, batch in enumerate(rank_batches):
             for action in batch:
-                peer = _link(action.op, action.chunk, rank, pp_size, vpp)[3]
+                peer = _link(action.op, action.chunk, rank, pp_size, vpp, v_shape)[3]
                 pair = (rank, peer, True) if action.op.is_send else (peer, rank, False)
                 key = (*pair, count[pair])
                 count[pair] += 1

@@ -18,6 +18,8 @@ from megalite.pipeline.schedule import (
     interleaved_warmup,
     p2p_batches,
     peer_of,
+    stage_owner,
+    v_shaped,
     virtual_stage,
 )
 from megalite.pipeline.simulate import SimResult, simulate, validate
@@ -28,17 +30,26 @@ def schedules(kind: str, pp: int, m: int, vpp: int = 1, group: int | None = None
 
 
 def run(
-    kind: str, pp: int, m: int, vpp: int = 1, group: int | None = None, f=1.0, b=2.0, p2p=0.0
+    kind: str,
+    pp: int,
+    m: int,
+    vpp: int = 1,
+    group: int | None = None,
+    f=1.0,
+    b=2.0,
+    p2p=0.0,
+    w=None,
 ) -> SimResult:
-    """Build, validate and simulate every rank's list (cached: several tests read one run)."""
-    return _run(kind, pp, m, vpp, group, f, b, p2p)
+    """Build, validate and simulate every rank's list (cached: several tests read one run).
+    `b` is the whole backward; `w` its weight gradients' part (default half)."""
+    return _run(kind, pp, m, vpp, group, f, b, p2p, w)
 
 
 @functools.cache
-def _run(kind: str, pp: int, m: int, vpp: int, group: int | None, f, b, p2p) -> SimResult:
+def _run(kind: str, pp: int, m: int, vpp: int, group: int | None, f, b, p2p, w) -> SimResult:
     lists = schedules(kind, pp, m, vpp, group)
-    validate(lists, pp, vpp, m)
-    return simulate(lists, pp, vpp, f, b, p2p)
+    validate(lists, pp, vpp, m, v_shaped(kind))
+    return simulate(lists, pp, vpp, f, b, p2p, weight_cost=w, v_shape=v_shaped(kind))
 
 
 FORWARD_OPS = (Op.FORWARD, Op.RECV_FORWARD, Op.SEND_FORWARD)
@@ -206,6 +217,80 @@ def test_peak_activations_interleaved(pp: int, vpp: int):
     assert first_group_only.peak_in_flight_microbatches[0] == pp
 
 
+def test_zb_h1_pp2_m3_by_hand():
+    # 1F1B's order of F and B; rank 1 (the last stage) keeps one W back, so its last B (which
+    # rank 0 waits for) comes before W0, and the held-back W passes fill its cooldown.
+    assert (
+        batched(build_schedule("zb-h1", 2, 0, 3))
+        == "F0 [SF0] F1 [SF1 RB0] B0 W0 [RB1] F2 [SF2] B1 W1 [RB2] B2 W2"
+    )
+    assert (
+        batched(build_schedule("zb-h1", 2, 1, 3))
+        == "[RF0] F0 [RF1] B0 [SB0] F1 B1 [SB1] W0 [RF2] F2 B2 [SB2] W1 W2"
+    )
+
+
+def test_zb_v_stages_lie_in_a_v():
+    """Rank p holds stages p and 2P - 1 - p: rank 0 the first and the last (embedding and
+    head), the last rank the middle two, which hand over without a message."""
+    pp = 4
+    assert [virtual_stage(r, 0, pp, v_shape=True) for r in range(pp)] == [0, 1, 2, 3]
+    assert [virtual_stage(r, 1, pp, v_shape=True) for r in range(pp)] == [7, 6, 5, 4]
+    for stage in range(2 * pp):
+        assert virtual_stage(*stage_owner(stage, pp, v_shape=True), pp, v_shape=True) == stage
+    assert peer_of(Action(Op.SEND_FORWARD, 0, 1), 2, pp, 2, v_shape=True) == (1, 1)
+    assert peer_of(Action(Op.RECV_BACKWARD, 0, 0), 2, pp, 2, v_shape=True) == (3, 0)
+    with pytest.raises(ScheduleError, match="no peer"):
+        peer_of(Action(Op.SEND_FORWARD, 0, 1), 0, pp, 2, v_shape=True)  # the last stage
+    last_rank = build_schedule("zb-v", pp, pp - 1, 8, 2)
+    assert [a for a in last_rank if a.op.is_send and a.chunk == 0] == [
+        Action(Op.SEND_BACKWARD, mb, 0) for mb in range(8)
+    ]
+    assert not [a for a in last_rank if a.op is Op.RECV_FORWARD and a.chunk == 1]
+
+
+def test_zero_bubble_against_1f1b_and_interleaved_pp4_m8():
+    """Qi et al.'s comparison at equal F, B and W (each a chunk's forward): 1F1B idles
+    (P-1)(F+B+W) per rank, interleaving divides that by vpp, ZB-H1 idles (P-1)(F+B-W), a
+    third of 1F1B's, and ZB-V only the pipeline's fill, P-1 forwards of its half-size chunks:
+    a sixth of 1F1B's, the least any schedule can idle with its stages."""
+    pp, m = 4, 8
+    bubble = {
+        kind: run(kind, pp, m, vpp, f=1.0, b=2.0, w=1.0).bubble_ratio
+        for kind, vpp in [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]
+    }
+    assert bubble == pytest.approx(
+        {"1f1b": 3 / 8, "interleaved": 3 / 16, "zb-h1": 1 / 8, "zb-v": 1 / 16}
+    )
+    assert bubble["zb-h1"] == pytest.approx(bubble["1f1b"] / 3)
+    assert run("zb-v", pp, m, 2, f=1.0, b=2.0, w=1.0).idle == pytest.approx([pp - 1] * pp)
+
+
+def held_until_w(actions: list[Action]) -> int:
+    """Most micro-batches (per chunk) between their F and their W: what a split backward holds."""
+    held = peak = 0
+    for action in actions:
+        held += (action.op is Op.FORWARD) - (action.op is Op.WEIGHT)
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_zero_bubble_bubble_and_memory(pp: int):
+    """With F = B = W: ZB-H1's bubble is (P-1)/(3m) once m >= P, holding min(P, m) micro-batches
+    until their W on every rank (1F1B's first rank's P); ZB-V's (P-1)/(6m) once m >= 2P-1,
+    holding 2P chunks of half a stage on every rank: 1F1B's P stages' worth."""
+    for m in range(1, 4 * pp + 1):
+        h1, v = run("zb-h1", pp, m, w=1.0), run("zb-v", pp, m, 2, w=1.0)
+        assert h1.peak_in_flight == run("1f1b", pp, m).peak_in_flight
+        assert [held_until_w(a) for a in schedules("zb-h1", pp, m)] == [min(pp, m)] * pp
+        if m >= pp:
+            assert h1.bubble_ratio == pytest.approx((pp - 1) / (3 * m))
+        if m >= 2 * pp - 1:
+            assert v.bubble_ratio == pytest.approx((pp - 1) / (6 * m))
+            assert [held_until_w(a) for a in schedules("zb-v", pp, m, 2)] == [2 * pp] * pp
+
+
 @pytest.mark.parametrize(
     "kind,vpp",
     [("gpipe", 1), ("gpipe", 2), ("gpipe", 3), ("1f1b", 1)]
@@ -221,9 +306,11 @@ def test_every_layout_runs(kind: str, pp: int, vpp: int):
             run(kind, pp, m, vpp, group, p2p=0.3)
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
 @pytest.mark.parametrize("pp", [1, 2, 4])
 def test_compute_order_is_the_schedule_without_its_messages(kind: str, pp: int):
+    if kind == "zb-v" and pp == 1:
+        return  # two chunks need a pipeline
     for vpp, m in valid_layouts(kind, pp) if pp > 1 else [(1, 1), (1, 5)]:
         for rank in range(pp):
             actions = build_schedule(kind, pp, rank, m, vpp)
@@ -238,29 +325,40 @@ def test_forward_only_gpipe_lists_run(pp: int, vpp: int):
         assert simulate(lists, pp, vpp).peak_in_flight == [m * vpp] * pp
 
 
+CHUNKS = {"1f1b": (1,), "zb-h1": (1,), "zb-v": (2,)}
+"""The chunk counts the kinds that do not take any accept."""
+
+
 def valid_layouts(kind: str, pp: int):
     """(vpp, m) for vpp in 1..4 and m in pp..4pp that `kind` accepts (default group size)."""
-    for vpp in (1, 2, 3, 4):
+    for vpp in CHUNKS.get(kind, (1, 2, 3, 4)):
         for m in range(pp, 4 * pp + 1):
-            if kind == "1f1b" and vpp > 1 or kind == "interleaved" and vpp > 1 and m % pp:
-                continue  # one chunk per rank; a last group shorter than pp
+            if kind == "interleaved" and vpp > 1 and m % pp:
+                continue  # a last group shorter than pp
             yield vpp, m
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
 @pytest.mark.parametrize("pp", [2, 3, 4, 8])
 def test_no_deadlock_under_nccl_semantics(kind: str, pp: int):
-    """Every layout, in training and in evaluation (the forward actions of a GPipe list), runs
-    to the end when a send blocks until its receiver's stream reaches the matching receive."""
+    """Every layout, in training and in evaluation (`forward_only`: GPipe's forwards on the
+    kind's chunk layout), runs to the end when a send blocks until its receiver's stream
+    reaches the matching receive; zero-bubble lists also when B and W cost what they may."""
     layouts = list(valid_layouts(kind, pp))
-    assert len(layouts) == {"gpipe": 4, "1f1b": 1, "interleaved": 1}[kind] * (3 * pp + 1) + (
+    assert len(layouts) == {"gpipe": 4}.get(kind, 1) * (3 * pp + 1) + (
         3 * 4 if kind == "interleaved" else 0
     )
+    v_shape = v_shaped(kind)
     for vpp, m in layouts:
         lists = schedules(kind, pp, m, vpp)
-        simulate(lists, pp, vpp)
+        validate(lists, pp, vpp, m, v_shape)
+        simulate(lists, pp, vpp, v_shape=v_shape)
+        if kind in ("zb-h1", "zb-v"):
+            simulate(lists, pp, vpp, 1.0, 3.0, 0.2, weight_cost=0.5, v_shape=v_shape)
+        evaluation = [build_schedule(kind, pp, r, m, vpp, forward_only=True) for r in range(pp)]
         if kind == "gpipe":
-            simulate(forward_only(lists), pp, vpp)
+            assert evaluation == forward_only(lists)
+        simulate(evaluation, pp, vpp, v_shape=v_shape)
 
 
 def receive_when_needed(actions: list[Action]) -> list[Action]:
@@ -288,6 +386,9 @@ def receive_when_needed(actions: list[Action]) -> list[Action]:
         ("interleaved", 1, 0, 4, 2, None, "virtual stages need a pipeline"),
         ("gpipe", 1, 0, 4, 2, None, "virtual stages need a pipeline"),
         ("1f1b", 2, 0, 4, 2, None, "1f1b runs one chunk per rank"),
+        ("zb-h1", 2, 0, 4, 2, None, "zb-h1 runs one chunk per rank"),
+        ("zb-v", 2, 0, 4, 1, None, "zb-v runs two chunks per rank"),
+        ("zb-v", 2, 0, 4, 3, None, "zb-v runs two chunks per rank"),
         ("pipedream", 2, 0, 4, 1, None, "unknown pipeline schedule"),
         ("1f1b", 2, 0, 0, 1, None, "num_microbatches >= 1"),
         ("interleaved", 2, 0, 4, 0, None, "vpp must be >= 1"),
