@@ -3,7 +3,8 @@
 1. finish the data-parallel reduction of every bucket (reduce-scatter or all-reduce);
 2. sum over tp the gradients of tp-replicated parameters that each tp rank saw only part of
    (norm weights and row-parallel biases under sequence parallelism, shared kv heads);
-3. sum GPT's tied embedding gradient over the first and last pipeline stage.
+3. sum GPT's tied embedding gradient over the first and last pipeline stage (under zb-v both
+   are chunks of pp rank 0: summed there, without communication).
 
 The sums commute, so doing dp first lets its communication overlap backward; steps 2 and 3 act
 on the elements this rank owns, which line up across the ranks of those groups.
@@ -35,18 +36,25 @@ def _owned_parts(buffer: GradBuffer, param: nn.Parameter) -> list[tuple[int, int
     return found
 
 
-def _sum_owned(buffers: list[GradBuffer], select: Callable[[ParamMeta], bool], group: Any) -> None:
-    """Sum over `group` the owned gradients of the global tensors `select` picks (a fused
-    parameter's parts each by their own meta: a shared kv head, not the q rows beside it)."""
-    if comm.size(group) == 1:
-        return
-    pieces = [
+def _owned_grads(
+    buffers: list[GradBuffer], select: Callable[[ParamMeta], bool]
+) -> list[torch.Tensor]:
+    """The owned gradients of the global tensors `select` picks (a fused parameter's parts each
+    by their own meta: a shared kv head, not the q rows beside it)."""
+    return [
         buffer.owned_grads[start:end]
         for buffer in buffers
         for param in buffer.params
         for start, end, meta in _owned_parts(buffer, param)
         if select(meta)
     ]
+
+
+def _sum_owned(buffers: list[GradBuffer], select: Callable[[ParamMeta], bool], group: Any) -> None:
+    """Sum over `group` the owned gradients of the global tensors `select` picks."""
+    if comm.size(group) == 1:
+        return
+    pieces = _owned_grads(buffers, select)
     if not pieces:
         return
     flat = torch.cat(pieces)
@@ -61,5 +69,11 @@ def finalize_grads(buffers: list[GradBuffer], ps: ParallelState) -> None:
     for buffer in buffers:
         buffer.finish_sync()
     _sum_owned(buffers, lambda meta: meta.tp_grad_reduce, ps.tp_group)
-    if ps.pp_size > 1:
+    originals = _owned_grads(buffers, lambda meta: meta.pp_tied and meta.tied_name is None)
+    copies = _owned_grads(buffers, lambda meta: meta.pp_tied and meta.tied_name is not None)
+    if originals and copies:  # both tied copies on this rank (zb-v's first rank): own buckets
+        for original, copy in zip(originals, copies, strict=True):
+            original.add_(copy)
+            copy.copy_(original)
+    elif ps.pp_size > 1:
         _sum_owned(buffers, lambda meta: meta.pp_tied, ps.embedding_group)

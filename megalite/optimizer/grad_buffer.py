@@ -14,6 +14,12 @@ A fused parameter (q/k/v, gate/up) holds several global tensors (`ParamMeta.part
 fix-ups and the optimizer select by each part's meta (`finalize`, `zero1`), so a shared kv head's
 rows are summed over tp and the query rows beside it are not.
 
+Under a zero-bubble schedule's split backward the linears' weight gradients arrive in the W
+step (`tensor_parallel.deferred`), and so does every other gradient: during B a parameter keeps
+its `.grad` and its arrival is queued for W, in autograd's order. A micro-batch's gradients
+thus all arrive in one step, as in a plain backward, and the counting, ZeRO-2's staging and
+the reduction of the last micro-batch's buckets work on W steps unchanged.
+
 ZeRO-2 (sharded gradients) keeps no full-size gradient buffer: a bucket's fp32 gradients are
 staged in a bucket-sized tensor taken when its first gradient of a backward arrives, and every
 micro-batch's bucket is reduce-scattered as soon as it is complete and added into this rank's
@@ -45,6 +51,7 @@ from torch import nn
 from megalite import comm
 from megalite.kernels import wgrad_accumulate
 from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel import deferred
 from megalite.tensor_parallel.linear import Rows
 
 
@@ -199,18 +206,30 @@ class GradBuffer:
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if param.grad is None:  # a fused linear: `_accumulate` has reported it
             return
+        queue = deferred.active_queue()
+        if queue is not None:  # a split backward's B: the gradient arrives in its W
+            queue.put(functools.partial(self._arrive, param))
+        else:
+            self._arrive(param)
+
+    def _arrive(self, param: nn.Parameter) -> None:
+        """Move `param.grad` into the main grad (or ZeRO-2's staging), counting it as arrived.
+        Under a split backward, a later B may have added into `.grad` before this W ran: this
+        moves both, and that B's W finds nothing left to move (but still counts)."""
+        grad = param.grad
         if self.grads_sharded:
-            self._staged(param).add_(param.grad)
-            param.grad = None
-            self._stage_done(param)
+            if grad is not None:
+                self._staged(param).add_(grad)
+                param.grad = None
+                self._stage_done(param)
             return
         if param not in self.arrived:
             self.arrived.add(param)
-            param.main_grad.copy_(param.grad)
+            param.main_grad.copy_(grad)
             # fp32: let autograd accumulate the next micro-batches straight into the buffer
             param.grad = param.main_grad if param.dtype == torch.float32 else None
-        elif param.dtype != torch.float32:
-            param.main_grad.add_(param.grad)
+        elif param.dtype != torch.float32 and grad is not None:
+            param.main_grad.add_(grad)
             param.grad = None
         self._count_arrival(param)
 
@@ -260,7 +279,9 @@ class GradBuffer:
             bucket.handle = comm.all_reduce(grads, self.ps.dp_group, async_op=True)
 
     def start_sync(self) -> None:
-        """Reduce each bucket over dp as soon as it is complete, from now on (last micro-batch)."""
+        """Reduce each bucket over dp as soon as it is complete, from now on: called before the
+        step that completes the last micro-batch's gradients (its B, or W under a split
+        backward)."""
         self.sync_enabled = True
 
     def finish_sync(self) -> None:
@@ -335,9 +356,9 @@ class GradBuffer:
         self.staging_peak = max(self.staging_peak, self.staging_bytes)
 
     def end_backward(self) -> None:
-        """ZeRO-2, after each backward of this chunk: reduce the buckets some of whose
-        parameters got no gradient, and add every reduction in, so no staging outlives the
-        backward that filled it."""
+        """ZeRO-2, after each step of this chunk that completes a micro-batch's gradients (B,
+        or W under a split backward): reduce the buckets some of whose parameters got no
+        gradient, and add every reduction in, so no staging outlives the step that filled it."""
         if not self.grads_sharded:
             return
         for bucket in self.buckets:

@@ -6,7 +6,12 @@ The p2p actions between two compute steps are posted as one batch (`schedule.p2p
 a compute waits only for the receive it needs, and that waiting is the measured pipeline bubble.
 An output is freed as soon as its send is posted: the backward needs only its autograd graph,
 and the communication library holds the sent tensor until the send completes (gloo's work
-object, NCCL's stash); Megatron-LM's deallocate_output_tensor.
+object, NCCL's stash); Megatron-LM's deallocate_output_tensor. Where two consecutive stages are
+chunks of this rank (the middle of zb-v's V), the output and its gradient are handed over in
+memory instead.
+A schedule with W steps splits the backward: its B runs under `deferred.deferring`, so the
+linears leave their weight gradients, and the gradient buffers the arrival of every gradient, to
+the (micro-batch, chunk)'s W step, which is then the step that completes its gradients.
 With pp = 1 the schedule holds only forwards and backwards: plain gradient accumulation.
 """
 
@@ -25,6 +30,7 @@ from megalite import comm
 from megalite.optimizer.grad_buffer import GradBuffer
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.schedule import Action, Op, p2p_batches, peer_of, virtual_stage
+from megalite.tensor_parallel.deferred import WeightGradQueue, deferring
 
 
 @dataclass
@@ -34,6 +40,8 @@ class StepTimes:
 
     forward_s: float = 0.0
     backward_s: float = 0.0
+    weight_s: float = 0.0
+    """Of backward_s: the W steps of a split backward (their weight gradients)."""
     wait_s: float = 0.0
     """Waiting for the activation or gradient a compute needs: the measured pipeline bubble."""
     p2p_s: float = 0.0
@@ -150,6 +158,8 @@ class _Step:
     loss_scale: float
     device: torch.device
     timer: IntervalTimer
+    split: bool
+    """The schedule has W steps: B defers the weight gradients to them."""
     peak_in_flight: int = 0
     received: dict = field(default_factory=dict)
     """(op, micro-batch, chunk) of a receive -> (the batch it was posted in, the buffer it
@@ -158,6 +168,11 @@ class _Step:
     """(micro-batch, chunk) -> (input, output) kept from forward until backward."""
     input_grads: dict = field(default_factory=dict)
     """(micro-batch, chunk) -> gradient of the chunk's input, until it is sent."""
+    handed: dict = field(default_factory=dict)
+    """(op, micro-batch, chunk) -> the input that a chunk of this rank handed to `chunk` (an
+    activation for its forward, an output gradient for its backward)."""
+    deferred: dict = field(default_factory=dict)
+    """(micro-batch, chunk) -> the WeightGradQueue its B left for its W."""
     sends: list = field(default_factory=list)
     """Batches with sends not yet seen complete (their works hold the sent tensors)."""
 
@@ -169,7 +184,8 @@ def _step_times(seconds: dict[str, float], peak_in_flight: int) -> StepTimes:
     """StepTimes from a run's self times per interval name ("run" holds the bookkeeping)."""
     return StepTimes(
         forward_s=seconds.get("forward", 0.0),
-        backward_s=seconds.get("backward", 0.0),
+        backward_s=seconds.get("backward", 0.0) + seconds.get("weight", 0.0),
+        weight_s=seconds.get("weight", 0.0),
         wait_s=seconds.get("wait", 0.0),
         p2p_s=seconds.get("p2p", 0.0),
         comm_s=seconds.get("comm", 0.0),
@@ -195,17 +211,25 @@ class PipelineExecutor:
     """(micro batch, local seq, hidden) of the tensors exchanged between stages."""
     dtype: torch.dtype
     buffers_of_chunk: list[list[GradBuffer]] = field(default_factory=list)
-    """Gradient buffers of each chunk, told to start their dp reduction before the chunk's
-    last backward (ZeRO-2: to finish each backward's reductions after it)."""
+    """Gradient buffers of each chunk, told to start their dp reduction before the step that
+    completes the chunk's last gradients (B, or W under a split backward); ZeRO-2: to finish
+    each such step's reductions after it."""
+    v_shape: bool = False
+    """The chunks lie in a V (zb-v): local chunk 1 is virtual stage 2P - 1 - p."""
 
     def __post_init__(self) -> None:
         n_stages = self.ps.pp_size * self.vpp
-        stages = [virtual_stage(self.ps.pp_rank, c, self.ps.pp_size) for c in range(self.vpp)]
+        rank, size = self.ps.pp_rank, self.ps.pp_size
+        stages = [virtual_stage(rank, c, size, self.v_shape) for c in range(self.vpp)]
         self.is_first = [s == 0 for s in stages]
         self.is_last = [s == n_stages - 1 for s in stages]
+        # the local chunk each chunk's output feeds / input comes from, if it is on this rank
+        local = {stage: chunk for chunk, stage in enumerate(stages)}
+        self.feeds = [local.get(s + 1) for s in stages]
+        self.fed_by = [local.get(s - 1) for s in stages]
 
     def _peer(self, action: Action) -> int:
-        peer_rank, _ = peer_of(action, self.ps.pp_rank, self.ps.pp_size, self.vpp)
+        peer_rank, _ = peer_of(action, self.ps.pp_rank, self.ps.pp_size, self.vpp, self.v_shape)
         return self.ps.pp_ranks[peer_rank]
 
     def run(
@@ -221,26 +245,33 @@ class PipelineExecutor:
         the last stage) and the timings. `timer`: the caller's (a profiler that also times the
         rest of the step into it); by default one of the run's own."""
         timer = IntervalTimer(self.ps.device) if timer is None else timer
-        step = _Step(micro_batches, loss_weight, loss_scale, self.ps.device, timer)
-        last_backward = {a.chunk: a for a in schedule if a.op is Op.BACKWARD}
+        split = any(a.op is Op.WEIGHT for a in schedule)
+        step = _Step(micro_batches, loss_weight, loss_scale, self.ps.device, timer, split)
+        completing = Op.WEIGHT if split else Op.BACKWARD  # completes a micro-batch's gradients
+        last = {a.chunk: a for a in schedule if a.op is completing}
         with timer.interval("run"):
             for action in p2p_batches(schedule):
                 if not isinstance(action, Action):
                     with timer.interval("p2p"):
                         self._post(step, action)
                     continue
-                inputs = self._received_input(step, action)
+                inputs = self._input(step, action)
                 if action.op is Op.FORWARD:
                     with timer.interval("forward"):
                         step.loss_total += self._forward(step, action, inputs)
                     step.peak_in_flight = max(step.peak_in_flight, len(step.saved))
-                else:
-                    with timer.interval("backward"):
-                        if action == last_backward[action.chunk]:
-                            for buffer in self.buffers_of_chunk[action.chunk]:
-                                buffer.start_sync()
+                    continue
+                buffers = self.buffers_of_chunk[action.chunk]
+                with timer.interval("backward" if action.op is Op.BACKWARD else "weight"):
+                    if action == last[action.chunk]:
+                        for buffer in buffers:
+                            buffer.start_sync()
+                    if action.op is Op.BACKWARD:
                         self._backward(step, action, inputs)
-                        for buffer in self.buffers_of_chunk[action.chunk]:
+                    else:
+                        step.deferred.pop((action.microbatch, action.chunk)).run()
+                    if action.op is completing:
+                        for buffer in buffers:
                             buffer.end_backward()
             with timer.interval("p2p"):
                 for batch in step.sends:
@@ -272,9 +303,13 @@ class PipelineExecutor:
         if sends:
             step.sends.append(posted)
 
-    def _received_input(self, step: _Step, action: Action) -> torch.Tensor | None:
-        """The received activation (forward) or output gradient (backward) `action` consumes,
-        waited for (the bubble); None where the chunk's input is not received."""
+    def _input(self, step: _Step, action: Action) -> torch.Tensor | None:
+        """The activation (forward) or output gradient (backward) `action` consumes: handed
+        over by a chunk of this rank, or received and waited for (the bubble); None for W and
+        where the chunk's input comes from neither."""
+        handed = step.handed.pop((action.op, action.microbatch, action.chunk), None)
+        if handed is not None or action.op is Op.WEIGHT:
+            return handed
         receive = Op.RECV_FORWARD if action.op is Op.FORWARD else Op.RECV_BACKWARD
         posted = step.received.pop((receive, action.microbatch, action.chunk), None)
         if posted is None:
@@ -294,18 +329,26 @@ class PipelineExecutor:
         output = self.chunks[c](inputs, batch.targets if self.is_last[c] else None)
         if self.is_last[c]:
             output = output * step.loss_weight  # the token-loss sum: this micro-batch's share
+        if self.feeds[c] is not None:
+            step.handed[(Op.FORWARD, mb, self.feeds[c])] = output.detach()
         if torch.is_grad_enabled():
             step.saved[(mb, c)] = (None if self.is_first[c] else inputs, output)
-        else:
+        elif self.feeds[c] is None:
             step.saved[(mb, c)] = (None, output.detach())  # kept only until it is sent on
         return output.detach() if self.is_last[c] else output.new_zeros((), dtype=torch.float32)
 
     def _backward(self, step: _Step, action: Action, grad: torch.Tensor | None) -> None:
         mb, c = action.microbatch, action.chunk
         inputs, output = step.saved.pop((mb, c))
-        if self.is_last[c]:
-            (output * step.loss_scale).backward()
-        else:
-            _run_backward(output, grad)
-        if inputs is not None:
+        queue = WeightGradQueue() if step.split else None
+        with contextlib.nullcontext() if queue is None else deferring(queue):
+            if self.is_last[c]:
+                (output * step.loss_scale).backward()
+            else:
+                _run_backward(output, grad)
+        if queue is not None:
+            step.deferred[(mb, c)] = queue
+        if self.fed_by[c] is not None:
+            step.handed[(Op.BACKWARD, mb, self.fed_by[c])] = inputs.grad
+        elif inputs is not None:
             step.input_grads[(mb, c)] = inputs.grad

@@ -1,11 +1,12 @@
 """Which layers each pipeline chunk holds, and what each chunk costs.
 
 The model's P * V chunks ("virtual stages") take consecutive layers; virtual stage v lives on
-pipeline rank v % P as its local chunk v // P. Layers are spread so the costliest stage is as
-cheap as possible, counting the embedding and the head (final norm + LM head + loss) as a
-fraction of a layer, because the first and last stage also run them. By default those fractions
-come from the model's FLOPs (`profiling.flops`): on a small model the head over the vocabulary
-outweighs several layers, and a split by layer count would leave the last stage the slowest.
+pipeline rank v % P as its local chunk v // P (under zb-v, in a V: `schedule.stage_owner`).
+Layers are spread so the costliest stage is as cheap as possible, counting the embedding and
+the head (final norm + LM head + loss) as a fraction of a layer, because the first and last
+stage also run them. By default those fractions come from the model's FLOPs
+(`profiling.flops`): on a small model the head over the vocabulary outweighs several layers, and
+a split by layer count would leave the last stage the slowest.
 `parallel.embedding_layer_weight` / `parallel.head_layer_weight` override them.
 """
 
@@ -16,6 +17,7 @@ from functools import cache
 from typing import NamedTuple
 
 from megalite.config import Config, ModelConfig
+from megalite.pipeline.schedule import v_shaped, virtual_stage
 from megalite.profiling.flops import flops_per_token
 
 
@@ -104,9 +106,10 @@ def stage_ranges(cfg: Config) -> list[range]:
 
 def chunk_layers(cfg: Config, pp_rank: int) -> list[tuple[int, range]]:
     """(virtual stage, layer range) of each local chunk of `pp_rank`, in local chunk order."""
-    pp_size = cfg.parallel.pp
+    p = cfg.parallel
     ranges = stage_ranges(cfg)
-    return [(c * pp_size + pp_rank, ranges[c * pp_size + pp_rank]) for c in range(cfg.parallel.vpp)]
+    stages = [virtual_stage(pp_rank, c, p.pp, v_shaped(p.schedule)) for c in range(p.vpp)]
+    return [(stage, ranges[stage]) for stage in stages]
 
 
 class StageCost(NamedTuple):

@@ -15,16 +15,21 @@ so their collectives, overlap and observers stay exactly as written here.
 
 Weight gradients go straight into the fp32 main grad when the gradient buffer gave the
 parameter an `accumulate_main_grad` (optimizer/grad_buffer.py): no 16-bit `.grad` is made.
+Under a zero-bubble schedule's B step (`deferred.deferring`) both linears compute only the
+input gradient and leave the weight gradient, with x and dy, to the W step; the column-parallel
+linear then keeps only its sequence shard until W, and gathers it again there.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megalite import comm
+from megalite.tensor_parallel import deferred
 
 SEQ_DIM = 1
 """Activations are (batch, seq, hidden): SP shards dim 1."""
@@ -69,6 +74,28 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _column_weight_grads(
+    weight: torch.Tensor | None, bias: torch.Tensor | None, rows: Rows, total, dy: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dW, db) of a column-parallel linear from its full-sequence input. Bias before weight:
+    the order autograd delivers leaf gradients in (ZeRO-2's staging estimate replays it:
+    profiling.parameters.gradient_arrival)."""
+    flat_dy = _flat(dy)
+    bgrad = None if bias is None else _weight_grad(bias, rows, None, flat_dy)
+    wgrad = None if weight is None else _weight_grad(weight, rows, _flat(total), flat_dy)
+    return wgrad, bgrad
+
+
+def _deferred_column_weight_grads(
+    x: torch.Tensor, group: Any, weight, bias, rows: Rows, dy: torch.Tensor
+) -> None:
+    """W of a column-parallel linear: gather its sequence shards again (SP: `group`), then add
+    dW and db into the main grads."""
+    _column_weight_grads(
+        weight, bias, rows, x if group is None else comm.all_gather(x, group, SEQ_DIM), dy
+    )
+
+
 class _ColumnParallel(torch.autograd.Function):
     """forward: all-gather along the sequence (SP) or identity, then y = x W^T + b;
     backward: all-gather again (SP), dx = dy W reduce-scattered along the sequence (SP) or
@@ -85,25 +112,36 @@ class _ColumnParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        group, rows = ctx.group, ctx.rows
-        gather = comm.all_gather_start(x, group, SEQ_DIM) if ctx.sequence_parallel else None
+        group, rows, sp = ctx.group, ctx.rows, ctx.sequence_parallel
+        grad_weight = weight if ctx.needs_input_grad[1] else None
+        grad_bias = ctx.bias if ctx.needs_input_grad[2] else None
+        queue = deferred.queue_for(grad_weight, grad_bias)
+        gather = comm.all_gather_start(x, group, SEQ_DIM) if sp and queue is None else None
         reduction = None
         if ctx.needs_input_grad[0]:
             dx = dy @ _used(weight, rows)
         total = x if gather is None else gather.wait()  # (b, s, in): the full sequence
         if ctx.needs_input_grad[0]:
-            if ctx.sequence_parallel:
+            if sp:
                 reduction = comm.reduce_scatter_start(dx, group, SEQ_DIM)
             else:
                 reduction = comm.Pending(comm.all_reduce(dx, group, async_op=True), lambda: dx)
-        # the weight gradient runs while the input gradient's reduction is in flight; bias
-        # before weight: the order autograd delivers leaf gradients in (ZeRO-2's staging
-        # estimate replays it: profiling.parameters.gradient_arrival)
-        flat_dy, wgrad, bgrad = _flat(dy), None, None
-        if ctx.bias is not None and ctx.needs_input_grad[2]:
-            bgrad = _weight_grad(ctx.bias, rows, None, flat_dy)
-        if ctx.needs_input_grad[1]:
-            wgrad = _weight_grad(weight, rows, _flat(total), flat_dy)
+        # the weight gradient runs while the input gradient's reduction is in flight
+        wgrad = bgrad = None
+        if queue is not None:
+            gather_group = group if sp else None
+            work = (
+                _deferred_column_weight_grads,
+                x,
+                gather_group,
+                grad_weight,
+                grad_bias,
+                rows,
+                dy,
+            )
+            queue.put(functools.partial(*work), x, dy)
+        else:
+            wgrad, bgrad = _column_weight_grads(grad_weight, grad_bias, rows, total, dy)
         dx = None if reduction is None else reduction.wait()
         return dx, wgrad, bgrad, None, None, None
 
@@ -128,7 +166,14 @@ class _RowParallel(torch.autograd.Function):
         if ctx.sequence_parallel:
             dy = comm.all_gather(dy, ctx.group, SEQ_DIM)  # (b, s, out)
         dx = dy @ weight if ctx.needs_input_grad[0] else None
-        dw = _weight_grad(weight, None, _flat(x), _flat(dy)) if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            weight_grad = functools.partial(_weight_grad, weight, None, _flat(x), _flat(dy))
+            queue = deferred.queue_for(weight)
+            if queue is not None:
+                queue.put(weight_grad, x, dy)
+            else:
+                dw = weight_grad()
         return dx, dw, None, None
 
 

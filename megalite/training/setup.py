@@ -19,7 +19,7 @@ from megalite.optimizer.loss_scale import LossScaler
 from megalite.optimizer.zero1 import DistributedOptimizer
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.executor import PipelineExecutor
-from megalite.pipeline.schedule import Action, Op, build_schedule
+from megalite.pipeline.schedule import Action, build_schedule, v_shaped
 from megalite.tensor_parallel import TPRandom
 from megalite.training.compile import CompileWatch, compile_blocks
 
@@ -61,23 +61,20 @@ class Run:
             chunk.train(mode)
 
     def schedule(self, num_microbatches: int, forward_only: bool = False) -> list[Action]:
-        """This rank's action list (cached); evaluation runs the forwards of a GPipe list."""
+        """This rank's action list (cached); evaluation runs GPipe's forwards."""
         key = (num_microbatches, forward_only)
-        if key in self._schedules:
-            return self._schedules[key]
-        p = self.cfg.parallel
-        actions = build_schedule(
-            p.schedule if not forward_only else "gpipe",
-            self.ps.pp_size,
-            self.ps.pp_rank,
-            num_microbatches,
-            p.vpp,
-            p.microbatch_group_size,
-        )
-        if forward_only:
-            actions = [a for a in actions if a.op in (Op.FORWARD, Op.RECV_FORWARD, Op.SEND_FORWARD)]
-        self._schedules[key] = actions
-        return actions
+        if key not in self._schedules:
+            p = self.cfg.parallel
+            self._schedules[key] = build_schedule(
+                p.schedule,
+                self.ps.pp_size,
+                self.ps.pp_rank,
+                num_microbatches,
+                p.vpp,
+                p.microbatch_group_size,
+                forward_only,
+            )
+        return self._schedules[key]
 
 
 def build_run(
@@ -113,6 +110,7 @@ def build_run(
         activation_shape=(cfg.train.micro_batch_size, seq, cfg.model.hidden),
         dtype=DTYPES[precision],
         buffers_of_chunk=buffers_of_chunk,
+        v_shape=v_shaped(cfg.parallel.schedule),
     )
     compile_watch = None
     if cfg.train.compile:

@@ -9,6 +9,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 
 from megalite.checkpoint.sharded import Checkpoint, resolve_checkpoint
@@ -49,6 +50,10 @@ def run_layout(
     checkpoint = Checkpoint(resolve_checkpoint(out_dir))  # the newest: the final weights
     weights = {name: checkpoint.tensor(name) for name in checkpoint.weight_names()}
     return losses, weights
+
+
+EVAL = ("train.eval_interval=5", "train.eval_steps=2")
+"""Evaluate twice in the 10 steps."""
 
 
 @functools.cache
@@ -93,6 +98,27 @@ def assert_equivalent(
         error = relative_error(weights[name].float(), ref.float())
         assert error <= weight_rtol, f"{name}: relative error {error:.2e} vs single-process"
     return losses, ref_losses
+
+
+def _val_losses(out_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row["val_loss"] for row in rows if "val_loss" in row]
+
+
+@functools.cache
+def _reference_val_losses(model: tuple[str, ...]) -> list[float]:
+    """Validation losses of the single-process run (cached: several layouts compare with it)."""
+    out_dir = Path(tempfile.mkdtemp(prefix="megalite-ref-"))
+    run_layout(1, TINY + model, out_dir)
+    return _val_losses(out_dir)
+
+
+def assert_same_val_losses(model: tuple[str, ...], out_dir: Path) -> None:
+    """The run in `out_dir` (of `TINY + model + EVAL`'s two evaluations, its layout aside)
+    evaluated as the single process does, within 1e-5."""
+    val_losses, ref_val_losses = _val_losses(out_dir), _reference_val_losses(model)
+    assert len(val_losses) == len(ref_val_losses) == 2
+    assert val_losses == pytest.approx(ref_val_losses, rel=1e-5)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

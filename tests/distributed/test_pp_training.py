@@ -3,14 +3,9 @@ vpp in {1, 2}, GPT (tied embeddings across the first and last stage) and Llama, 
 micro-batch group, pp = 2 combined with tp = 2 and sequence parallelism, and every schedule
 again, evaluation included, with p2p that blocks as NCCL's does."""
 
-import functools
-import json
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
-from equivalence import TINY, assert_equivalent, run_layout
+from equivalence import EVAL, TINY, assert_equivalent, assert_same_val_losses
 
 from megalite import nccl_contract
 from megalite.config import load_config
@@ -63,21 +58,7 @@ def test_pp_with_tp_and_sp(builtin_corpus, tmp_path, model):
     assert_equivalent(4, model, layout, tmp_path)
 
 
-EVAL = ("train.eval_interval=5", "train.eval_steps=2")
 EIGHT_MICROBATCHES = ("train.micro_batch_size=1",)  # m = 2 pp: the interleaved steady state
-
-
-def _val_losses(out_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row["val_loss"] for row in rows if "val_loss" in row]
-
-
-@functools.cache
-def _reference_val_losses(model: tuple[str, ...]) -> list[float]:
-    """Validation losses of the single-process run (cached: several layouts compare with it)."""
-    out_dir = Path(tempfile.mkdtemp(prefix="megalite-ref-"))
-    run_layout(1, TINY + model, out_dir)
-    return _val_losses(out_dir)
 
 
 @pytest.mark.parametrize(
@@ -105,9 +86,7 @@ def test_pp_with_nccl_blocking_p2p(builtin_corpus, tmp_path, monkeypatch, pp, vp
     model = GPT + EVAL + EIGHT_MICROBATCHES + layers
     layout = (f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"parallel.schedule={schedule}")
     assert_equivalent(pp, model, layout, tmp_path)
-    val_losses, ref_val_losses = _val_losses(tmp_path), _reference_val_losses(model)
-    assert len(val_losses) == len(ref_val_losses) == 2
-    assert val_losses == pytest.approx(ref_val_losses, rel=1e-5)
+    assert_same_val_losses(model, tmp_path)
 
 
 def test_pp_with_gloo_p2p(builtin_corpus, tmp_path, monkeypatch):
