@@ -200,3 +200,18 @@ def head_backward_working_set(x: Shapes) -> int:
         head_rows(x.cfg) * x.cfg.model.hidden * x.element
         + x.tokens * x.cfg.model.hidden * x.element
     )
+
+
+def deferred_weight_inputs(x: Shapes) -> list[int]:
+    """What one layer's linears hold from a split backward's B until its W (zero-bubble
+    schedules, `tensor_parallel.deferred`): each linear's input x and the gradient of its
+    output dy, as the linear was given them (a column-parallel x and a row-parallel dy are
+    sequence shards under SP); for q/k/v, the out projection, fc (or gate and up) and the down
+    projection."""
+    m, tokens, e = x.cfg.model, x.tokens, x.element
+    wide = x.tokens * (m.ffn_hidden // x.cfg.parallel.tp) * e
+    stream = x.stream_tokens * m.hidden * e
+    qkv = tokens * (x.local_heads + 2 * x.local_kv_heads) * m.head_dim * e
+    attention_out = tokens * x.local_heads * m.head_dim * e
+    up = wide if m.arch == "gpt" else 2 * wide
+    return [stream, qkv, attention_out, stream, stream, up, wide, stream]

@@ -17,7 +17,11 @@ optim.offload=cpu):
   micro-batch in flight on the last stage), and so are the transient working sets at that peak:
   a chunk of logits in the head's forward, the head's gradients scaled in its backward, or the
   layer (full) or segment (segments, sqrt(L) checkpointing) that recompute runs again in
-  backward.
+  backward. Under a split backward (zb-h1, zb-v) a pair's activations go at its B, but its
+  linears' inputs and output gradients stay until its W (`deferred weight-grad inputs`), and so
+  do the gradients B computed for the other parameters, in their `.grad` (`gradients awaiting
+  W`: the embedding and head weigh most; in fp32 without ZeRO-2 only until the chunk's first W,
+  after which `.grad` is the fp32 main grad itself).
 
 Beside the bytes, what `nvidia-smi` would show: each tensor rounded the way PyTorch's CUDA
 caching allocator rounds it (512-byte blocks; requests up to 1 MiB from 2 MiB segments, up to
@@ -28,7 +32,7 @@ context.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from megalite.config import Config, OptimConfig
@@ -36,7 +40,7 @@ from megalite.optimizer.adamw import SCRATCH_BYTES_PER_ELEMENT, scratch_numel
 from megalite.pipeline.partition import chunk_layers
 from megalite.pipeline.schedule import Op, compute_order
 from megalite.profiling import activations as act
-from megalite.profiling.parameters import chunk_parameters, layout_buffers
+from megalite.profiling.parameters import Param, chunk_parameters, layout_buffers
 
 CUDA_CONTEXT_BYTES = 768 * 2**20
 """What nvidia-smi shows for a training process beyond the caching allocator's reservation:
@@ -186,25 +190,45 @@ class _Chunk:
     forward_working: int
     backward_working: tuple[int, str]
     """The larger transient of the chunk's backward, and its name."""
+    deferred: list[int]
+    """Under a split backward: what its linears hold from B until W."""
+    deferred_in_backward: int
+    """Under a split backward: what the layers already done hold while recompute reruns the
+    last region (the backward's working set) in B."""
+    awaiting: int
+    """Under a split backward: the gradients B leaves in `.grad` until W (every parameter but
+    the linears', whose gradients W computes)."""
 
 
-def _chunk_activations(x: act.Shapes, stage: int, layers: range, n_stages: int) -> _Chunk:
+DEFERRED_PARAMS = ("wqkv.weight", "wqkv.bias", "wo.weight", "fc.weight", "fc.bias")
+DEFERRED_PARAMS += ("proj.weight", "gate_up.weight", "down.weight")
+"""The parameters whose gradient a split backward computes in W: those of the tensor-parallel
+linears' autograd functions (a row-parallel linear adds its bias outside)."""
+
+
+def _awaiting_w(params: list[Param], element: int) -> int:
+    return element * sum(p.numel for p in params if not p.name.endswith(DEFERRED_PARAMS))
+
+
+def _chunk_activations(
+    x: act.Shapes, stage: int, layers: range, n_stages: int, params: list[Param]
+) -> _Chunk:
     t, h = x.cfg.train, x.cfg.model.hidden
     first, last = stage == 0, stage == n_stages - 1
     n = len(layers)
     layer_input = x.stream_tokens * h * x.element
     body = act.layer_body(x)
     kept = act.embedding_kept(x) if first else []
-    working = 0
+    working, region = 0, n  # region: the layers recompute reruns last in B
     if t.recompute == "segments":  # sqrt(L) checkpointing: each segment keeps its input
         size = max(1, round(math.sqrt(n)))
         kept += [layer_input] * -(-n // size)
-        working = size * (sum(body) + layer_input)
+        working, region = size * (sum(body) + layer_input), size
     else:
         recomputed = 0
         if t.recompute == "full":
             recomputed = n if t.recompute_layers is None else min(t.recompute_layers, n)
-            working = sum(body) if recomputed else 0
+            working, region = (sum(body), 1) if recomputed else (0, n)
         for i in range(n):
             # A layer's input is held by a pipeline receive (a chunk's first layer off stage
             # 0), by recompute, or else by its first norm when that norm keeps its input.
@@ -220,47 +244,94 @@ def _chunk_activations(x: act.Shapes, stage: int, layers: range, n_stages: int) 
             (working, "recompute working set"),
             (act.head_backward_working_set(x) if last else 0, "head backward"),
         ),
+        deferred=act.deferred_weight_inputs(x) * n,
+        deferred_in_backward=sum(act.deferred_weight_inputs(x)) * (n - region),
+        awaiting=_awaiting_w(params, x.element),
     )
+
+
+@dataclass
+class _Peak:
+    """The rank's state at its peak so far: bytes, and per local chunk the pairs holding
+    activations (F run, B not), holding deferred inputs (B run, W not) and whether B's
+    gradients wait in `.grad`."""
+
+    total: int = -1
+    alive: tuple[int, ...] = ()
+    waiting: tuple[int, ...] = ()
+    awaiting: tuple[bool, ...] = ()
+    transient: int = 0
+    what: str = ""
 
 
 def _activation_parts(
-    cfg: Config, x: act.Shapes, pp_rank: int, chunks: list[tuple[int, range]], m: int
+    cfg: Config, x: act.Shapes, pp_rank: int, chunks: list[tuple[int, range]], m: int, dp: int
 ) -> tuple[int, list[Part]]:
     """Walk the rank's schedule: each forward adds its chunk's kept tensors, each backward
-    frees them; the peak counts the transient of the compute running at that moment too."""
+    frees them (keeping what W needs under a split backward, until W); the peak counts the
+    transient of the compute running at that moment too."""
     p = cfg.parallel
     n_stages = p.pp * p.vpp
-    per_chunk = [_chunk_activations(x, stage, layers, n_stages) for stage, layers in chunks]
+    params = [chunk_parameters(cfg, layers, s == 0, s == n_stages - 1) for s, layers in chunks]
+    per_chunk = [
+        _chunk_activations(x, stage, layers, n_stages, chunk_params)
+        for (stage, layers), chunk_params in zip(chunks, params)
+    ]
     chunk_bytes = [sum(c.kept) + c.head_grad for c in per_chunk]
     actions = compute_order(p.schedule, p.pp, pp_rank, m, p.vpp, p.microbatch_group_size)
-    alive = [0] * len(per_chunk)  # (micro-batch, chunk) pairs held, per local chunk
+    split = any(a.op is Op.WEIGHT for a in actions)
+    fresh_grads = x.element != 4 or (p.zero == 2 and dp > 1)  # else `.grad` becomes main_grad
+    alive, waiting = [0] * len(per_chunk), [0] * len(per_chunk)
+    awaiting, took = [False] * len(per_chunk), [False] * len(per_chunk)
     held = 0
-    best: tuple[int, list[int], int, str] = (-1, [], 0, "")
+    peak = _Peak()
+
+    def observe(transient: int = 0, what: str = "") -> None:
+        nonlocal peak
+        if held + transient > peak.total:
+            state = (tuple(alive), tuple(waiting), tuple(awaiting))
+            peak = _Peak(held + transient, *state, transient, what)
+
     for action in actions:
-        c = per_chunk[action.chunk]
+        k, c = action.chunk, per_chunk[action.chunk]
         if action.op is Op.FORWARD:
-            alive[action.chunk] += 1
-            held += chunk_bytes[action.chunk]
-            transient, what = c.forward_working, "logits chunk"
+            alive[k] += 1
+            held += chunk_bytes[k]
+            observe(c.forward_working, "logits chunk")
+        elif action.op is Op.BACKWARD:
+            working, what = c.backward_working
+            if split and what == "recompute working set":
+                working += c.deferred_in_backward
+            observe(working, what)
+            alive[k] -= 1
+            held -= chunk_bytes[k]
+            if split:
+                waiting[k] += 1
+                held += sum(c.deferred)
+                if not awaiting[k] and (fresh_grads or not took[k]):
+                    awaiting[k] = True
+                    held += c.awaiting
+                observe()
         else:
-            transient, what = c.backward_working
-        if held + transient > best[0]:
-            best = (held + transient, list(alive), transient, what)
-        if action.op is Op.BACKWARD:
-            alive[action.chunk] -= 1
-            held -= chunk_bytes[action.chunk]
-    _, at_peak, transient, what = best
-    kept = tuple(s for k, n in enumerate(at_peak) for _ in range(n) for s in per_chunk[k].kept)
-    head = tuple(
-        per_chunk[k].head_grad
-        for k, n in enumerate(at_peak)
-        for _ in range(n)
-        if per_chunk[k].head_grad
-    )
+            waiting[k] -= 1
+            held -= sum(c.deferred)
+            held -= c.awaiting if awaiting[k] else 0
+            awaiting[k], took[k] = False, True
+
+    def each(counts: tuple[int, ...], sizes: Callable[[_Chunk], list[int]]) -> tuple[int, ...]:
+        return tuple(s for k, n in enumerate(counts) for _ in range(n) for s in sizes(per_chunk[k]))
+
+    kept = each(peak.alive, lambda c: c.kept)
+    head = tuple(s for s in each(peak.alive, lambda c: [c.head_grad]) if s)
+    deferred = each(peak.waiting, lambda c: c.deferred)
+    grads = tuple(c.awaiting for c, on in zip(per_chunk, peak.awaiting) if on)
     parts = [Part("activations", sum(kept), kept), Part("head weight grads", sum(head), head)]
-    if transient:
-        parts.append(Part(what, transient))
-    return sum(at_peak), parts
+    if split:
+        parts.append(Part("deferred weight-grad inputs", sum(deferred), deferred))
+        parts.append(Part("gradients awaiting W", sum(grads), grads))
+    if peak.transient:
+        parts.append(Part(peak.what, peak.transient))
+    return sum(peak.alive), parts
 
 
 def estimate_layout(
@@ -278,7 +349,7 @@ def estimate_layout(
     stages = []
     for pp_rank in range(p.pp):
         chunks = chunk_layers(cfg, pp_rank)
-        in_flight, activation = _activation_parts(cfg, x, pp_rank, chunks, m)
+        in_flight, activation = _activation_parts(cfg, x, pp_rank, chunks, m, dp)
         params = sum(
             param.numel
             for stage, layers in chunks

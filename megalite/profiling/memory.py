@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megalite.tensor_parallel import deferred
 from megalite.tensor_parallel.random import recompute_observers
 
 if TYPE_CHECKING:
@@ -93,8 +94,9 @@ class SavedActivationTracker:
     """Bytes of tensors saved for backward that are alive now (`current`) and at most (`peak`)
     while the block runs: distinct storages, parameters and module buffers excluded, the inputs
     that activation recompute keeps included (until the backward of the recomputed region
-    starts). Wrap a whole `run.executor.run(...)` to get the peak over the micro-batches a
-    schedule keeps in flight.
+    starts), and so are the tensors a split backward's B keeps for its W (`deferred`). Wrap a
+    whole `run.executor.run(...)` to get the peak over the micro-batches a schedule keeps in
+    flight.
 
         with SavedActivationTracker(exclude=params) as saved:
             loss.backward()  # or a whole pipeline schedule
@@ -110,11 +112,13 @@ class SavedActivationTracker:
 
     def __enter__(self) -> SavedActivationTracker:
         recompute_observers.append(self._observe_recompute)
+        deferred.observers.append(self._observe_deferred)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
+        deferred.observers.remove(self._observe_deferred)
         recompute_observers.remove(self._observe_recompute)
 
     def _hold(self, tensor: torch.Tensor) -> tuple[str, int] | None:
@@ -146,6 +150,12 @@ class SavedActivationTracker:
     @staticmethod
     def _unpack(held: _Held) -> torch.Tensor:
         return held.tensor
+
+    def _observe_deferred(self, work: object, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Deferred weight-gradient work keeps its tensors until it has run and is dropped."""
+        for key in map(self._hold, tensors):
+            if key is not None:
+                weakref.finalize(work, self._release, key)
 
     def _observe_recompute(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         """Recompute keeps its inputs until backward reaches the region (its output's node)."""

@@ -1,8 +1,11 @@
 """The Megatron-style linears (tensor_parallel/linear.py): the input gradient's collective is in
 flight while the weight-gradient GEMM runs, and weight gradients added straight into the fp32
 main grads equal what `.grad` then copy/add gave (fp32), with and without SP, biases, a shared
-kv head (n_kv_heads < tp) and ZeRO-2's staging; fused q/k/v and gate/up run one GEMM each."""
+kv head (n_kv_heads < tp) and ZeRO-2's staging; fused q/k/v and gate/up run one GEMM each; a
+split backward (B, then its deferred weight gradients in W) gives the same gradients, and no
+bucket is reduced before W."""
 
+import contextlib
 import time
 
 import pytest
@@ -18,6 +21,7 @@ from megalite.optimizer.grad_buffer import build_grad_buffers
 from megalite.parallel_state import build_parallel_state
 from megalite.tensor_parallel import ColumnParallelLinear, TPRandom, init_parameters, linear
 from megalite.tensor_parallel import normal_init as normal
+from megalite.tensor_parallel.deferred import WeightGradQueue, deferring
 
 B, S, H, OUT = 2, 8, 16, 24
 DELAY_S = 0.5
@@ -113,6 +117,47 @@ def test_fused_accumulation_equals_grad_then_add_in_fp32(arch, sp):
 def test_fused_accumulation_under_zero2():
     """tp 2 x dp 2, ZeRO-2: the weight gradients go into the buckets' staging."""
     assert max(run_ranks(4, _fused_vs_unfused, "gpt", True, 2)) < 1e-6
+
+
+def _split_vs_plain(arch: str, sp: bool, zero: int) -> float:
+    """The relative difference of this rank's fp32 gradients after 2 micro-batches, with the
+    backward split into B and W (the last micro-batch's buckets counting from its W, as the
+    executor starts them) and not. After each B no bucket has been staged or reduced."""
+    ps = build_parallel_state(2, 1, torch.device("cpu"))  # dp: the rest of the world
+    overrides = [*ARCHS[arch], "model.hidden=32", "model.n_heads=4", "model.seq_len=16"]
+    cfg = load_config(None, [*overrides, "model.n_layers=2"])
+    results = []
+    for split in (True, False):
+        ctx = BuildContext(cfg.model, ps, TPRandom(0, ps), sequence_parallel=sp)
+        chunk = (GPT if arch == "gpt" else Llama)(ctx, range(2))
+        init_parameters(chunk, 0, ps)
+        (buffer,) = build_grad_buffers([chunk], ps, 0.01, zero)
+        torch.manual_seed(0)
+        for micro_batch in range(2):
+            if micro_batch == 1:
+                buffer.start_sync()
+            ids = torch.randint(0, cfg.model.vocab_size, (B, 17))
+            queue = WeightGradQueue()
+            with deferring(queue) if split else contextlib.nullcontext():
+                chunk(ids[:, :-1], ids[:, 1:]).backward()
+            if split:
+                assert all(b.handle is None and b.staging is None for b in buffer.buckets)
+                queue.run()
+            buffer.end_backward()
+        buffer.finish_sync()
+        results.append(buffer.owned_grads.clone())
+    assert results[0].abs().sum() > 0
+    return relative_error(*results)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+def test_split_backward_equals_plain_backward(sp):
+    """tp 2 x dp 2, ZeRO-1 (the all-gather of the x shard moves from B to W under SP)."""
+    assert max(run_ranks(4, _split_vs_plain, "llama-gqa", sp, 1)) < 1e-6
+
+
+def test_split_backward_under_zero2():
+    assert max(run_ranks(4, _split_vs_plain, "gpt", True, 2)) < 1e-6
 
 
 GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
