@@ -104,20 +104,28 @@ def stage_ranges(cfg: Config) -> list[range]:
     return partition_layers(cfg.model.n_layers, p.pp * p.vpp, *layer_weights(cfg))
 
 
+def rank_stages(cfg: Config) -> list[list[int]]:
+    """The virtual stages of each pipeline rank, in local chunk order."""
+    p = cfg.parallel
+    v_shape = v_shaped(p.schedule)
+    return [[virtual_stage(r, c, p.pp, v_shape) for c in range(p.vpp)] for r in range(p.pp)]
+
+
 def chunk_layers(cfg: Config, pp_rank: int) -> list[tuple[int, range]]:
     """(virtual stage, layer range) of each local chunk of `pp_rank`, in local chunk order."""
-    p = cfg.parallel
     ranges = stage_ranges(cfg)
-    stages = [virtual_stage(pp_rank, c, p.pp, v_shaped(p.schedule)) for c in range(p.vpp)]
-    return [(stage, ranges[stage]) for stage in stages]
+    return [(stage, ranges[stage]) for stage in rank_stages(cfg)[pp_rank]]
 
 
 class StageCost(NamedTuple):
     """FLOPs per token of one virtual stage's forward and backward; the backward includes the
-    forward that recompute runs again (hardware work, which takes time though MFU ignores it)."""
+    forward that recompute runs again (hardware work, which takes time though MFU ignores it).
+    `weight` is the backward's weight-gradient GEMMs of the tensor-parallel linears (a third of
+    a layer's matmuls): what a split backward (zb-h1, zb-v) moves to its W steps."""
 
     forward: float
     backward: float
+    weight: float
 
 
 def stage_costs(cfg: Config) -> list[StageCost]:
@@ -142,5 +150,6 @@ def stage_costs(cfg: Config) -> list[StageCost]:
         recomputed = len(layers)
         if t.recompute == "full" and t.recompute_layers is not None:
             recomputed = min(t.recompute_layers, len(layers))
-        costs.append(StageCost(total / 3, 2 * total / 3 + recomputed * rerun))
+        weight = len(layers) * (flops.layer - attention) / 3
+        costs.append(StageCost(total / 3, 2 * total / 3 + recomputed * rerun, weight))
     return costs

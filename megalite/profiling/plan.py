@@ -1,6 +1,8 @@
 """`megalite plan`: which layout to run a config in, on N devices of a given memory.
 
-Every (tp, pp, vpp, dp, zero, micro-batch size, recompute) layout of the world size is built as
+Every (tp, pp, vpp, schedule, dp, zero, micro-batch size, recompute) layout of the world size
+(the schedules: 1f1b or zb-h1 with one chunk per rank, interleaved or zb-v with two, interleaved
+with more) is built as
 the config with those overrides and kept only if config validation accepts it, world size
 included (`Config.layout_for_world`): the planner never proposes what `megalite train` would
 reject. Layouts whose estimated peak memory (`profiling.estimate`) exceeds the device's are
@@ -61,6 +63,7 @@ class Layout:
     tp: int
     pp: int
     vpp: int
+    schedule: str
     sp: bool
     zero: int
     micro_batch_size: int
@@ -72,7 +75,7 @@ class Layout:
             "parallel.tp": self.tp,
             "parallel.pp": self.pp,
             "parallel.vpp": self.vpp,
-            "parallel.schedule": "interleaved" if self.vpp > 1 else "1f1b",
+            "parallel.schedule": self.schedule,
             "parallel.sp": self.sp,
             "parallel.zero": self.zero,
             "train.micro_batch_size": self.micro_batch_size,
@@ -95,6 +98,7 @@ class Layout:
     def describe(self, dp: int) -> str:
         text = f"tp {self.tp}{'+sp' if self.sp else ''} pp {self.pp}"
         text += f"x{self.vpp}" if self.vpp > 1 else ""
+        text += f" {self.schedule}" if self.schedule.startswith("zb") else ""
         zero = f" zero{self.zero}" if self.zero else ""
         return text + f" dp {dp}{zero} mbs {self.micro_batch_size}"
 
@@ -117,21 +121,31 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def schedules(pp: int, vpp: int) -> tuple[str, ...]:
+    """The pipeline schedules that run `vpp` chunks per rank: with one, 1F1B and its
+    zero-bubble form ZB-H1 (GPipe holds more for the same bubble); with two, interleaving and
+    ZB-V; with more, interleaving."""
+    if pp == 1:
+        return ("1f1b",)
+    return {1: ("1f1b", "zb-h1"), 2: ("interleaved", "zb-v")}.get(vpp, ("interleaved",))
+
+
 def layouts(base: Config, world_size: int) -> Iterator[Layout]:
     """Every layout worth building: tp and pp dividing the world, vpp splitting the layers
-    evenly, ZeRO only with dp > 1, micro-batches dividing a replica's batch, each recompute
-    mode; sp whenever tp > 1 (the same traffic as without, less memory)."""
+    evenly, each schedule for it, ZeRO only with dp > 1, micro-batches dividing a replica's
+    batch, each recompute mode; sp whenever tp > 1 (the same traffic as without, less
+    memory)."""
     n_layers, batch = base.model.n_layers, base.train.global_batch_size
     for tp in _divisors(world_size):
         for pp in _divisors(world_size // tp):
             dp = world_size // (tp * pp)
             vpps = [v for v in range(2, MAX_VPP + 1) if pp > 1 and n_layers % (pp * v) == 0]
             micro = [b for b in _divisors(max(batch // dp, 1)) if b <= MAX_MICRO_BATCH]
-            for vpp in (1, *vpps):
+            for vpp, schedule in [(v, s) for v in (1, *vpps) for s in schedules(pp, v)]:
                 for zero in (0, 1, 2) if dp > 1 else (0,):
                     for mbs in micro:
                         for recompute in RECOMPUTE:
-                            yield Layout(tp, pp, vpp, tp > 1, zero, mbs, recompute)
+                            yield Layout(tp, pp, vpp, schedule, tp > 1, zero, mbs, recompute)
 
 
 def with_values(base: dict[str, dict[str, Any]], values: dict[str, Any]) -> Config:

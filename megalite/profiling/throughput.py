@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass
 
 from megalite.config import Config
-from megalite.pipeline.partition import stage_costs, stage_ranges
-from megalite.pipeline.schedule import build_schedule, check_microbatches
+from megalite.pipeline.partition import rank_stages, stage_costs, stage_ranges
+from megalite.pipeline.schedule import build_schedule, check_microbatches, v_shaped
 from megalite.pipeline.simulate import simulate
 from megalite.profiling.estimate import ELEMENT_BYTES, resolve_precision
 from megalite.profiling.flops import matmul_params
@@ -120,13 +120,18 @@ def stage_params(cfg: Config) -> list[float]:
     layer = matmul_params(m) / m.n_layers - head / m.n_layers
     embedding = head + (m.max_positions * m.hidden if m.arch == "gpt" else 0)
     ranges = stage_ranges(cfg)
-    params = [0.0] * p.pp
+    per_stage = []
     for stage, layers in enumerate(ranges):
         extra = embedding if stage == 0 else 0.0
         if stage == len(ranges) - 1 and (m.arch == "llama" or len(ranges) > 1):
             extra += head
-        params[stage % p.pp] += (len(layers) * layer + extra) / p.tp
-    return params
+        per_stage.append((len(layers) * layer + extra) / p.tp)
+    return per_rank(cfg, per_stage)
+
+
+def per_rank(cfg: Config, per_stage: list[float]) -> list[float]:
+    """Sums of a per-virtual-stage quantity over each pipeline rank's chunks."""
+    return [sum(per_stage[s] for s in stages) for stages in rank_stages(cfg)]
 
 
 def predict(cfg: Config, machine: Machine) -> Prediction:
@@ -137,8 +142,8 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
     act = t.micro_batch_size * cfg.model.seq_len * cfg.model.hidden * element  # one mb's x
     forward, backward, tp_s, tp_calls = _stage_times(cfg, machine, act)
     makespan, bubble = pipeline_makespan(cfg, m, forward, backward)
-    per_rank = [m * sum(tp_s[r :: p.pp]) for r in range(p.pp)]
-    calls = max(m * sum(tp_calls[r :: p.pp]) for r in range(p.pp))
+    tp_per_rank = [m * s for s in per_rank(cfg, tp_s)]
+    calls = max(m * c for c in per_rank(cfg, tp_calls))
 
     # pp: an activation forward and a gradient back per boundary, exposed along fill and drain
     message = act / (p.tp if p.sp else 1) / machine.bandwidth(p.tp * dp * p.pp)
@@ -155,8 +160,8 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
     # all-reduce without ZeRO; the parameter all-gather under the next step's first forward
     rounds = m if p.zero == 2 else 1
     reduce = rounds * grads * (split if p.zero else 2)
-    window = rounds * max(sum(backward[r :: p.pp]) for r in range(p.pp))
-    first_forward = min(sum(forward[r :: p.pp]) for r in range(p.pp))
+    window = rounds * max(per_rank(cfg, backward))
+    first_forward = min(per_rank(cfg, forward))
     dp_s = max(0.0, reduce - window) + max(0.0, gather - first_forward)
     buckets = math.ceil(params * 4 / (p.bucket_mb * 2**20))
     calls += buckets * (rounds + (p.zero > 0)) if dp > 1 else 0
@@ -177,7 +182,7 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
         tokens_per_s=t.global_batch_size * cfg.model.seq_len / step,
         pipeline_s=makespan,
         bubble=bubble,
-        tp_comm_s=max(per_rank),
+        tp_comm_s=max(tp_per_rank),
         p2p_s=p2p,
         dp_comm_s=dp_s,
         optimizer_s=optimizer,
@@ -228,10 +233,10 @@ def pipeline_makespan(
     p = cfg.parallel
     if p.pp == 1:
         return m * (forward[0] + backward[0]), 0.0
-    rank_cost = [sum(forward[r :: p.pp]) + sum(backward[r :: p.pp]) for r in range(p.pp)]
+    rank_cost = [f + b for f, b in zip(per_rank(cfg, forward), per_rank(cfg, backward))]
     flops = stage_costs(cfg)
-    unit = max(max(c) for c in flops)
-    seconds_per_unit = sum(forward + backward) / sum(map(sum, flops)) * unit
+    unit = max(max(c.forward, c.backward) for c in flops)
+    seconds_per_unit = sum(forward + backward) / sum(c.forward + c.backward for c in flops) * unit
     shorter = _simulated_microbatches(cfg, m)
     span = _simulated_makespan(
         p.schedule,
@@ -241,6 +246,7 @@ def pipeline_makespan(
         p.microbatch_group_size,
         tuple(round(c.forward / unit, 3) for c in flops),
         tuple(round(c.backward / unit, 3) for c in flops),
+        tuple(round(c.weight / unit, 3) for c in flops),
     )
     makespan = span * seconds_per_unit + (m - shorter) * max(rank_cost)
     return makespan, 1 - m * sum(rank_cost) / (p.pp * makespan)
@@ -248,10 +254,10 @@ def pipeline_makespan(
 
 def _simulated_microbatches(cfg: Config, m: int) -> int:
     """m, or fewer when m is large: the first valid count from pp on (the steady state starts
-    once every stage has a micro-batch)."""
+    once every stage has a micro-batch; zb-v's once 2 pp - 1 have filled its V)."""
     p = cfg.parallel
     group = p.microbatch_group_size or p.pp
-    for shorter in range(p.pp, m):
+    for shorter in range(2 * p.pp if v_shaped(p.schedule) else p.pp, m):
         if shorter % group == 0:
             check_microbatches(p.schedule, p.pp, shorter, p.vpp, p.microbatch_group_size)
             return shorter
@@ -267,7 +273,9 @@ def _simulated_makespan(
     group: int | None,
     forward: tuple[float, ...],
     backward: tuple[float, ...],
+    weight: tuple[float, ...],
 ) -> float:
     """The simulator's makespan (cached: layouts share schedules and relative stage costs)."""
     schedules = [build_schedule(kind, pp, rank, m, vpp, group) for rank in range(pp)]
-    return simulate(schedules, pp, vpp, list(forward), list(backward)).makespan
+    costs = (list(forward), list(backward), 0.0, list(weight))
+    return simulate(schedules, pp, vpp, *costs, v_shape=v_shaped(kind)).makespan
