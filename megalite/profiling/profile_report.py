@@ -9,6 +9,7 @@ and `ranks`, a list with per rank `rank`, `tp_rank`, `pp_rank`, `dp_rank`, `toke
 rates), `time_s` (the disjoint parts of the median step, which add up to `step_time_s`;
 communication exposed by axis: `tp_comm_exposed`, `dp_comm_exposed`, `other_comm_exposed`),
 `comm_overlapped_s` (by axis: `tp`, `dp`, `other`; beside compute, so not a part of the step),
+`weight_s` (the part of `time_s.backward` a split backward's W steps took; 0 without one),
 `bubble` and `memory_bytes` (the parts a rank holds, which add up to `memory_total_bytes`).
 
 The rates are those of a steady training step, timed as `megalite train` times its steps (the
@@ -29,7 +30,7 @@ import torch
 
 from megalite import comm
 from megalite.config import Config, config_to_dict
-from megalite.pipeline.schedule import build_schedule, virtual_stage
+from megalite.pipeline.schedule import build_schedule, v_shaped, virtual_stage
 from megalite.pipeline.simulate import simulate
 from megalite.profiling.estimate import LayoutEstimate, estimate_layout
 from megalite.profiling.step_timing import AXES, TIME_PARTS
@@ -71,18 +72,30 @@ def layout_of(cfg: Config, world_size: int) -> dict[str, Any]:
 
 def simulated_bubble(cfg: Config, layout: dict[str, Any], ranks: list[dict[str, Any]]) -> float:
     """The simulator's bubble (idle relative to compute) for this schedule, with each virtual
-    stage's forward and backward cost as measured on its pp rank (mean over its replicas)."""
-    pp, vpp, m = layout["pp"], layout["vpp"], layout["microbatches"]
-    forward, backward = [0.0] * (pp * vpp), [0.0] * (pp * vpp)
+    stage's forward and backward cost (and, of the backward, its W steps' under a split
+    backward) as measured on its pp rank (mean over its replicas)."""
+    pp, vpp, m, kind = layout["pp"], layout["vpp"], layout["microbatches"], layout["schedule"]
+    costs = {"forward": [0.0] * (pp * vpp), "backward": [0.0] * (pp * vpp)}
+    costs["weight"] = [0.0] * (pp * vpp)
     for pp_rank in range(pp):
         mine = [r for r in ranks if r["pp_rank"] == pp_rank]
         for chunk in range(vpp):
-            stage = virtual_stage(pp_rank, chunk, pp)
-            forward[stage] = statistics.fmean(r["time_s"]["forward"] for r in mine) / (m * vpp)
-            backward[stage] = statistics.fmean(r["time_s"]["backward"] for r in mine) / (m * vpp)
+            stage = virtual_stage(pp_rank, chunk, pp, v_shaped(kind))
+            for part, per_stage in costs.items():
+                seconds = (r["weight_s"] if part == "weight" else r["time_s"][part] for r in mine)
+                per_stage[stage] = statistics.fmean(seconds) / (m * vpp)
     group = cfg.parallel.microbatch_group_size
-    schedules = [build_schedule(layout["schedule"], pp, r, m, vpp, group) for r in range(pp)]
-    return simulate(schedules, pp, vpp, forward, backward).bubble_ratio
+    schedules = [build_schedule(kind, pp, r, m, vpp, group) for r in range(pp)]
+    split = any(c > 0 for c in costs["weight"])
+    return simulate(
+        schedules,
+        pp,
+        vpp,
+        costs["forward"],
+        costs["backward"],
+        weight_cost=costs["weight"] if split else None,
+        v_shape=v_shaped(kind),
+    ).bubble_ratio
 
 
 def rank_entry(row: dict[str, float], cost: StepCost) -> dict[str, Any]:
@@ -101,6 +114,7 @@ def rank_entry(row: dict[str, float], cost: StepCost) -> dict[str, Any]:
         tflops=tflops,
         mfu=tflops * 1e12 / peak if peak else None,
         time_s={part: row[part] for part in TIME_PARTS},
+        weight_s=row["weight"],
         comm_overlapped_s={axis: row[f"{axis}_comm_overlapped"] for axis in AXES},
         bubble=row["bubble"] / (row["forward"] + row["backward"]),
         memory_bytes={k: v for k, v in memory.items() if k not in GPU_PEAKS},

@@ -153,7 +153,8 @@ def measure_step(
     run: Run, tokens: TokenBatch, lr: float, comm_timer: CommTimer
 ) -> dict[str, float]:
     """One `train_step`, cut into TIME_PARTS (seconds, from the step's timer), its wall-clock
-    `step` time (which the parts add up to, timed independently) and `{axis}_comm_overlapped`.
+    `step` time (which the parts add up to, timed independently), `{axis}_comm_overlapped` and
+    `weight`, the part of `backward` that a split backward's W steps took.
     One timer holds the step: the executor's intervals inside it, and the comm timer's
     collectives as `comm` intervals, so its exposed times are what the other parts leave out;
     posting pipeline messages counts as `other`."""
@@ -179,6 +180,7 @@ def measure_step(
         "other": inner.total_s - executor_parts,
     }
     parts["step"] = wall_s
+    parts["weight"] = inner.weight_s  # of "backward": a split backward's W steps
     return parts
 
 

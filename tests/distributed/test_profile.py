@@ -133,10 +133,15 @@ def test_one_rank(builtin_corpus, tmp_path):
     assert forward.value == pytest.approx(report["ranks"][0]["time_s"]["forward"], rel=1e-6)
 
 
+@pytest.mark.parametrize(
+    "schedule", [("parallel.schedule=1f1b",), ("parallel.schedule=zb-v", "parallel.vpp=2")]
+)
 def test_pipeline_has_a_measured_and_a_simulated_bubble(
-    builtin_corpus, profiler_imported, tmp_path
+    builtin_corpus, profiler_imported, tmp_path, schedule
 ):
-    layout = ("parallel.pp=2", "parallel.schedule=1f1b", "train.micro_batch_size=1")
+    """Also under zb-v, whose W steps are timed as backward and apart (`weight_s`), which the
+    simulator runs as W."""
+    layout = ("parallel.pp=2", "train.micro_batch_size=1", *schedule)
     results = run_ranks(2, _profile, layout, str(tmp_path), True)
     report = results[0][0]
     _check_report(report, 2, [live for _, live in results])
@@ -144,6 +149,8 @@ def test_pipeline_has_a_measured_and_a_simulated_bubble(
     assert all(r["time_s"]["bubble"] > 0 for r in report["ranks"])  # rank 1 waits for its input
     assert report["total"]["bubble_measured"] > 0
     assert report["total"]["bubble_simulated"] > 0
+    split = "zb-v" in schedule[0]
+    assert all((0 < r["weight_s"] < r["time_s"]["backward"]) == split for r in report["ranks"])
     assert report["layout"]["microbatches"] == 8
     _check_traces(tmp_path, 2)
 
