@@ -1,33 +1,38 @@
-"""Pipeline parallelism, pp=2 on two gloo ranks: megalite's interleaved 1F1B against
-`torch.distributed.pipelining.ScheduleInterleaved1F1B`.
+"""Pipeline parallelism, pp=2 on two gloo ranks: megalite's 1F1B, interleaved 1F1B, ZB-H1 and
+ZB-V against `torch.distributed.pipelining`'s Schedule1F1B, ScheduleInterleaved1F1B and
+ScheduleZBVZeroBubble, in one run.
 
-Both cut the same GPT-2-style model into pp * vpp = 4 chunks (layers split by megalite's
-`stage_ranges`, the embedding on the first chunk, final norm + tied LM head + loss on the
-last), two chunks per rank (rank r holds chunks r and r + pp), and run m micro-batches per step
-(default 8), then clip at 1.0 and take an AdamW step. The torch side wraps `TorchGPT` pieces in
-`PipelineStage`s; as megalite does, it sums the gradients of the tied embedding / LM head
-copies between the first and last stage, and counts them once in the global gradient norm.
+All cut the same GPT-2-style model into chunks (layers split by megalite's `stage_ranges`, the
+embedding on the first chunk, final norm + tied LM head + loss on the last): pp = 2 stages for
+1F1B and ZB-H1; pp * vpp = 4 chunks for interleaving (rank r holds chunks r and r + pp) and
+for the V schedules (rank r holds chunks r and 2 pp - 1 - r, so rank 0 holds the embedding
+and the head). Each runs m micro-batches per step (default 8), then clips at 1.0 and takes an
+AdamW step. The torch side wraps `TorchGPT` pieces in `PipelineStage`s; as megalite does, it
+sums the gradients of the tied embedding / LM head copies between the first and last stage
+(on one rank under ZB-V), and counts them once in the global gradient norm.
 
     python tools/bench_pp.py                       # forks its 2 ranks itself
-    python tools/bench_pp.py --microbatches 4 --torch-schedule 1f1b
+    python tools/bench_pp.py --microbatches 4
     python tools/bench_pp.py --layers 8 --balance layers  # stages cut by layer count
     torchrun --nproc-per-node 2 tools/bench_pp.py  # same, launched by torchrun
     python -m megalite.benchmarks.pp               # the same, from an installed megalite
 
-Pipeline bubble, two measures, each averaged over the two ranks:
+Pipeline bubble, three measures, the first two averaged over the two ranks:
 - "p2p wait": time blocked waiting for pipeline messages / compute (the papers' bubble,
   (p - 1) / (v m) for balanced stages). This is megalite's own `StepMetrics.bubble_fraction`
   (receive waits). For torch it is the time spent in
   `torch.distributed.pipelining.schedules._wait_batch_p2p` (a private helper, wrapped for the
   run; every p2p wait of the schedule goes through it, including its final send waits).
 - "idle": 1 - compute / schedule wall time, compute being the time inside the chunks' forward
-  (including the loss) and backward: megalite's executor times them itself; for torch the
-  stages' `forward_one_chunk` / `backward_one_chunk` and the loss function are timed. Wall time
-  is the executor's `run` / the schedule's `step`, so it counts p2p bookkeeping as idle too.
+  (including the loss) and backward (B and W): megalite's executor times them itself; for torch
+  the stages' `forward_one_chunk`, `backward_one_chunk` and `backward_weight_one_chunk` and the
+  loss function are timed. Wall time is the executor's `run` / the schedule's `step`, so it
+  counts p2p bookkeeping as idle too.
+- "sim. idle": the idle share the simulator gives megalite's schedule with the chunks' FLOPs
+  (forward, B and W: `partition.stage_costs`).
 
-If torch's interleaved schedule fails on gloo/CPU, the table says what failed and falls back to
-`Schedule1F1B`, then `ScheduleGPipe` (the model cut into pp stages, one per rank), with the row
-labelled; `--torch-schedule` picks one directly. On torch 2.13 (CPU build, gloo) all three run.
+A torch schedule that fails on gloo/CPU gets a row saying so and its last frames below the
+table; the megalite rows it was the reference of compare with torch's 1F1B row instead.
 """
 
 from __future__ import annotations
@@ -50,15 +55,27 @@ from megalite.config import Config
 from megalite.launch import run_or_join
 from megalite.parallel_state import build_parallel_state
 from megalite.pipeline.partition import stage_costs, stage_ranges
-from megalite.pipeline.schedule import build_schedule
+from megalite.pipeline.schedule import build_schedule, v_shaped, virtual_stage
 from megalite.pipeline.simulate import simulate
 
 PP = 2
-SCHEDULES = {
-    "interleaved": pipelining.ScheduleInterleaved1F1B,
-    "1f1b": pipelining.Schedule1F1B,
-    "gpipe": pipelining.ScheduleGPipe,
+TORCH = {
+    "1f1b": ("torch Schedule1F1B", pipelining.Schedule1F1B, 1),
+    "interleaved": ("torch ScheduleInterleaved1F1B", pipelining.ScheduleInterleaved1F1B, None),
+    "zb-v": ("torch ScheduleZBVZeroBubble", pipelining.ScheduleZBVZeroBubble, 2),
 }
+"""torch's schedules by megalite's name of the same order: (row name, class, chunks per rank;
+None: --vpp)."""
+MEGALITE = {  # kind: (row name, chunks per rank (None: --vpp), torch reference)
+    "1f1b": ("megalite 1F1B", 1, "1f1b"),
+    "zb-h1": ("megalite ZB-H1", 1, "1f1b"),
+    "interleaved": ("megalite interleaved 1F1B", None, "interleaved"),
+    "zb-v": ("megalite ZB-V", 2, "zb-v"),
+}
+
+
+def chunks_per_rank(args: argparse.Namespace, chunks: int | None) -> int:
+    return args.vpp if chunks is None else chunks
 
 
 class Stopwatch:
@@ -100,10 +117,11 @@ def pipeline_config(args: argparse.Namespace, vpp: int, schedule: str) -> Config
     return harness.parallel_config(args, 1, tp=1, pp=PP, vpp=vpp, schedule=schedule, **balance)
 
 
-def megalite_contender(args: argparse.Namespace) -> harness.Contender:
+def megalite_contender(args: argparse.Namespace, kind: str) -> harness.Contender:
+    name, chunks, _ = MEGALITE[kind]
+    vpp = chunks_per_rank(args, chunks)
     ps = build_parallel_state(1, PP, torch.device("cpu"))
-    cfg = pipeline_config(args, args.vpp, "interleaved")
-    training = harness.megalite_run(cfg, ps)
+    training = harness.megalite_run(pipeline_config(args, vpp, kind), ps)
     executor_run, record = training.executor.run, {}
 
     def timed_run(*a, **kw):  # the executor's own compute time, and its wall time
@@ -120,8 +138,19 @@ def megalite_contender(args: argparse.Namespace) -> harness.Contender:
         idle = bubbles(record["compute"], 0.0, record["wall"])["bubble_idle"]
         return {"loss": result["loss"], "bubble_wait": result["bubble"], "bubble_idle": idle}
 
-    name = f"megalite interleaved 1F1B (vpp={args.vpp})"
-    return harness.Contender(name, measured)
+    contender = harness.Contender(name + (f" (vpp={vpp})" if chunks is None else ""), measured)
+    contender.info["simulated_idle"] = simulated_idle(args, kind, vpp)
+    return contender
+
+
+def simulated_idle(args: argparse.Namespace, kind: str, vpp: int) -> float:
+    """The idle share the simulator gives megalite's `kind` with the chunks' FLOPs."""
+    costs = stage_costs(pipeline_config(args, vpp, kind))
+    schedules = [build_schedule(kind, PP, r, args.microbatches, vpp) for r in range(PP)]
+    forward, backward = [c.forward for c in costs], [c.backward for c in costs]
+    weight = [c.weight for c in costs]
+    result = simulate(schedules, PP, vpp, forward, backward, 0.0, weight, v_shaped(kind))
+    return result.bubble_fraction
 
 
 # ----------------------------------------------------------------------------- torch
@@ -130,14 +159,14 @@ def megalite_contender(args: argparse.Namespace) -> harness.Contender:
 def torch_stages(
     args: argparse.Namespace, kind: str, rank: int
 ) -> tuple[list[pipelining.PipelineStage], list[TorchGPT]]:
-    """This rank's `PipelineStage`s and their modules for schedule `kind`."""
-    n_local = args.vpp if kind == "interleaved" else 1
+    """This rank's `PipelineStage`s and their modules for schedule `kind`, placed as megalite
+    places its chunks (a loop, or a V for zb-v) and cut as megalite cuts them."""
+    n_local = chunks_per_rank(args, TORCH[kind][2])
     n_stages = PP * n_local
-    # megalite's split; with one stage per rank, megalite's split of PP chunks
-    ranges = stage_ranges(pipeline_config(args, n_local, "interleaved" if n_local > 1 else "1f1b"))
+    ranges = stage_ranges(pipeline_config(args, n_local, kind))
     stages, modules = [], []
     for local in range(n_local):
-        index = local * PP + rank
+        index = virtual_stage(rank, local, PP, v_shaped(kind))
         module = TorchGPT(args, ranges[index], embed=index == 0, head=index == n_stages - 1)
         stages.append(pipelining.PipelineStage(module, index, n_stages, torch.device("cpu")))
         modules.append(module)
@@ -151,32 +180,38 @@ def torch_contender(
     stages, modules = torch_stages(args, kind, rank)
     watch = Stopwatch()
     for stage in stages:
-        stage.forward_one_chunk = watch.wrap("compute", stage.forward_one_chunk)
-        stage.backward_one_chunk = watch.wrap("compute", stage.backward_one_chunk)
+        for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            setattr(stage, method, watch.wrap("compute", getattr(stage, method)))
     loss_fn = watch.wrap("compute", lm_loss)
-    schedule_cls = SCHEDULES[kind]
-    schedule = schedule_cls(
-        stages if kind == "interleaved" else stages[0], args.microbatches, loss_fn=loss_fn
-    )
+    name, schedule_cls, _ = TORCH[kind]
+    schedule = schedule_cls(stages if len(stages) > 1 else stages[0], args.microbatches, loss_fn)
     params = [p for m in modules for p in m.parameters()]
     optimizer = torch_adamw(params, args.lr, args.torch_adamw)
     first = next((m for m in modules if m.embed is not None), None)
     last = next((m for m in modules if m.lm_head is not None), None)
-    tied = first.embed.wte.weight if first is not None else last.lm_head.weight
     counted = [p for p in params if last is None or p is not last.lm_head.weight]
+
+    def sum_tied_copies() -> None:
+        """The tied embedding / LM head copies: on one rank (a V), or over the group."""
+        if first is not None and last is not None:
+            total = first.embed.wte.weight.grad + last.lm_head.weight.grad
+            first.embed.wte.weight.grad.copy_(total)
+            last.lm_head.weight.grad.copy_(total)
+        elif first is not None or last is not None:
+            tied = first.embed.wte.weight if first is not None else last.lm_head.weight
+            dist.all_reduce(tied.grad, group=embedding_group)
 
     def step(tokens: torch.Tensor) -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
         watch.seconds.clear()
         P2P_WAITS.seconds.clear()
         losses: list[torch.Tensor] = []
+        inputs = (tokens[:, :-1],) if first is not None else ()
+        targets = dict(target=tokens[:, 1:], losses=losses) if last is not None else {}
         start = time.perf_counter()
-        if first is not None:
-            schedule.step(tokens[:, :-1])
-        else:
-            schedule.step(target=tokens[:, 1:], losses=losses)
+        schedule.step(*inputs, **targets)
         wall = time.perf_counter() - start
-        dist.all_reduce(tied.grad, group=embedding_group)  # tied embedding / LM head copies
+        sum_tied_copies()
         sumsq = sum(p.grad.square().sum() for p in counted if p.grad is not None)
         dist.all_reduce(sumsq)
         coefficient = min(1.0, 1.0 / (sumsq.sqrt().item() + 1e-6))
@@ -186,46 +221,46 @@ def torch_contender(
         loss = torch.stack(losses).mean().item() if losses else 0.0
         return {"loss": loss, **bubbles(watch.seconds["compute"], P2P_WAITS.seconds["wait"], wall)}
 
-    label = {
-        "interleaved": f"torch ScheduleInterleaved1F1B (vpp={args.vpp})",
-        "1f1b": "torch Schedule1F1B (1 stage/rank)",
-        "gpipe": "torch ScheduleGPipe (1 stage/rank)",
-    }[kind]
+    label = name + (f" (vpp={args.vpp})" if TORCH[kind][2] is None else "")
     return harness.Contender(label, step)
 
 
-def first_working_torch(
-    args: argparse.Namespace, batch: torch.Tensor, embedding_group: dist.ProcessGroup
-) -> tuple[harness.Contender, dict[str, str]]:
-    """The first torch schedule that runs a trial step on every rank, and the failures before."""
-    kinds = [args.torch_schedule] + [k for k in ("1f1b", "gpipe") if k != args.torch_schedule]
-    failures = {}
-    for kind in kinds:
-        contender, error = None, None
-        try:
-            contender = torch_contender(args, kind, embedding_group)
-            contender.step(batch)
-        except Exception:
-            error = traceback.format_exc(limit=-4)
-        ok = torch.tensor(0.0 if error else 1.0)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if ok.item() == 1.0:
-            return contender, failures
-        failures[kind] = error or "failed on the other rank"
-    raise RuntimeError(f"no torch pipeline schedule ran: {failures}")
+def try_torch(
+    args: argparse.Namespace, kind: str, batch: torch.Tensor, embedding_group: dist.ProcessGroup
+) -> harness.Contender | str:
+    """torch's `kind` after one trial step on every rank, or the error that step raised."""
+    contender, error = None, None
+    try:
+        contender = torch_contender(args, kind, embedding_group)
+        contender.step(batch)
+    except Exception:
+        error = traceback.format_exc(limit=-4)
+    ok = torch.tensor(0.0 if error else 1.0)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank drops it if any rank failed
+    if ok.item() == 1.0:
+        return contender
+    return error or "failed on the other rank"
 
 
 def worker(args: argparse.Namespace) -> dict:
-    """One rank's part: build both contenders, time them interleaved, return rank-local rows."""
+    """One rank's part: build every contender, time them interleaved, return rank-local rows."""
     torch.manual_seed(args.seed)
     batches = harness.make_batches(args, args.warmup + args.steps, harness.global_batch(args))
-    megalite = megalite_contender(args)
     torch_schedules._wait_batch_p2p = P2P_WAITS.wrap("wait", torch_schedules._wait_batch_p2p)
     embedding_group = dist.new_group([0, PP - 1])
-    torch_row, failures = first_working_torch(args, batches[0], embedding_group)
-    megalite.step(batches[0])  # the same trial step as torch's, so the losses compare
-    megalite.reference = torch_row.name
-    contenders = [torch_row, megalite]
+    contenders, references, failures = [], {}, {}
+    for kind in TORCH:
+        found = try_torch(args, kind, batches[0], embedding_group)
+        if isinstance(found, str):
+            failures[TORCH[kind][0]] = found
+        else:
+            contenders.append(found)
+            references[kind] = found.name
+    for kind in MEGALITE:
+        megalite = megalite_contender(args, kind)
+        megalite.step(batches[0])  # the same trial step as torch's, so the losses compare
+        megalite.reference = references.get(MEGALITE[kind][2], references.get("1f1b"))
+        contenders.append(megalite)
     harness.measure(contenders, batches, args.warmup)
     return {
         "rows": harness.summary(contenders, harness.global_batch(args) * args.seq),
@@ -236,8 +271,7 @@ def worker(args: argparse.Namespace) -> dict:
 def options() -> argparse.ArgumentParser:
     """This benchmark's command line."""
     parser = harness.options(__doc__.split("\n\n")[0], microbatches=8)
-    parser.add_argument("--vpp", type=int, default=2, help="model chunks per pipeline rank")
-    parser.add_argument("--torch-schedule", choices=tuple(SCHEDULES), default="interleaved")
+    parser.add_argument("--vpp", type=int, default=2, help="chunks per rank when interleaved")
     parser.add_argument(
         "--balance",
         choices=("flops", "layers"),
@@ -249,47 +283,47 @@ def options() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> dict | None:
-    """Measure on PP gloo ranks: {"rows": [...], "failures": {schedule: traceback}} (None on
+    """Measure on PP gloo ranks: {"rows": [...], "failures": {row name: traceback}} (None on
     the ranks other than 0 under torchrun)."""
     return run_or_join(PP, worker, args, timeout=args.timeout)
 
 
-def simulated_note(args: argparse.Namespace) -> str:
-    """The stages megalite cut (`--balance`) and the idle share the simulator gives them from
-    their FLOPs (the last chunk also runs the LM head + loss over the vocabulary)."""
-    cfg = pipeline_config(args, args.vpp, "interleaved")
-    costs = stage_costs(cfg)
-    schedules = [
-        build_schedule("interleaved", PP, r, args.microbatches, args.vpp) for r in range(PP)
-    ]
-    forward, backward = [c.forward for c in costs], [c.backward for c in costs]
-    idle = simulate(schedules, PP, args.vpp, forward, backward).bubble_fraction
-    layers = ", ".join(f"{r.start}-{r.stop - 1}" for r in stage_ranges(cfg))
-    return (
-        f"stages cut by {args.balance} (layers per chunk: {layers}); simulated idle share with "
-        f"the chunks' FLOPs: {idle:.3f}"
-    )
+def split(args: argparse.Namespace, vpp: int) -> str:
+    """The layers of each of the pp * vpp chunks, as megalite cuts them."""
+    ranges = stage_ranges(pipeline_config(args, vpp, "interleaved" if vpp > 1 else "1f1b"))
+    return ", ".join(f"{r.start}-{r.stop - 1}" for r in ranges)
 
 
 def report(args: argparse.Namespace, result: dict) -> None:
     """Print the table of `run`'s result."""
     rows = result["rows"]
-    ideal = (PP - 1) / (args.vpp * args.microbatches + PP - 1)
     table = [
-        common_cells(r, rows) + [f"{r['bubble_wait']:.3f}", f"{r['bubble_idle']:.3f}"] for r in rows
+        common_cells(r, rows)
+        + [f"{r['bubble_wait']:.3f}", f"{r['bubble_idle']:.3f}"]
+        + [f"{r['simulated_idle']:.3f}" if "simulated_idle" in r else "-"]
+        for r in rows
     ]
+    for name in result["failures"]:
+        table.append([f"{name} (failed, see below)"] + ["-"] * (len(COMMON_COLUMNS) + 2))
+    m, vpp = args.microbatches, args.vpp
     notes = common_notes(args, PP, harness.global_batch(args) * args.seq)
     notes += [
         "bubble p2p wait = time blocked on pipeline p2p / compute; bubble idle = "
-        "1 - compute / schedule wall time; both averaged over the ranks (see the docstring).",
-        f"textbook interleaved bubble for pp={PP}, vpp={args.vpp}, m={args.microbatches}, "
-        f"equal chunks: (pp-1)/(v*m) = {(PP - 1) / (args.vpp * args.microbatches):.3f} of the "
-        f"compute, (pp-1)/(v*m+pp-1) = {ideal:.3f} of the schedule (idle).",
-        simulated_note(args),
+        "1 - compute / schedule wall time; both averaged over the ranks; sim. idle = the "
+        "simulator's idle share for megalite's schedule with the chunks' FLOPs (see the "
+        "docstring).",
+        f"textbook bubbles for pp={PP}, m={m}, equal F = B = W, as compute shares: 1F1B "
+        f"(pp-1)/m = {(PP - 1) / m:.3f}, interleaved (pp-1)/(v m) = {(PP - 1) / (vpp * m):.3f}, "
+        f"ZB-H1 (pp-1)/(3m) = {(PP - 1) / (3 * m):.3f}, ZB-V (pp-1)/(6m) = "
+        f"{(PP - 1) / (6 * m):.3f} (m >= 2pp-1; `tests/unit/test_schedule.py`).",
+        "ratio m/t compares megalite ZB-H1 with torch's 1F1B (torch has no ZB-H1).",
+        f"stages cut by {args.balance}, layers per chunk: {split(args, 1)} (pp chunks), "
+        f"{split(args, vpp)} (pp x {vpp}), {split(args, 2)} (pp x 2, the V's).",
     ]
-    for kind, error in result["failures"].items():
-        notes.append(f"torch schedule {kind!r} failed on gloo/CPU; its last frames:\n{error}")
-    print_table(COMMON_COLUMNS + ["bubble p2p wait", "bubble idle"], table, notes)
+    for name, error in result["failures"].items():
+        notes.append(f"{name} failed on gloo/CPU; its last frames:\n{error}")
+    columns = COMMON_COLUMNS + ["bubble p2p wait", "bubble idle", "sim. idle"]
+    print_table(columns, table, notes)
 
 
 def main(argv: list[str] | None = None) -> None:
