@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,6 +162,23 @@ class Contender:
     onto the device here)."""
     leave: Callable[[], None] = lambda: None
     """Run after each of its steps, untimed (and moves it off again)."""
+
+
+def trial(build: Callable[[], Contender], batch: torch.Tensor) -> Contender | str:
+    """The contender `build` makes, after one trial step on every rank; or the error that
+    raised, so that a PyTorch feature missing on gloo/CPU fills a row of its own rather than
+    ending the benchmark (every rank drops the contender if any rank failed)."""
+    contender, error = None, None
+    try:
+        contender = build()
+        contender.step(batch)
+    except Exception:
+        error = traceback.format_exc(limit=-4)
+    ok = torch.tensor(0.0 if error else 1.0)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if ok.item() == 1.0:
+        return contender
+    return error or "failed on the other rank"
 
 
 def timed(step: Callable[[], dict[str, float]]) -> tuple[float, dict[str, float]]:

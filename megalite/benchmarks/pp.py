@@ -13,6 +13,7 @@ sums the gradients of the tied embedding / LM head copies between the first and 
 
     python tools/bench_pp.py                       # forks its 2 ranks itself
     python tools/bench_pp.py --microbatches 4
+    python tools/bench_pp.py --layers 8            # 2 layers a chunk: the schedules part ways
     python tools/bench_pp.py --layers 8 --balance layers  # stages cut by layer count
     torchrun --nproc-per-node 2 tools/bench_pp.py  # same, launched by torchrun
     python -m megalite.benchmarks.pp               # the same, from an installed megalite
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import time
-import traceback
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -225,23 +225,6 @@ def torch_contender(
     return harness.Contender(label, step)
 
 
-def try_torch(
-    args: argparse.Namespace, kind: str, batch: torch.Tensor, embedding_group: dist.ProcessGroup
-) -> harness.Contender | str:
-    """torch's `kind` after one trial step on every rank, or the error that step raised."""
-    contender, error = None, None
-    try:
-        contender = torch_contender(args, kind, embedding_group)
-        contender.step(batch)
-    except Exception:
-        error = traceback.format_exc(limit=-4)
-    ok = torch.tensor(0.0 if error else 1.0)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank drops it if any rank failed
-    if ok.item() == 1.0:
-        return contender
-    return error or "failed on the other rank"
-
-
 def worker(args: argparse.Namespace) -> dict:
     """One rank's part: build every contender, time them interleaved, return rank-local rows."""
     torch.manual_seed(args.seed)
@@ -250,7 +233,7 @@ def worker(args: argparse.Namespace) -> dict:
     embedding_group = dist.new_group([0, PP - 1])
     contenders, references, failures = [], {}, {}
     for kind in TORCH:
-        found = try_torch(args, kind, batches[0], embedding_group)
+        found = harness.trial(lambda k=kind: torch_contender(args, k, embedding_group), batches[0])
         if isinstance(found, str):
             failures[TORCH[kind][0]] = found
         else:

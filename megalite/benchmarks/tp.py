@@ -32,10 +32,8 @@ embedding, and the LayerNorms without SP), then the gradients are scaled in plac
 from __future__ import annotations
 
 import argparse
-import traceback
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -143,17 +141,7 @@ def try_torch_tp(
 ) -> harness.Contender | str:
     """The torch contender after one trial step, or the error that step raised (on gloo/CPU a
     DTensor op may be unsupported: report it rather than abort the other rows)."""
-    contender, error = None, None
-    try:
-        contender = torch_tp(args, sequence_parallel)
-        contender.step(batch)
-    except Exception:
-        error = traceback.format_exc(limit=-3)
-    ok = torch.tensor(0.0 if error else 1.0)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank drops it if any rank failed
-    if ok.item() == 1.0:
-        return contender
-    return error or "failed on the other rank"
+    return harness.trial(lambda: torch_tp(args, sequence_parallel), batch)
 
 
 def worker(args: argparse.Namespace) -> dict:

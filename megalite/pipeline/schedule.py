@@ -114,7 +114,8 @@ def build_schedule(
         exactly 1f1b.
     zb-h1, zb-v (Qi et al. 2024, and their V-shaped follow-up): see `zero_bubble`.
     """
-    n = _group_size(kind, pp_size, pp_rank, num_microbatches, vpp, group_size)
+    rules = "gpipe" if forward_only else kind  # evaluation takes any micro-batch count
+    n = _group_size(rules, pp_size, pp_rank, num_microbatches, vpp, group_size)
     every_rank = _every_rank(kind, pp_size, num_microbatches, vpp, n, forward_only)
     return list(every_rank[pp_rank])
 

@@ -41,15 +41,16 @@ def zb_h1(pp_size: int, pp_rank: int, m: int) -> list[Action]:
 
 class _Steps:
     """A rank's steps, each on the next micro-batch of its (op, chunk): the V schedule reads as
-    "the next F on chunk 0", as the paper draws it."""
+    "F, B and W on chunk 1", as the paper draws it."""
 
     def __init__(self) -> None:
         self.steps: list[Action] = []
         self.next: Counter[tuple[Op, int]] = Counter()
 
-    def __call__(self, op: Op, chunk: int) -> None:
-        self.steps.append(Action(op, self.next[op, chunk], chunk))
-        self.next[op, chunk] += 1
+    def __call__(self, chunk: int, *ops: Op) -> None:
+        for op in ops:
+            self.steps.append(Action(op, self.next[op, chunk], chunk))
+            self.next[op, chunk] += 1
 
     def count(self, op: Op, chunk: int) -> int:
         return self.next[op, chunk]
@@ -67,32 +68,25 @@ def zb_v(pp_size: int, pp_rank: int, m: int) -> list[Action]:
     # Warmup: chunk 0 fills the V's way down, then chunk 1 joins as the way back reaches it,
     # then this rank's first backwards on chunk 1, each with its W at once.
     for _ in range(2 * (pp_size - pp_rank) - 1):
-        run(F, 0)
+        run(0, F)
     for _ in range(pp_rank):
-        run(F, 1)
-        run(F, 0)
+        run(1, F)
+        run(0, F)
     for _ in range(pp_size - pp_rank):
-        run(F, 1)
-        run(B, 1)
-        run(W, 1)
+        run(1, F, B, W)
     # Steady state: F, B, W on chunk 0, then on chunk 1, until every forward has run.
     while run.count(F, 1) < run.count(F, 0) or run.count(F, 0) < n:
         if run.count(F, 0) < n:
-            run(F, 0)
-        run(B, 0)
-        run(W, 0)
-        run(F, 1)
-        run(B, 1)
-        run(W, 1)
+            run(0, F)
+        run(0, B, W)
+        run(1, F, B, W)
     # Cooldown: the remaining backwards first, the deferred W passes filling the drain.
     for _ in range(pp_rank):
-        run(B, 0)
-        run(B, 1)
+        run(0, B)
+        run(1, B)
     for _ in range(pp_size - pp_rank):
-        run(B, 0)
-        run(W, 0)
-    while run.count(W, 1) < run.count(B, 1):
-        run(W, 1)
-    while run.count(W, 0) < run.count(B, 0):
-        run(W, 0)
+        run(0, B, W)
+    for chunk in (1, 0):
+        while run.count(W, chunk) < run.count(B, chunk):
+            run(chunk, W)
     return [step for step in run.steps if step.microbatch < m]

@@ -83,55 +83,22 @@ ARCHS = {
 }
 
 
-def _fused_vs_unfused(arch: str, sp: bool, zero: int) -> float:
-    """The relative difference of this rank's fp32 gradients after 2 micro-batches, fused
-    (accumulate_main_grad) and not."""
+def _with_and_without(option: str, arch: str, sp: bool, zero: int) -> float:
+    """The relative difference of this rank's fp32 gradients after 2 micro-batches with and
+    without `option`: "fuse" (weight gradients through accumulate_main_grad) or "split" (the
+    backward split into B, then W running what B deferred; the last micro-batch's buckets
+    counting from its W, as the executor starts them: after B none is staged or reduced)."""
     ps = build_parallel_state(2, 1, torch.device("cpu"))  # dp: the rest of the world
     overrides = [*ARCHS[arch], "model.hidden=32", "model.n_heads=4", "model.seq_len=16"]
     cfg = load_config(None, [*overrides, "model.n_layers=2"])
     results = []
-    for fuse in (True, False):
+    for on in (True, False):
         ctx = BuildContext(cfg.model, ps, TPRandom(0, ps), sequence_parallel=sp)
         chunk = (GPT if arch == "gpt" else Llama)(ctx, range(2))
         init_parameters(chunk, 0, ps)
+        fuse = on or option != "fuse"
         (buffer,) = build_grad_buffers([chunk], ps, 0.01, zero, fuse_wgrad=fuse)
-        torch.manual_seed(0)
-        for micro_batch in range(2):
-            if micro_batch == 1:
-                buffer.start_sync()
-            ids = torch.randint(0, cfg.model.vocab_size, (B, 17))
-            chunk(ids[:, :-1], ids[:, 1:]).backward()
-            buffer.end_backward()
-        buffer.finish_sync()
-        results.append(buffer.owned_grads.clone())
-    assert results[0].abs().sum() > 0
-    return relative_error(*results)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
-def test_fused_accumulation_equals_grad_then_add_in_fp32(arch, sp):
-    assert max(run_ranks(2, _fused_vs_unfused, arch, sp, 0)) < 1e-6
-
-
-def test_fused_accumulation_under_zero2():
-    """tp 2 x dp 2, ZeRO-2: the weight gradients go into the buckets' staging."""
-    assert max(run_ranks(4, _fused_vs_unfused, "gpt", True, 2)) < 1e-6
-
-
-def _split_vs_plain(arch: str, sp: bool, zero: int) -> float:
-    """The relative difference of this rank's fp32 gradients after 2 micro-batches, with the
-    backward split into B and W (the last micro-batch's buckets counting from its W, as the
-    executor starts them) and not. After each B no bucket has been staged or reduced."""
-    ps = build_parallel_state(2, 1, torch.device("cpu"))  # dp: the rest of the world
-    overrides = [*ARCHS[arch], "model.hidden=32", "model.n_heads=4", "model.seq_len=16"]
-    cfg = load_config(None, [*overrides, "model.n_layers=2"])
-    results = []
-    for split in (True, False):
-        ctx = BuildContext(cfg.model, ps, TPRandom(0, ps), sequence_parallel=sp)
-        chunk = (GPT if arch == "gpt" else Llama)(ctx, range(2))
-        init_parameters(chunk, 0, ps)
-        (buffer,) = build_grad_buffers([chunk], ps, 0.01, zero)
+        split = on and option == "split"
         torch.manual_seed(0)
         for micro_batch in range(2):
             if micro_batch == 1:
@@ -150,14 +117,25 @@ def _split_vs_plain(arch: str, sp: bool, zero: int) -> float:
     return relative_error(*results)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+def test_fused_accumulation_equals_grad_then_add_in_fp32(arch, sp):
+    assert max(run_ranks(2, _with_and_without, "fuse", arch, sp, 0)) < 1e-6
+
+
+def test_fused_accumulation_under_zero2():
+    """tp 2 x dp 2, ZeRO-2: the weight gradients go into the buckets' staging."""
+    assert max(run_ranks(4, _with_and_without, "fuse", "gpt", True, 2)) < 1e-6
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
 def test_split_backward_equals_plain_backward(sp):
-    """tp 2 x dp 2, ZeRO-1 (the all-gather of the x shard moves from B to W under SP)."""
-    assert max(run_ranks(4, _split_vs_plain, "llama-gqa", sp, 1)) < 1e-6
+    """tp 2 x dp 2, ZeRO-1 (under SP the linears gather their shards again in W)."""
+    assert max(run_ranks(4, _with_and_without, "split", "llama-gqa", sp, 1)) < 1e-6
 
 
 def test_split_backward_under_zero2():
-    assert max(run_ranks(4, _split_vs_plain, "gpt", True, 2)) < 1e-6
+    assert max(run_ranks(4, _with_and_without, "split", "gpt", True, 2)) < 1e-6
 
 
 GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}

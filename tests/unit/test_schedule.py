@@ -317,12 +317,19 @@ def test_compute_order_is_the_schedule_without_its_messages(kind: str, pp: int):
             assert compute_order(kind, pp, rank, m, vpp) == [a for a in actions if a.op.is_compute]
 
 
-@pytest.mark.parametrize("pp,vpp", [(2, 1), (2, 3), (4, 2)])
-def test_forward_only_gpipe_lists_run(pp: int, vpp: int):
-    """Evaluation runs the forward actions of a GPipe list alone: they must match by themselves."""
+@pytest.mark.parametrize(
+    "kind,pp,vpp",
+    [("gpipe", 2, 1), ("gpipe", 2, 3), ("gpipe", 4, 2), ("interleaved", 4, 2), ("zb-v", 4, 2)],
+)
+def test_forward_only_lists_run(kind: str, pp: int, vpp: int):
+    """Evaluation runs GPipe's forwards on the kind's chunk layout, whatever the micro-batch
+    count (interleaving's rules are for its training order): they must match by themselves."""
     for m in range(1, 7):
-        lists = forward_only(schedules("gpipe", pp, m, vpp))
-        assert simulate(lists, pp, vpp).peak_in_flight == [m * vpp] * pp
+        lists = [build_schedule(kind, pp, r, m, vpp, forward_only=True) for r in range(pp)]
+        if kind == "gpipe":
+            assert lists == forward_only(schedules("gpipe", pp, m, vpp))
+        result = simulate(lists, pp, vpp, v_shape=v_shaped(kind))
+        assert result.peak_in_flight == [m * vpp] * pp
 
 
 CHUNKS = {"1f1b": (1,), "zb-h1": (1,), "zb-v": (2,)}
