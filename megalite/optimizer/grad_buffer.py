@@ -51,7 +51,7 @@ from torch import nn
 from megalite import comm
 from megalite.kernels import wgrad_accumulate
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel import deferred
+from megalite.tensor_parallel.deferred import active_queue
 from megalite.tensor_parallel.linear import Rows
 
 
@@ -206,7 +206,7 @@ class GradBuffer:
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if param.grad is None:  # a fused linear: `_accumulate` has reported it
             return
-        queue = deferred.active_queue()
+        queue = active_queue()
         if queue is not None:  # a split backward's B: the gradient arrives in its W
             queue.put(functools.partial(self._arrive, param))
         else:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megalite.tensor_parallel import deferred
+from megalite.tensor_parallel.deferred import deferral_observers
 from megalite.tensor_parallel.random import recompute_observers
 
 if TYPE_CHECKING:
@@ -112,13 +112,13 @@ class SavedActivationTracker:
 
     def __enter__(self) -> SavedActivationTracker:
         recompute_observers.append(self._observe_recompute)
-        deferred.observers.append(self._observe_deferred)
+        deferral_observers.append(self._observe_deferred)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
-        deferred.observers.remove(self._observe_deferred)
+        deferral_observers.remove(self._observe_deferred)
         recompute_observers.remove(self._observe_recompute)
 
     def _hold(self, tensor: torch.Tensor) -> tuple[str, int] | None:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-observers: list[Callable[[Callable[[], None], tuple[torch.Tensor, ...]], None]] = []
+deferral_observers: list[Callable[[Callable[[], None], tuple[torch.Tensor, ...]], None]] = []
 """Called with (work, tensors) for every deferred piece of work: the tensors stay alive until
 the work has run and been dropped (profiling.memory counts them; weakly refer to the work)."""
 
@@ -34,7 +34,7 @@ class WeightGradQueue:
     def put(self, work: Callable[[], None], *tensors: torch.Tensor) -> None:
         """`work` runs at the W step; `tensors` are what it holds until then."""
         self.work.append(work)
-        for observe in observers:
+        for observe in deferral_observers:
             observe(work, tensors)
 
     def run(self) -> None:

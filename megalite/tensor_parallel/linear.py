@@ -15,7 +15,7 @@ so their collectives, overlap and observers stay exactly as written here.
 
 Weight gradients go straight into the fp32 main grad when the gradient buffer gave the
 parameter an `accumulate_main_grad` (optimizer/grad_buffer.py): no 16-bit `.grad` is made.
-Under a zero-bubble schedule's B step (`deferred.deferring`) both linears compute only the
+Under a zero-bubble schedule's B step (`tensor_parallel.deferred`) both linears compute only the
 input gradient and leave the weight gradient, with x and dy, to the W step; under SP each keeps
 only the sequence shard it was given (the column-parallel linear's x, the row-parallel one's
 dy) and gathers it again in W: one more all-gather per linear, and t times less memory held
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite import comm
-from megalite.tensor_parallel import deferred
+from megalite.tensor_parallel.deferred import queue_for
 
 SEQ_DIM = 1
 """Activations are (batch, seq, hidden): SP shards dim 1."""
@@ -137,7 +137,7 @@ class _ColumnParallel(torch.autograd.Function):
         group, rows, sp = ctx.group, ctx.rows, ctx.sequence_parallel
         grad_weight = ctx.weight if ctx.needs_input_grad[1] else None
         grad_bias = ctx.bias if ctx.needs_input_grad[2] else None
-        queue = deferred.queue_for(grad_weight, grad_bias)
+        queue = queue_for(grad_weight, grad_bias)
         gather = comm.all_gather_start(x, group, SEQ_DIM) if sp and queue is None else None
         reduction = None
         if ctx.needs_input_grad[0]:
@@ -191,7 +191,7 @@ class _RowParallel(torch.autograd.Function):
         dx = dy @ weight if ctx.needs_input_grad[0] else None  # dy: (b, s, out)
         dw = None
         if ctx.needs_input_grad[1]:
-            queue = deferred.queue_for(ctx.weight)
+            queue = queue_for(ctx.weight)
             if queue is not None:
                 work = (_deferred_row_weight_grad, x, gather_group, ctx.weight, shard)
                 queue.put(functools.partial(*work), x, shard)

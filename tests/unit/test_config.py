@@ -295,7 +295,10 @@ def test_wrong_type_in_yaml_file(tmp_path):
         ("parallel.pp=0", "parallel.pp must be >= 1"),
         ("parallel.vpp=0", "parallel.vpp must be >= 1"),
         ("parallel.zero=3", "parallel.zero must be 0, 1 or 2, got 3"),
-        ("parallel.schedule=zb", "parallel.schedule must be gpipe, 1f1b or interleaved, got 'zb'"),
+        (
+            "parallel.schedule=zb",
+            "parallel.schedule must be gpipe, 1f1b, interleaved, zb-h1 or zb-v, got 'zb'",
+        ),
         ("parallel.bucket_mb=0", "parallel.bucket_mb must be > 0"),
         ("train.steps=0", "train.steps must be >= 1"),
         ("train.micro_batch_size=0", "train.micro_batch_size must be >= 1"),
