@@ -4,9 +4,10 @@ dotted command-line overrides (`train.steps=50 parallel.tp=2`).
 Loading is strict so that a typo never silently trains the wrong model: an unknown key names
 the closest valid ones, every value is type-checked, and ranges and cross-field constraints are
 checked in `__post_init__` before any work starts. Constraints that need the world size (tp * pp
-dividing it, and the pipeline schedule's rules on the micro-batch count that follows) are checked
-by `Config.layout_for_world`. The pipeline schedule's rules belong to `pipeline.schedule` (which
-imports no torch, so config errors still come before torch is imported); this module runs them.
+dividing it, which the rank grid `parallel_dims` checks, and the pipeline schedule's rules on the
+micro-batch count that follows) are checked by `Config.layout_for_world`. The pipeline
+schedule's rules belong to `pipeline.schedule` (which imports no torch, so config errors still
+come before torch is imported); this module runs them.
 """
 
 from __future__ import annotations
@@ -24,14 +25,9 @@ from typing import Any
 
 import yaml
 
-from megalite.errors import MegaliteError
+from megalite.errors import ConfigError
+from megalite.parallel_dims import ParallelDims
 from megalite.pipeline.schedule import ScheduleError, check_chunks, check_microbatches
-
-
-class ConfigError(MegaliteError):
-    """A config value or key is wrong; the message says which and how to fix it."""
-
-    same_on_every_rank = True  # from the command line, the config file and the world size
 
 
 def _require(ok: bool, message: str) -> None:
@@ -45,18 +41,6 @@ def _schedule_rule(check: Callable[..., Any], *args: Any) -> Any:
         return check(*args)
     except ScheduleError as error:
         raise ConfigError(str(error)) from None
-
-
-def data_parallel_size(world_size: int, tp: int, pp: int) -> int:
-    """dp = world size / (tp * pp): the one place it is derived, with the error that names the
-    fix when tp * pp does not divide the world."""
-    model_parallel = tp * pp
-    _require(
-        world_size % model_parallel == 0,
-        f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}: launch a "
-        f"multiple of {model_parallel} processes or change parallel.tp / parallel.pp",
-    )
-    return world_size // model_parallel
 
 
 @dataclass
@@ -179,6 +163,11 @@ class ParallelConfig:
                 weight is None or weight >= 0,
                 f"parallel.{name} must be >= 0 (or omitted: from the model's FLOPs), got {weight}",
             )
+
+    def dims(self, world_size: int) -> ParallelDims:
+        """This layout's rank grid on `world_size` ranks (dp takes the rest), or the error that
+        names the fix."""
+        return ParallelDims.for_world(world_size, tp=self.tp, pp=self.pp)
 
 
 @dataclass
@@ -442,7 +431,7 @@ class Config:
     def layout_for_world(self, world_size: int) -> tuple[int, int]:
         """Return (dp, micro-batches per step) for this world size, or fail clearly."""
         p, t = self.parallel, self.train
-        dp = data_parallel_size(world_size, p.tp, p.pp)
+        dp = p.dims(world_size).sizes["dp"]
         per_step = t.micro_batch_size * dp
         _require(
             t.global_batch_size % per_step == 0,

@@ -48,7 +48,7 @@ from megalite.benchmarks.table import COMMON_COLUMNS, common_cells, common_notes
 from megalite.benchmarks.torch_gpt import TorchGPT, lm_loss, torch_adamw
 from megalite.config import Config
 from megalite.launch import run_or_join
-from megalite.parallel_state import build_parallel_state
+from megalite.parallel_state import ParallelState, build_parallel_state
 from megalite.pipeline.partition import stage_costs, stage_ranges
 from megalite.pipeline.schedule import build_schedule
 from megalite.pipeline.simulate import simulate
@@ -100,8 +100,7 @@ def pipeline_config(args: argparse.Namespace, vpp: int, schedule: str) -> Config
     return harness.parallel_config(args, 1, tp=1, pp=PP, vpp=vpp, schedule=schedule, **balance)
 
 
-def megalite_contender(args: argparse.Namespace) -> harness.Contender:
-    ps = build_parallel_state(1, PP, torch.device("cpu"))
+def megalite_contender(args: argparse.Namespace, ps: ParallelState) -> harness.Contender:
     cfg = pipeline_config(args, args.vpp, "interleaved")
     training = harness.megalite_run(cfg, ps)
     executor_run, record = training.executor.run, {}
@@ -219,10 +218,10 @@ def worker(args: argparse.Namespace) -> dict:
     """One rank's part: build both contenders, time them interleaved, return rank-local rows."""
     torch.manual_seed(args.seed)
     batches = harness.make_batches(args, args.warmup + args.steps, harness.global_batch(args))
-    megalite = megalite_contender(args)
+    ps = build_parallel_state(1, PP, torch.device("cpu"))
+    megalite = megalite_contender(args, ps)
     torch_schedules._wait_batch_p2p = P2P_WAITS.wrap("wait", torch_schedules._wait_batch_p2p)
-    embedding_group = dist.new_group([0, PP - 1])
-    torch_row, failures = first_working_torch(args, batches[0], embedding_group)
+    torch_row, failures = first_working_torch(args, batches[0], ps.embedding_group)
     megalite.step(batches[0])  # the same trial step as torch's, so the losses compare
     megalite.reference = torch_row.name
     contenders = [torch_row, megalite]

@@ -27,6 +27,7 @@ from megalite.config import (
     load_config,
 )
 from megalite.errors import MegaliteError
+from megalite.parallel_dims import ParallelDims
 from megalite.profiling.flops import cpu_cores, cpu_peak_flops, gpu_peak_flops
 
 if TYPE_CHECKING:  # the estimator and the model import torch: loaded once the config is checked
@@ -124,7 +125,7 @@ def layouts(base: Config, world_size: int) -> Iterator[Layout]:
     n_layers, batch = base.model.n_layers, base.train.global_batch_size
     for tp in _divisors(world_size):
         for pp in _divisors(world_size // tp):
-            dp = world_size // (tp * pp)
+            dp = ParallelDims.for_world(world_size, tp=tp, pp=pp).sizes["dp"]
             vpps = [v for v in range(2, MAX_VPP + 1) if pp > 1 and n_layers % (pp * v) == 0]
             micro = [b for b in _divisors(max(batch // dp, 1)) if b <= MAX_MICRO_BATCH]
             for vpp in (1, *vpps):

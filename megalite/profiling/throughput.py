@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 from megalite.config import Config
+from megalite.parallel_dims import ParallelDims
 from megalite.pipeline.partition import stage_costs, stage_ranges
 from megalite.pipeline.schedule import build_schedule, check_microbatches
 from megalite.pipeline.simulate import simulate
@@ -133,21 +134,22 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
     """Seconds per step of `cfg`'s layout on `machine` (see the module docstring)."""
     p, t = cfg.parallel, cfg.train
     dp, m = cfg.layout_for_world(machine.world_size)
+    dims = p.dims(machine.world_size)
     element = ELEMENT_BYTES[resolve_precision(t.precision, machine.device)]
     act = t.micro_batch_size * cfg.model.seq_len * cfg.model.hidden * element  # one mb's x
-    forward, backward, tp_s, tp_calls = _stage_times(cfg, machine, act)
+    forward, backward, tp_s, tp_calls = _stage_times(cfg, machine, dims, act)
     makespan, bubble = pipeline_makespan(cfg, m, forward, backward)
     per_rank = [m * sum(tp_s[r :: p.pp]) for r in range(p.pp)]
     calls = max(m * sum(tp_calls[r :: p.pp]) for r in range(p.pp))
 
     # pp: an activation forward and a gradient back per boundary, exposed along fill and drain
-    message = act / (p.tp if p.sp else 1) / machine.bandwidth(p.tp * dp * p.pp)
+    message = act / (p.tp if p.sp else 1) / machine.bandwidth(dims.span("pp"))
     boundaries = p.pp * p.vpp - 1
     p2p = 2 * boundaries * message
     calls += 2 * (boundaries + m) if p.pp > 1 else 0
 
     params = max(stage_params(cfg))
-    dp_bw = machine.bandwidth(p.tp * dp)
+    dp_bw = machine.bandwidth(dims.span("dp"))
     split = machine.split_collective_cost
     grads = (dp - 1) / dp * params * 4 / dp_bw  # fp32 main grads, reduce-scattered
     gather = split * (dp - 1) / dp * params * element / dp_bw if p.zero else 0.0
@@ -187,14 +189,15 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
 
 
 def _stage_times(
-    cfg: Config, machine: Machine, act: float
+    cfg: Config, machine: Machine, dims: ParallelDims, act: float
 ) -> tuple[list[float], list[float], list[float], list[int]]:
     """Per virtual stage and micro-batch: forward and backward seconds (FLOPs, tp transfers,
     per-layer overhead), the tp transfer seconds among them, and the tp collectives called."""
     p, tokens = cfg.parallel, cfg.train.micro_batch_size * cfg.model.seq_len
     # per layer pass: two all-reduces, or two all-gathers and two reduce-scatters under sp
     per_pass = 0 if p.tp == 1 else 4 if p.sp else 2
-    transfer = 4 * (p.tp - 1) / p.tp * act / machine.bandwidth(p.tp)  # same bytes either way
+    # all-reduces or sp's all-gathers and reduce-scatters: the same bytes either way
+    transfer = 4 * (p.tp - 1) / p.tp * act / machine.bandwidth(dims.span("tp"))
     transfer *= machine.split_collective_cost if p.sp else 1.0
     forward, backward, tp_s, tp_calls = [], [], [], []
     for cost, layers, rerun in zip(stage_costs(cfg), stage_ranges(cfg), _recomputed_layers(cfg)):
