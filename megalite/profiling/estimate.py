@@ -160,7 +160,7 @@ def _static_parts(cfg: Config, pp_rank: int, dp: int, element: int, device: str)
 
 
 def _optimizer_part(o: OptimConfig, owned: list[int], element: int, device: str) -> Part:
-    """The optimizer's tensors for the owned pieces (`optimizer.zero1`, `adamw`, `offload`):
+    """The optimizer's tensors for the owned pieces (`optimizer.distributed`, `adamw`, `offload`):
     fp32 master weights (unless the params are fp32 and stay on the device) and Adam's m and v
     in optim.state_dtype; with optim.offload=cpu all on the host, plus each piece's fp32
     gradient staging and, for 16-bit params, its upload staging; a bf16-state update's upcast

@@ -14,7 +14,7 @@ Both are opaque to torch.compile (`train.compile`): a compiled block runs eagerl
 so their collectives, overlap and observers stay exactly as written here.
 
 Weight gradients go straight into the fp32 main grad when the gradient buffer gave the
-parameter an `accumulate_main_grad` (optimizer/grad_buffer.py): no 16-bit `.grad` is made.
+parameter an `accumulate_main_grad` (data_parallel/grad_buffer.py): no 16-bit `.grad` is made.
 """
 
 from __future__ import annotations

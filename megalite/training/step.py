@@ -10,8 +10,8 @@ import torch
 
 from megalite import comm
 from megalite.data.dataset import TokenBatch
+from megalite.data_parallel.finalize import finalize_grads
 from megalite.optimizer.clip import clip_coefficient
-from megalite.optimizer.finalize import finalize_grads
 from megalite.pipeline.executor import IntervalTimer, MicroBatch, StepTimes, bubble_fraction
 from megalite.training.compile import eager
 from megalite.training.setup import Run

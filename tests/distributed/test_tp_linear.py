@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalite import comm
 from megalite.config import load_config
+from megalite.data_parallel.grad_buffer import build_grad_buffers
 from megalite.launch import run_ranks
-from megalite.optimizer.grad_buffer import build_grad_buffers
 from megalite.parallel_state import build_parallel_state
 from megalite.tensor_parallel import ColumnParallelLinear, TPRandom, init_parameters, linear
 from megalite.tensor_parallel import normal_init as normal

@@ -13,7 +13,7 @@ from megalite.models import build_chunks
 
 from megalite.cli import main
 from megalite.config import load_config
-from megalite.optimizer.grad_buffer import GradBuffer
+from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.schedule import build_schedule
 from megalite.pipeline.simulate import simulate
