@@ -1,9 +1,10 @@
 """The architectures, built from megalite's tensor-parallel layers (shipped as megalite.models).
 
 - `registry`: the one list of architectures; `architecture`: what the config knows of one.
-- one package per architecture (`gpt/`, `llama/`): its record and model.
+- one package per architecture (`gpt/`, `llama/`): its record, model and formulas.
 - `layers`: the shared parallel blocks (norms, rotary, attention, dropout); `causal_lm`: the
   pipeline chunk every model is; `factory.build_chunks`: the one way to build a model.
+- `formulas`: what an architecture's formulas implement, and the shared blocks' own.
 
 This package imports nothing on its own: `megalite.config` reads the registry before torch is
 imported.
