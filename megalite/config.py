@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from megalite.errors import ConfigError
+from megalite.models import registry
 from megalite.parallel_dims import ParallelDims
 from megalite.pipeline.schedule import ScheduleError, check_chunks, check_microbatches
 
@@ -43,11 +44,16 @@ def _schedule_rule(check: Callable[..., Any], *args: Any) -> Any:
         raise ConfigError(str(error)) from None
 
 
+def _one_of(names: list[str]) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
+
+
 @dataclass
 class ModelConfig:
     arch: str = "gpt"
-    """`gpt` (GPT-2: learned positions, LayerNorm, tanh-GELU, biases, tied embeddings) or
-    `llama` (RMSNorm, rotary embeddings, SwiGLU, grouped-query attention, untied head)."""
+    """The architecture, by its name in `megalite.models.registry`: `gpt` (GPT-2) or `llama`
+    as shipped; each package under models/ says what it is."""
     n_layers: int = 4
     """Number of transformer layers."""
     hidden: int = 256
@@ -55,9 +61,11 @@ class ModelConfig:
     n_heads: int = 4
     """Attention (query) heads; hidden must be divisible by it."""
     n_kv_heads: int | None = None
-    """Key/value heads for grouped-query attention (llama); None means n_heads."""
+    """Key/value heads for grouped-query attention (where the architecture has it); None means
+    n_heads."""
     ffn_hidden: int | None = None
-    """MLP inner width; None means 4*hidden (gpt) or the Llama rule 8/3*hidden rounded up to 64."""
+    """MLP inner width; None means the architecture's default (GPT-2's 4*hidden, Llama's
+    8/3*hidden rounded up to a multiple of 64)."""
     vocab_size: int = 8000
     """Tokenizer vocabulary; the embedding is padded to a multiple of tp * vocab_round_to."""
     vocab_round_to: int = 128
@@ -74,14 +82,16 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
-    """Rotary embedding base (llama)."""
+    """Rotary embedding base (architectures with rotary embeddings)."""
     init_std: float = 0.02
     """Standard deviation of the normal init; output projections use init_std/sqrt(2*n_layers)."""
 
     def __post_init__(self) -> None:
         _require(
-            self.arch in ("gpt", "llama"), f"model.arch must be gpt or llama, got {self.arch!r}"
+            self.arch in registry.names(),
+            f"model.arch must be {_one_of(registry.names())}, got {self.arch!r}",
         )
+        arch = registry.architecture(self.arch)
         for name in ("n_layers", "hidden", "n_heads", "vocab_size", "seq_len", "vocab_round_to"):
             _require(getattr(self, name) >= 1, f"model.{name} must be >= 1")
         if self.n_kv_heads is None:
@@ -94,9 +104,7 @@ class ModelConfig:
             f"raise model.max_positions to at least {self.seq_len} or lower model.seq_len",
         )
         if self.ffn_hidden is None:
-            self.ffn_hidden = (
-                4 * self.hidden if self.arch == "gpt" else 64 * math.ceil(8 * self.hidden / 3 / 64)
-            )
+            self.ffn_hidden = arch.default_ffn_hidden(self.hidden)
         _require(self.ffn_hidden >= 1, "model.ffn_hidden must be >= 1")
         _require(
             self.hidden % self.n_heads == 0,
@@ -106,9 +114,11 @@ class ModelConfig:
             self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0,
             f"model.n_kv_heads ({self.n_kv_heads}) must divide model.n_heads ({self.n_heads})",
         )
+        grouped = [name for name in registry.names() if registry.architecture(name).grouped_query]
         _require(
-            self.arch == "llama" or self.n_kv_heads == self.n_heads,
-            "model.n_kv_heads differs from n_heads, but grouped-query attention is llama-only",
+            arch.grouped_query or self.n_kv_heads == self.n_heads,
+            "model.n_kv_heads differs from n_heads, but grouped-query attention is "
+            f"{_one_of(grouped)}-only",
         )
         _require(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
 

@@ -35,7 +35,7 @@ import torch
 
 from megalite.benchmarks.table import print_table
 from megalite.config import load_config
-from megalite.models import build_chunks
+from megalite.models.factory import build_chunks
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import TPRandom, global_tensors, init_parameters
 from megalite.tensor_parallel.random import param_seed

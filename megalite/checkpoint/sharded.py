@@ -49,7 +49,8 @@ from megalite.checkpoint.reader import CheckpointError, SavedTensors, corrupt
 from megalite.checkpoint.state import RunState
 from megalite.config import build_config
 from megalite.data.tokenizer import HFTokenizer, Tokenizer, open_tokenizer
-from megalite.models import CausalLM, build_chunks
+from megalite.models.causal_lm import CausalLM
+from megalite.models.factory import build_chunks
 from megalite.optimizer.distributed import STATE_KINDS
 from megalite.parallel_dims import ParallelDims
 from megalite.parallel_state import ParallelState

@@ -36,7 +36,7 @@ from megalite.optimizer.adamw import SCRATCH_BYTES_PER_ELEMENT, scratch_numel
 from megalite.pipeline.partition import chunk_layers
 from megalite.pipeline.schedule import Op, compute_order
 from megalite.profiling import activations as act
-from megalite.profiling.parameters import chunk_parameters, layout_buffers
+from megalite.profiling.parameters import layout_buffers, stage_parameters
 
 CUDA_CONTEXT_BYTES = 768 * 2**20
 """What nvidia-smi shows for a training process beyond the caching allocator's reservation:
@@ -273,18 +273,12 @@ def estimate_layout(
     precision = resolve_precision(cfg.train.precision, device)
     element = ELEMENT_BYTES[precision]
     x = act.Shapes(cfg, element, device)
-    p = cfg.parallel
-    last = p.pp * p.vpp - 1
     stages = []
-    for pp_rank in range(p.pp):
+    for pp_rank in range(cfg.parallel.pp):
         chunks = chunk_layers(cfg, pp_rank)
         in_flight, activation = _activation_parts(cfg, x, pp_rank, chunks, m)
-        params = sum(
-            param.numel
-            for stage, layers in chunks
-            for param in chunk_parameters(cfg, layers, stage == 0, stage == last)
-        )
         static = _static_parts(cfg, pp_rank, dp, element, device)
+        params = stage_parameters(cfg, pp_rank)
         stages.append(StageEstimate(pp_rank, chunks, params, in_flight, static + activation))
     return LayoutEstimate(cfg, world_size, dp, m, precision, device, stages, cuda_context)
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megalite.config import ModelConfig
+from megalite.models.formulas import formulas_of
 
 if TYPE_CHECKING:  # imported where used, so that `megalite plan` starts without torch
     import torch
@@ -36,10 +37,8 @@ if TYPE_CHECKING:  # imported where used, so that `megalite plan` starts without
 
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights that take part in a matmul per token: the layers and the LM head."""
-    h, f, kv = cfg.hidden, cfg.ffn_hidden, cfg.n_kv_heads * cfg.head_dim
-    attention = h * h + 2 * h * kv + h * h
-    mlp = (3 if cfg.arch == "llama" else 2) * h * f
-    return cfg.n_layers * (attention + mlp) + cfg.vocab_size * h
+    layer = formulas_of(cfg.arch).layer_matmul_weights(cfg)
+    return cfg.n_layers * layer + cfg.vocab_size * cfg.hidden
 
 
 def flops_per_token(cfg: ModelConfig, causal: bool = True) -> float:

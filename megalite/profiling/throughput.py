@@ -30,7 +30,7 @@ from megalite.pipeline.partition import stage_costs, stage_ranges
 from megalite.pipeline.schedule import build_schedule, check_microbatches
 from megalite.pipeline.simulate import simulate
 from megalite.profiling.estimate import ELEMENT_BYTES, resolve_precision
-from megalite.profiling.flops import matmul_params
+from megalite.profiling.parameters import stage_parameters
 
 OPTIMIZER_BYTES_PER_PARAM = 28
 """AdamW reads param, grad, m, v and writes param, m, v: seven fp32 values per parameter."""
@@ -113,23 +113,6 @@ class Prediction:
     """CPU only: the shared cores, not the critical path, set the step time."""
 
 
-def stage_params(cfg: Config) -> list[float]:
-    """Parameters of one tp rank of each pipeline rank (its chunks' layers, the embedding on
-    the first, the head on the last; GPT ties them, but under pp both stages hold a copy)."""
-    m, p = cfg.model, cfg.parallel
-    head = m.vocab_size * m.hidden
-    layer = matmul_params(m) / m.n_layers - head / m.n_layers
-    embedding = head + (m.max_positions * m.hidden if m.arch == "gpt" else 0)
-    ranges = stage_ranges(cfg)
-    params = [0.0] * p.pp
-    for stage, layers in enumerate(ranges):
-        extra = embedding if stage == 0 else 0.0
-        if stage == len(ranges) - 1 and (m.arch == "llama" or len(ranges) > 1):
-            extra += head
-        params[stage % p.pp] += (len(layers) * layer + extra) / p.tp
-    return params
-
-
 def predict(cfg: Config, machine: Machine) -> Prediction:
     """Seconds per step of `cfg`'s layout on `machine` (see the module docstring)."""
     p, t = cfg.parallel, cfg.train
@@ -148,7 +131,7 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
     p2p = 2 * boundaries * message
     calls += 2 * (boundaries + m) if p.pp > 1 else 0
 
-    params = max(stage_params(cfg))
+    params = max(stage_parameters(cfg, r) for r in range(p.pp))
     dp_bw = machine.bandwidth(dims.span("dp"))
     split = machine.split_collective_cost
     grads = (dp - 1) / dp * params * 4 / dp_bw  # fp32 main grads, reduce-scattered

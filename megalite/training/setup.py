@@ -13,7 +13,8 @@ from torch import nn
 from megalite.checkpoint.initial import load_initial_weights
 from megalite.config import Config
 from megalite.data_parallel.grad_buffer import GradBuffer, build_grad_buffers
-from megalite.models import CausalLM, build_chunks
+from megalite.models.causal_lm import CausalLM
+from megalite.models.factory import build_chunks
 from megalite.optimizer.bad_steps import BadStepPolicy
 from megalite.optimizer.distributed import DistributedOptimizer
 from megalite.optimizer.loss_scale import LossScaler

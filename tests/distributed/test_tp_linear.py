@@ -8,7 +8,9 @@ import time
 import pytest
 import torch
 from equivalence import relative_error
-from megalite.models import GPT, BuildContext, Llama
+from megalite.models.gpt.model import GPT
+from megalite.models.layers import BuildContext
+from megalite.models.llama.model import Llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalite import comm

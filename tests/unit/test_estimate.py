@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from megalite.models import build_chunks
+from megalite.models.factory import build_chunks
 
 from megalite.cli import main
 from megalite.config import load_config

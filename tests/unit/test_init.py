@@ -7,7 +7,8 @@ resumes or starts from `checkpoint.init_from` draws nothing."""
 import megalite.models.factory as factory
 import pytest
 import torch
-from megalite.models import ARCHITECTURES, BuildContext
+from megalite.models.factory import model_class
+from megalite.models.layers import BuildContext
 from run_configs import TWO_LAYERS
 
 from megalite.config import load_config
@@ -58,7 +59,7 @@ def _rank_params(arch: str, tp_size: int, tp_rank: int, pp_size: int) -> dict[st
         ctx = BuildContext(cfg, ps, TPRandom(SEED, ps))
         layers = range(pp_rank, cfg.n_layers, pp_size)
         first, last = pp_rank == 0, pp_rank == pp_size - 1
-        chunk = ARCHITECTURES[arch](ctx, layers, has_embedding=first, has_head=last)
+        chunk = model_class(arch)(ctx, layers, has_embedding=first, has_head=last)
         init_parameters(chunk, SEED, ps, VALUES_PER_BLOCK)
         params.update(global_tensors(dict(chunk.named_parameters())))
     return params
