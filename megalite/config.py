@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
+from megalite import architectures
 from megalite.errors import ConfigError
-from megalite.models import registry
 from megalite.parallel_dims import ParallelDims
 from megalite.pipeline.schedule import ScheduleError, check_chunks, check_microbatches
 
@@ -52,7 +52,7 @@ def _one_of(names: list[str]) -> str:
 @dataclass
 class ModelConfig:
     arch: str = "gpt"
-    """The architecture, by its name in `megalite.models.registry`: `gpt` (GPT-2) or `llama`
+    """The architecture, by its name in `megalite.architectures`: `gpt` (GPT-2) or `llama`
     as shipped; each package under models/ says what it is."""
     n_layers: int = 4
     """Number of transformer layers."""
@@ -88,10 +88,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _require(
-            self.arch in registry.names(),
-            f"model.arch must be {_one_of(registry.names())}, got {self.arch!r}",
+            self.arch in architectures.names(),
+            f"model.arch must be {_one_of(architectures.names())}, got {self.arch!r}",
         )
-        arch = registry.architecture(self.arch)
+        arch = architectures.architecture(self.arch)
         for name in ("n_layers", "hidden", "n_heads", "vocab_size", "seq_len", "vocab_round_to"):
             _require(getattr(self, name) >= 1, f"model.{name} must be >= 1")
         if self.n_kv_heads is None:
@@ -114,7 +114,9 @@ class ModelConfig:
             self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0,
             f"model.n_kv_heads ({self.n_kv_heads}) must divide model.n_heads ({self.n_heads})",
         )
-        grouped = [name for name in registry.names() if registry.architecture(name).grouped_query]
+        grouped = [
+            name for name in architectures.names() if architectures.architecture(name).grouped_query
+        ]
         _require(
             arch.grouped_query or self.n_kv_heads == self.n_heads,
             "model.n_kv_heads differs from n_heads, but grouped-query attention is "
@@ -344,7 +346,7 @@ class LoggingConfig:
     peak_tflops: float | None = None
     """Dense peak TFLOP/s of one device (one GPU; on CPU the whole machine) that MFU divides by.
     None: the datasheet figure of a known GPU for train.precision, or this machine's measured
-    peak on CPU (see megalite.profiling.flops). Set it for a GPU missing from the table."""
+    peak on CPU (see megalite.hardware). Set it for a GPU missing from the table."""
 
     def __post_init__(self) -> None:
         _require(

@@ -4,14 +4,13 @@ from (same modules, same global parameter names, same initial weights)."""
 
 from __future__ import annotations
 
-from megalite.models.architecture import load
 from megalite.models.causal_lm import CausalLM
 from megalite.models.layers import BuildContext
-from megalite.models.registry import architecture
+from megalite.models.partition import chunk_layers
 
+from megalite.architectures import architecture, load
 from megalite.config import Config
 from megalite.parallel_state import ParallelState
-from megalite.pipeline.partition import chunk_layers
 from megalite.tensor_parallel import TPRandom, init_parameters
 
 

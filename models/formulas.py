@@ -33,9 +33,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from megalite.models.architecture import load
-from megalite.models.registry import architecture
-
+from megalite.architectures import architecture, load
 from megalite.config import Config, ModelConfig
 
 INDEX_BYTES = 8

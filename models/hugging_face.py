@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from megalite.models.architecture import load
-from megalite.models.registry import architecture
 
+from megalite.architectures import architecture, load
 from megalite.config import ModelConfig
 
 if TYPE_CHECKING:

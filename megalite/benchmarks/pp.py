@@ -48,8 +48,8 @@ from megalite.benchmarks.table import COMMON_COLUMNS, common_cells, common_notes
 from megalite.benchmarks.torch_gpt import TorchGPT, lm_loss, torch_adamw
 from megalite.config import Config
 from megalite.launch import run_or_join
+from megalite.models.partition import stage_costs, stage_ranges
 from megalite.parallel_state import ParallelState, build_parallel_state
-from megalite.pipeline.partition import stage_costs, stage_ranges
 from megalite.pipeline.schedule import build_schedule
 from megalite.pipeline.simulate import simulate
 

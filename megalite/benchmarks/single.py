@@ -27,11 +27,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from megalite.architectures import architecture
 from megalite.benchmarks import harness
 from megalite.benchmarks.torch_gpt import ADAMW_IMPLEMENTATIONS, torch_adamw
 from megalite.checkpoint.hf import hf_config
 from megalite.config import Config
-from megalite.models.registry import architecture
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import padded_vocab_size
 from megalite.training.compile import compile_seconds, compiled_graphs

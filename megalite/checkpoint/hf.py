@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
+from megalite import architectures
 from megalite.checkpoint.sharded import Checkpoint, CheckpointError, resolve_checkpoint
 from megalite.config import ModelConfig
-from megalite.models import registry
 from megalite.models.hugging_face import HFMapping, hf_mapping
 from megalite.tensor_parallel import global_tensors
 
@@ -75,7 +75,7 @@ def export_hf(checkpoint: Path, out: Path, dtype: str = "fp32") -> Path:
 
 def _mapping_of(raw: dict[str, Any], path: Path) -> tuple[str, HFMapping]:
     """The registered architecture whose Hugging Face mapping reads this config.json."""
-    mappings = {name: hf_mapping(name) for name in registry.names()}
+    mappings = {name: hf_mapping(name) for name in architectures.names()}
     for name, mapping in mappings.items():
         if mapping.model_type == raw.get("model_type"):
             return name, mapping

@@ -9,7 +9,7 @@ import re
 from typing import TYPE_CHECKING
 
 from megalite.config import Config, load_config
-from megalite.profiling.flops import cpu_cores, cpu_peak_flops, gpu_peak_flops
+from megalite.hardware import cpu_cores, cpu_peak_flops, gpu_peak_flops
 from megalite.profiling.plan import GIB, PlanError, Proposal, plan
 
 if TYPE_CHECKING:  # the CLI imports this module for its parser: keep torch out of that

@@ -32,8 +32,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from megalite.config import Config, OptimConfig
+from megalite.models.partition import chunk_layers
 from megalite.optimizer.adamw import SCRATCH_BYTES_PER_ELEMENT, scratch_numel
-from megalite.pipeline.partition import chunk_layers
 from megalite.pipeline.schedule import Op, compute_order
 from megalite.profiling import activations as act
 from megalite.profiling.parameters import layout_buffers, stage_parameters

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from megalite.config import Config
 from megalite.models.formulas import Param, formulas_of
-from megalite.pipeline.partition import chunk_layers
+from megalite.models.partition import chunk_layers
 from megalite.profiling.activations import head_rows
 
 

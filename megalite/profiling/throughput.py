@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass
 
 from megalite.config import Config
+from megalite.models.partition import stage_costs, stage_ranges
 from megalite.parallel_dims import ParallelDims
-from megalite.pipeline.partition import stage_costs, stage_ranges
 from megalite.pipeline.schedule import build_schedule, check_microbatches
 from megalite.pipeline.simulate import simulate
 from megalite.profiling.estimate import ELEMENT_BYTES, resolve_precision

@@ -2,7 +2,7 @@
 4h, biases everywhere, an LM head tied to the token embedding, no grouped-query attention.
 `model.py` builds it, `hf.py` maps it to `GPT2LMHeadModel`, `formulas.py` counts it."""
 
-from megalite.models.architecture import Architecture
+from megalite.architectures import Architecture
 
 ARCHITECTURE = Architecture(
     name="gpt",

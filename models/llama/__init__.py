@@ -4,7 +4,7 @@
 
 import math
 
-from megalite.models.architecture import Architecture
+from megalite.architectures import Architecture
 
 ARCHITECTURE = Architecture(
     name="llama",

@@ -6,8 +6,9 @@ import json
 
 import pytest
 import torch
+from megalite.models.flops import flops_per_token
 
-import megalite.profiling.flops as flops
+import megalite.hardware as flops
 from megalite.config import ModelConfig, load_config
 from megalite.errors import MegaliteError
 from megalite.parallel_state import ParallelState
@@ -40,10 +41,10 @@ def test_flops_match_narayanan_et_al(layers, hidden, heads, seq, vocab):
         arch="gpt", n_layers=layers, hidden=hidden, n_heads=heads, seq_len=seq, vocab_size=vocab
     )
     batch = 8
-    counted = flops.flops_per_token(cfg, causal=False) * batch * seq
+    counted = flops_per_token(cfg, causal=False) * batch * seq
     assert counted == pytest.approx(narayanan_flops(batch, seq, layers, hidden, vocab), rel=1e-12)
     # The causal mask skips half of the attention scores: 6 l h s per token fewer.
-    skipped = counted / (batch * seq) - flops.flops_per_token(cfg)
+    skipped = counted / (batch * seq) - flops_per_token(cfg)
     assert skipped == pytest.approx(6 * layers * hidden * seq, rel=1e-12)
 
 

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from megalite.models.factory import model_class
+from megalite.models.flops import flops_per_token
 from megalite.models.layers import BuildContext
 from safetensors.torch import load_file
 
@@ -18,7 +19,6 @@ from megalite.checkpoint.sharded import Checkpoint, CheckpointError, resolve_che
 from megalite.config import load_config
 from megalite.generate import generate
 from megalite.parallel_state import ParallelState
-from megalite.profiling.flops import flops_per_token
 from megalite.tensor_parallel import TPRandom
 
 POSITIONS, SEQ = 1024, 256

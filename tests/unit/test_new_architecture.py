@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from megalite.models import registry
 from megalite.models.factory import build_chunks
 from safetensors.torch import load_file
 
 import megalite.training.loop as loop
+from megalite import architectures
 from megalite.checkpoint.sharded import Checkpoint, resolve_checkpoint
 from megalite.cli import main
 from megalite.config import load_config
@@ -45,10 +45,11 @@ TOY = [
 def toy(monkeypatch):
     """The toy registered for this test only (the shipped list is restored afterwards)."""
     monkeypatch.syspath_prepend(str(FIXTURES))
-    monkeypatch.setattr(registry, "ARCHITECTURES", dict(registry.ARCHITECTURES))
     import toy_gptj
 
-    registry.register(toy_gptj.ARCHITECTURE)
+    architectures.register(toy_gptj.ARCHITECTURE)
+    yield
+    architectures.unregister(toy_gptj.ARCHITECTURE.name)
 
 
 def test_train_estimate_export_and_import(toy, builtin_corpus, tmp_path, monkeypatch, capsys):
