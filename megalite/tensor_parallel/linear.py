@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite import comm
+from megalite.eager_boundary import eager_only
 
 SEQ_DIM = 1
 """Activations are (batch, seq, hidden): SP shards dim 1."""
@@ -132,7 +133,7 @@ class _RowParallel(torch.autograd.Function):
         return dx, dw, None, None
 
 
-@torch.compiler.disable
+@eager_only
 def column_parallel_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -146,7 +147,7 @@ def column_parallel_linear(
     return _ColumnParallel.apply(x, weight, bias, group, sequence_parallel, rows)
 
 
-@torch.compiler.disable
+@eager_only
 def row_parallel_linear(
     x: torch.Tensor, weight: torch.Tensor, group: Any, sequence_parallel: bool
 ) -> torch.Tensor:
