@@ -14,12 +14,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from megalite.data import commands as data_commands
+from megalite.commands import data as data_commands
+from megalite.commands import estimate as estimate_command
+from megalite.commands import plan as plan_command
+from megalite.commands import plot as plot_command
+from megalite.commands import profile as profile_command
 from megalite.errors import MegaliteError, print_line, report_error
-from megalite.profiling import memory_report as estimate_command
-from megalite.profiling import plan as plan_command
-from megalite.profiling import plot as plot_command
-from megalite.profiling import profile as profile_command
 
 
 def _train(args: argparse.Namespace) -> int:

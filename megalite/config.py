@@ -4,9 +4,10 @@ dotted command-line overrides (`train.steps=50 parallel.tp=2`).
 Loading is strict so that a typo never silently trains the wrong model: an unknown key names
 the closest valid ones, every value is type-checked, and ranges and cross-field constraints are
 checked in `__post_init__` before any work starts. Constraints that need the world size (tp * pp
-dividing it, and the pipeline schedule's rules on the micro-batch count that follows) are checked
-by `Config.layout_for_world`. The pipeline schedule's rules belong to `pipeline.schedule` (which
-imports no torch, so config errors still come before torch is imported); this module runs them.
+dividing it, which the rank grid `parallel_dims` checks, and the pipeline schedule's rules on the
+micro-batch count that follows) are checked by `Config.layout_for_world`. The pipeline
+schedule's rules belong to `pipeline.schedule` (which imports no torch, so config errors still
+come before torch is imported); this module runs them.
 """
 
 from __future__ import annotations
@@ -24,14 +25,10 @@ from typing import Any
 
 import yaml
 
-from megalite.errors import MegaliteError
+from megalite import architectures
+from megalite.errors import ConfigError
+from megalite.parallel_dims import ParallelDims
 from megalite.pipeline.schedule import ScheduleError, check_chunks, check_microbatches
-
-
-class ConfigError(MegaliteError):
-    """A config value or key is wrong; the message says which and how to fix it."""
-
-    same_on_every_rank = True  # from the command line, the config file and the world size
 
 
 def _require(ok: bool, message: str) -> None:
@@ -47,23 +44,16 @@ def _schedule_rule(check: Callable[..., Any], *args: Any) -> Any:
         raise ConfigError(str(error)) from None
 
 
-def data_parallel_size(world_size: int, tp: int, pp: int) -> int:
-    """dp = world size / (tp * pp): the one place it is derived, with the error that names the
-    fix when tp * pp does not divide the world."""
-    model_parallel = tp * pp
-    _require(
-        world_size % model_parallel == 0,
-        f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}: launch a "
-        f"multiple of {model_parallel} processes or change parallel.tp / parallel.pp",
-    )
-    return world_size // model_parallel
+def _one_of(names: list[str]) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
 
 
 @dataclass
 class ModelConfig:
     arch: str = "gpt"
-    """`gpt` (GPT-2: learned positions, LayerNorm, tanh-GELU, biases, tied embeddings) or
-    `llama` (RMSNorm, rotary embeddings, SwiGLU, grouped-query attention, untied head)."""
+    """The architecture, by its name in `megalite.architectures`: `gpt` (GPT-2) or `llama`
+    as shipped; each package under models/ says what it is."""
     n_layers: int = 4
     """Number of transformer layers."""
     hidden: int = 256
@@ -71,9 +61,11 @@ class ModelConfig:
     n_heads: int = 4
     """Attention (query) heads; hidden must be divisible by it."""
     n_kv_heads: int | None = None
-    """Key/value heads for grouped-query attention (llama); None means n_heads."""
+    """Key/value heads for grouped-query attention (where the architecture has it); None means
+    n_heads."""
     ffn_hidden: int | None = None
-    """MLP inner width; None means 4*hidden (gpt) or the Llama rule 8/3*hidden rounded up to 64."""
+    """MLP inner width; None means the architecture's default (GPT-2's 4*hidden, Llama's
+    8/3*hidden rounded up to a multiple of 64)."""
     vocab_size: int = 8000
     """Tokenizer vocabulary; the embedding is padded to a multiple of tp * vocab_round_to."""
     vocab_round_to: int = 128
@@ -90,14 +82,16 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
-    """Rotary embedding base (llama)."""
+    """Rotary embedding base (architectures with rotary embeddings)."""
     init_std: float = 0.02
     """Standard deviation of the normal init; output projections use init_std/sqrt(2*n_layers)."""
 
     def __post_init__(self) -> None:
         _require(
-            self.arch in ("gpt", "llama"), f"model.arch must be gpt or llama, got {self.arch!r}"
+            self.arch in architectures.names(),
+            f"model.arch must be {_one_of(architectures.names())}, got {self.arch!r}",
         )
+        arch = architectures.architecture(self.arch)
         for name in ("n_layers", "hidden", "n_heads", "vocab_size", "seq_len", "vocab_round_to"):
             _require(getattr(self, name) >= 1, f"model.{name} must be >= 1")
         if self.n_kv_heads is None:
@@ -110,9 +104,7 @@ class ModelConfig:
             f"raise model.max_positions to at least {self.seq_len} or lower model.seq_len",
         )
         if self.ffn_hidden is None:
-            self.ffn_hidden = (
-                4 * self.hidden if self.arch == "gpt" else 64 * math.ceil(8 * self.hidden / 3 / 64)
-            )
+            self.ffn_hidden = arch.default_ffn_hidden(self.hidden)
         _require(self.ffn_hidden >= 1, "model.ffn_hidden must be >= 1")
         _require(
             self.hidden % self.n_heads == 0,
@@ -122,9 +114,13 @@ class ModelConfig:
             self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0,
             f"model.n_kv_heads ({self.n_kv_heads}) must divide model.n_heads ({self.n_heads})",
         )
+        grouped = [
+            name for name in architectures.names() if architectures.architecture(name).grouped_query
+        ]
         _require(
-            self.arch == "llama" or self.n_kv_heads == self.n_heads,
-            "model.n_kv_heads differs from n_heads, but grouped-query attention is llama-only",
+            arch.grouped_query or self.n_kv_heads == self.n_heads,
+            "model.n_kv_heads differs from n_heads, but grouped-query attention is "
+            f"{_one_of(grouped)}-only",
         )
         _require(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
 
@@ -182,6 +178,11 @@ class ParallelConfig:
                 weight is None or weight >= 0,
                 f"parallel.{name} must be >= 0 (or omitted: from the model's FLOPs), got {weight}",
             )
+
+    def dims(self, world_size: int) -> ParallelDims:
+        """This layout's rank grid on `world_size` ranks (dp takes the rest), or the error that
+        names the fix."""
+        return ParallelDims.for_world(world_size, tp=self.tp, pp=self.pp)
 
 
 @dataclass
@@ -348,7 +349,7 @@ class LoggingConfig:
     peak_tflops: float | None = None
     """Dense peak TFLOP/s of one device (one GPU; on CPU the whole machine) that MFU divides by.
     None: the datasheet figure of a known GPU for train.precision, or this machine's measured
-    peak on CPU (see megalite.profiling.flops). Set it for a GPU missing from the table."""
+    peak on CPU (see megalite.hardware). Set it for a GPU missing from the table."""
 
     def __post_init__(self) -> None:
         _require(
@@ -445,7 +446,7 @@ class Config:
     def layout_for_world(self, world_size: int) -> tuple[int, int]:
         """Return (dp, micro-batches per step) for this world size, or fail clearly."""
         p, t = self.parallel, self.train
-        dp = data_parallel_size(world_size, p.tp, p.pp)
+        dp = p.dims(world_size).sizes["dp"]
         per_step = t.micro_batch_size * dp
         _require(
             t.global_batch_size % per_step == 0,

@@ -30,6 +30,13 @@ class MegaliteError(Exception):
     other ranks print nothing."""
 
 
+class ConfigError(MegaliteError):
+    """A config value or key is wrong, or the layout does not fit the world; the message says
+    which and how to fix it."""
+
+    same_on_every_rank = True  # from the command line, the config file and the world size
+
+
 def print_line(text: str) -> None:
     """`text` on stderr as one line, in one write: lines of several ranks never run together."""
     sys.stderr.write(" ".join(text.splitlines()) + "\n")

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from megalite.checkpoint.sharded import Checkpoint, resolve_checkpoint
-from megalite.models import CausalLM
+from megalite.models.causal_lm import CausalLM
 
 
 @torch.no_grad()

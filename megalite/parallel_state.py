@@ -1,107 +1,92 @@
-"""Who talks to whom: the rank grid and the process groups built from it.
+"""Who talks to whom: the process groups of the rank grid, and this rank's place in it.
 
-Ranks are laid out as in Megatron-LM: tp varies fastest (keep it inside a node), then dp, then
-pp: `rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank`. `rank_grid` is pure so the layout is
-testable without processes; `ParallelState` is built once and passed to whatever needs a group.
-Nothing else in megalite creates process groups.
+The grid itself (axis order, sizes, coordinates, which ranks form each group) is
+`parallel_dims.ParallelDims`, pure and testable without processes; `ParallelState` is built
+once from it and passed to whatever needs a group. Nothing else in megalite creates process
+groups.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
+import math
 import os
 import socket
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megalite.config import data_parallel_size
 from megalite.errors import MegaliteError
+from megalite.parallel_dims import ParallelDims
 
 
-@dataclass(frozen=True)
-class RankGrid:
-    """Every group of the layout as lists of global ranks (the same on every rank)."""
+class _PerAxis:
+    """`ps.tp_size`, `ps.tp_rank`, `ps.tp_group` (likewise for every axis, and the groups of
+    `ParallelDims.named_groups`): an axis's size, this rank's coordinate on it, its group."""
 
-    tp_groups: list[list[int]]
-    dp_groups: list[list[int]]
-    pp_groups: list[list[int]]
-    model_parallel_groups: list[list[int]]
-    """tp x pp ranks that together hold one copy of the model (one per dp rank)."""
-    embedding_groups: list[list[int]]
-    """First and last pipeline stage of each pipeline: they share tied embeddings."""
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.axis, self.kind = name.rsplit("_", 1)
 
-    def by_axis(self) -> dict[str, list[list[int]]]:
-        """Each axis's groups, keyed as ParallelState names them (`{axis}_group`), in the order
-        they are created: the partitions of the world first, the embedding pairs last."""
-        return {
-            "tp": self.tp_groups,
-            "dp": self.dp_groups,
-            "pp": self.pp_groups,
-            "model_parallel": self.model_parallel_groups,
-            "embedding": self.embedding_groups,
-        }
-
-
-def rank_coords(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
-    """(tp_rank, dp_rank, pp_rank) of a global rank."""
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
-
-
-def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
-    return pp_rank * (dp * tp) + dp_rank * tp + tp_rank
-
-
-def rank_grid(world_size: int, tp: int, pp: int) -> RankGrid:
-    """All groups for a world of `world_size` ranks split as tp x dp x pp."""
-    dp = data_parallel_size(world_size, tp, pp)
-
-    def ranks(tp_ranks, dp_ranks, pp_ranks) -> list[int]:
-        return [rank_of(t, d, p, tp, dp) for p in pp_ranks for d in dp_ranks for t in tp_ranks]
-
-    all_tp, all_dp, all_pp = range(tp), range(dp), range(pp)
-    pp_groups = [ranks([t], [d], all_pp) for d in all_dp for t in all_tp]
-    return RankGrid(
-        tp_groups=[ranks(all_tp, [d], [p]) for p in all_pp for d in all_dp],
-        dp_groups=[ranks([t], all_dp, [p]) for p in all_pp for t in all_tp],
-        pp_groups=pp_groups,
-        model_parallel_groups=[ranks(all_tp, [d], all_pp) for d in all_dp],
-        embedding_groups=[sorted({g[0], g[-1]}) for g in pp_groups],
-    )
+    def __get__(self, ps: ParallelState | None, owner: type | None = None) -> Any:
+        if ps is None:
+            return self
+        if self.kind == "size":
+            return ps.dims.sizes[self.axis]
+        if self.kind == "rank":
+            return ps.coords[self.axis]
+        return ps.groups.get(self.axis)
 
 
 @dataclass(frozen=True)
 class ParallelState:
-    """This rank's place in the grid and the groups it belongs to (None when of size 1)."""
+    """This rank's place in the grid and the groups it belongs to (None when of size 1). Built
+    without groups (`ParallelState(dims, rank, device)`) it describes a rank for code that
+    needs no collective: estimates, tests."""
 
+    dims: ParallelDims
     rank: int
-    world_size: int
-    tp_size: int
-    pp_size: int
-    dp_size: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
     device: torch.device
-    tp_group: Any = None
-    pp_group: Any = None
-    dp_group: Any = None
-    model_parallel_group: Any = None
-    embedding_group: Any = None
+    groups: dict[str, Any] = field(default_factory=dict)
+    """This rank's process group of each of `dims.named_groups()`; absent or None where it
+    would have one rank."""
     world_group: Any = None
-    pp_ranks: tuple[int, ...] = (0,)
-    """Global ranks of this rank's pipeline, indexed by pp_rank (for p2p)."""
+
+    tp_size = _PerAxis()
+    dp_size = _PerAxis()
+    pp_size = _PerAxis()
+    tp_rank = _PerAxis()
+    dp_rank = _PerAxis()
+    pp_rank = _PerAxis()
+    tp_group = _PerAxis()
+    dp_group = _PerAxis()
+    pp_group = _PerAxis()
+    model_parallel_group = _PerAxis()
+    embedding_group = _PerAxis()
+
+    @functools.cached_property
+    def coords(self) -> dict[str, int]:
+        return self.dims.coords(self.rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @functools.cached_property
+    def pp_ranks(self) -> tuple[int, ...]:
+        """Global ranks of this rank's pipeline, indexed by pp_rank (for p2p)."""
+        return tuple(self.dims.group_of(self.rank, "pp"))
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
         """The trivial layout: one process, no groups, no torch.distributed."""
-        return cls(0, 1, 1, 1, 1, 0, 0, 0, torch.device(device))
+        return cls(ParallelDims.for_world(1), 0, torch.device(device))
 
 
 def choose_device(requested: str = "auto") -> torch.device:
@@ -259,56 +244,40 @@ def build_parallel_state(
 
     Every group times out after `timeout_s` (None: the world group's, which init_distributed
     set from fault.collective_timeout_s), where torch would give the backend's default (NCCL:
-    10 minutes). A group that spans the world is the world group, with the world's time-out."""
+    10 minutes). A group that spans the world is the world group, with the world's time-out.
+    A single process outside torch.distributed gets the layout of one rank, or the error that
+    says how many processes the layout needs."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    dims = ParallelDims.for_world(world_size, tp=tp, pp=pp)
     if not dist.is_initialized():
-        if tp * pp != 1:
-            raise MegaliteError(
-                f"parallel.tp={tp}, parallel.pp={pp} need {tp * pp} processes: launch with "
-                f"`torchrun --nproc-per-node {tp * pp} -m megalite train ...`"
-            )
-        return ParallelState.single(device)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    grid = rank_grid(world_size, tp, pp)
-    dp = data_parallel_size(world_size, tp, pp)
-    tp_rank, dp_rank, pp_rank = rank_coords(rank, tp, dp)
+        return ParallelState(dims, 0, device)
+    rank = dist.get_rank()
     if timeout_s is None:
         timeout = group_timeout(dist.group.WORLD, device)
     else:
         timeout = datetime.timedelta(seconds=timeout_s)
     with _starting("creating the process groups", timeout.total_seconds()):
-        groups = create_groups(grid, rank, timeout)
-    return ParallelState(
-        rank=rank,
-        world_size=world_size,
-        tp_size=tp,
-        pp_size=pp,
-        dp_size=dp,
-        tp_rank=tp_rank,
-        pp_rank=pp_rank,
-        dp_rank=dp_rank,
-        device=device,
-        world_group=dist.group.WORLD,
-        pp_ranks=tuple(next(g for g in grid.pp_groups if rank in g)),
-        **{f"{axis}_group": group for axis, group in groups.items()},
-    )
+        groups = create_groups(dims, rank, timeout)
+    return ParallelState(dims, rank, device, groups, world_group=dist.group.WORLD)
 
 
-def create_groups(grid: RankGrid, rank: int, timeout: datetime.timedelta) -> dict[str, Any]:
-    """This rank's group of every axis, each made once whatever the number of axes it serves.
+def create_groups(dims: ParallelDims, rank: int, timeout: datetime.timedelta) -> dict[str, Any]:
+    """This rank's group of each of the grid's named groups, each made once whatever the number
+    of names it serves.
 
-    None where the axis's groups have one rank (comm treats None as a group of one: nothing
+    None where the name's groups have one rank (comm treats None as a group of one: nothing
     to create, no communicator to hold); the world group where a group spans the world; the
-    group an earlier axis made where two axes have the same ranks (the embedding pair is the
+    group an earlier name made where two have the same ranks (the embedding pair is the
     pipeline when pp is 2). Every rank takes the same decisions, from the grid alone, so each
     creating call is made on every rank."""
-    made: dict[tuple[int, ...], Any] = {tuple(range(dist.get_world_size())): dist.group.WORLD}
+    made: dict[tuple[int, ...], Any] = {tuple(range(dims.world_size)): dist.group.WORLD}
     mine: dict[str, Any] = {}
-    for axis, groups in grid.by_axis().items():
+    for name, groups in dims.named_groups().items():
         fresh = [tuple(g) for g in groups if len(g) > 1 and tuple(g) not in made]
         if fresh:
-            made.update(zip(fresh, _create_axis(axis, fresh, rank, timeout)))
+            made.update(zip(fresh, _create_axis(name, fresh, rank, timeout)))
         own = next((tuple(g) for g in groups if rank in g), None)
-        mine[axis] = made[own] if own is not None and len(own) > 1 else None
+        mine[name] = made[own] if own is not None and len(own) > 1 else None
     return mine
 
 
@@ -378,23 +347,22 @@ def node_presence(ps: ParallelState) -> Iterator[None]:
 def layout_change(
     saved: dict[str, int], ps: ParallelState, global_batch_size: int, micro_batch_size: int
 ) -> str | None:
-    """What changed between the layout a checkpoint was saved in (`{"tp", "pp", "dp"}`) and this
-    run's, in one line, or None when nothing did. The global batch stays: a smaller data-parallel
-    world accumulates over more micro-batches per step, a larger one over fewer."""
-    now = {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size}
+    """What changed between the layout a checkpoint was saved in (`ParallelDims.layout`) and
+    this run's, in one line, or None when nothing did. The global batch stays: a smaller
+    data-parallel world accumulates over more micro-batches per step, a larger one over fewer."""
+    now = ps.dims.layout()
     if saved == now:
         return None
 
     def describe(layout: dict[str, int]) -> str:
-        return " ".join(f"{axis} {layout[axis]}" for axis in ("tp", "pp", "dp"))
+        return " ".join(f"{axis} {size}" for axis, size in layout.items())
 
     def microbatches(dp: int) -> int:
         return global_batch_size // (micro_batch_size * dp)
 
-    world_before = saved["tp"] * saved["pp"] * saved["dp"]
     return (
-        f"world size {world_before} -> {ps.world_size}: layout {describe(saved)} -> "
-        f"{describe(now)}, the same global batch of {global_batch_size} as "
+        f"world size {math.prod(saved.values())} -> {ps.world_size}: layout {describe(saved)} "
+        f"-> {describe(now)}, the same global batch of {global_batch_size} as "
         f"{microbatches(saved['dp'])} -> {microbatches(ps.dp_size)} micro-batches of "
         f"{micro_batch_size} per data-parallel rank"
     )

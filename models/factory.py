@@ -4,16 +4,19 @@ from (same modules, same global parameter names, same initial weights)."""
 
 from __future__ import annotations
 
-from megalite.models.common import BuildContext, CausalLM
-from megalite.models.gpt import GPT
-from megalite.models.llama import Llama
+from megalite.models.causal_lm import CausalLM
+from megalite.models.layers import BuildContext
+from megalite.models.partition import chunk_layers
 
+from megalite.architectures import architecture, load
 from megalite.config import Config
 from megalite.parallel_state import ParallelState
-from megalite.pipeline.partition import chunk_layers
 from megalite.tensor_parallel import TPRandom, init_parameters
 
-ARCHITECTURES: dict[str, type[CausalLM]] = {"gpt": GPT, "llama": Llama}
+
+def model_class(arch: str) -> type[CausalLM]:
+    """The model of the registered architecture `arch` (its module imported on first use)."""
+    return load(architecture(arch).model)
 
 
 def build_chunks(
@@ -33,11 +36,10 @@ def build_chunks(
         recompute_layers=cfg.train.recompute_layers,
     )
     n_stages = ps.pp_size * p.vpp
+    model = model_class(cfg.model.arch)
     chunks = []
     for stage, layers in chunk_layers(cfg, ps.pp_rank):
-        chunk = ARCHITECTURES[cfg.model.arch](
-            ctx, layers, has_embedding=stage == 0, has_head=stage == n_stages - 1
-        )
+        chunk = model(ctx, layers, has_embedding=stage == 0, has_head=stage == n_stages - 1)
         if random_init:
             init_parameters(chunk, cfg.train.seed, ps)
         chunks.append(chunk)

@@ -27,7 +27,7 @@ are not timed, and every timed step ends with `torch.cuda.synchronize`.
         --vocab 512 --micro-batch 2                            # tiny, fp32 on CPU: that it runs
     python -m megalite.benchmarks.gpu                          # from an installed megalite
 
-FLOPs are megalite's count (`profiling.flops.flops_per_token`, causal attention halved) for both
+FLOPs are megalite's count (`models.flops.flops_per_token`, causal attention halved) for both
 sides, and MFU divides by the device's dense peak for the precision (H100 SXM bf16: 989
 TFLOP/s; on CPU the machine's measured fp32 peak).
 """
@@ -45,8 +45,9 @@ from megalite.benchmarks import harness, single
 from megalite.benchmarks.table import print_table, time_ratio
 from megalite.benchmarks.torch_gpt import torch_adamw
 from megalite.config import Config, load_config
+from megalite.hardware import peak_flops
+from megalite.models.flops import flops_per_token
 from megalite.parallel_state import ParallelState
-from megalite.profiling.flops import flops_per_token, peak_flops
 from megalite.profiling.memory import live_tensors
 
 CONFIGS = ["configs/gpt2-124m.yaml", "configs/gpt2-1.3b.yaml"]

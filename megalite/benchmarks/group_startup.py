@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megalite import comm
 from megalite.benchmarks.table import print_table
 from megalite.launch import run_ranks
-from megalite.parallel_state import build_parallel_state, rank_grid
+from megalite.parallel_state import build_parallel_state
 
 CPU = torch.device("cpu")
 
@@ -70,8 +70,7 @@ def fake_rank(world: int, tp: int, pp: int, rank: int, bound: bool) -> dict[str,
     finally:
         dist.new_group, dist.split_group = new_group, split_group
         dist.destroy_process_group()
-    axes = rank_grid(world, tp, pp).by_axis()
-    held = {id(g) for a in axes if (g := getattr(ps, f"{a}_group")) not in (None, ps.world_group)}
+    held = {id(g) for g in ps.groups.values() if g not in (None, ps.world_group)}
     return {"calls": len(calls), "held": len(held), "ms": seconds * 1e3}
 
 
@@ -81,8 +80,7 @@ def gloo_ranks(tp: int, pp: int) -> tuple[float, float]:
     start = time.perf_counter()
     ps = build_parallel_state(tp, pp, CPU)
     built = time.perf_counter()
-    axes = rank_grid(ps.world_size, tp, pp).by_axis()
-    for group in {id(g): g for a in axes if (g := getattr(ps, f"{a}_group"))}.values():
+    for group in {id(g): g for g in ps.groups.values() if g is not None}.values():
         comm.all_reduce(torch.ones(1), group)
     return built - start, time.perf_counter() - built
 

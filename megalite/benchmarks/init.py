@@ -35,7 +35,7 @@ import torch
 
 from megalite.benchmarks.table import print_table
 from megalite.config import load_config
-from megalite.models import build_chunks
+from megalite.models.factory import build_chunks
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import TPRandom, global_tensors, init_parameters
 from megalite.tensor_parallel.random import param_seed
@@ -100,8 +100,8 @@ def measure(spec: str, method: str, device: str, threads: int) -> dict[str, floa
     torch.set_num_threads(threads)
     config, sizes = parse_layout(spec)
     cfg = load_config(config, [f"parallel.{k}={v}" for k, v in sizes.items()])
-    tp, pp = sizes["tp"], sizes["pp"]
-    ps = ParallelState(0, tp * pp, tp, pp, 1, 0, 0, 0, torch.device(device))
+    one_replica = cfg.parallel.dims(cfg.parallel.tp * cfg.parallel.pp)  # dp 1
+    ps = ParallelState(one_replica, 0, torch.device(device))
     chunks = build_chunks(cfg, ps, TPRandom(cfg.train.seed, ps), random_init=False)
     params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     before = peak_rss_bytes()

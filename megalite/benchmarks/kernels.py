@@ -206,7 +206,7 @@ def bench_norms_and_rotary(args: argparse.Namespace, device: torch.device) -> No
         rms_norm_reference,
     )
     from megalite.kernels.rotary import rotary_embedding, rotary_embedding_reference
-    from megalite.models.common import rotary_tables
+    from megalite.models.layers import rotary_tables
 
     dtype, tokens, hidden = DTYPES[args.dtype], args.mlp_tokens, args.hidden
     print(f"\nresidual add + norm: {args.dtype}, (tokens, hidden) = ({tokens}, {hidden}); rotary:")

@@ -53,8 +53,8 @@ from megalite.benchmarks.table import COMMON_COLUMNS, common_cells, common_notes
 from megalite.benchmarks.torch_gpt import TorchGPT, lm_loss, torch_adamw
 from megalite.config import Config
 from megalite.launch import run_or_join
-from megalite.parallel_state import build_parallel_state
-from megalite.pipeline.partition import stage_costs, stage_ranges
+from megalite.models.partition import stage_costs, stage_ranges
+from megalite.parallel_state import ParallelState, build_parallel_state
 from megalite.pipeline.schedule import build_schedule, v_shaped, virtual_stage
 from megalite.pipeline.simulate import simulate
 
@@ -117,10 +117,9 @@ def pipeline_config(args: argparse.Namespace, vpp: int, schedule: str) -> Config
     return harness.parallel_config(args, 1, tp=1, pp=PP, vpp=vpp, schedule=schedule, **balance)
 
 
-def megalite_contender(args: argparse.Namespace, kind: str) -> harness.Contender:
+def megalite_contender(args: argparse.Namespace, kind: str, ps: ParallelState) -> harness.Contender:
     name, chunks, _ = MEGALITE[kind]
     vpp = chunks_per_rank(args, chunks)
-    ps = build_parallel_state(1, PP, torch.device("cpu"))
     training = harness.megalite_run(pipeline_config(args, vpp, kind), ps)
     executor_run, record = training.executor.run, {}
 
@@ -230,7 +229,8 @@ def worker(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     batches = harness.make_batches(args, args.warmup + args.steps, harness.global_batch(args))
     torch_schedules._wait_batch_p2p = P2P_WAITS.wrap("wait", torch_schedules._wait_batch_p2p)
-    embedding_group = dist.new_group([0, PP - 1])
+    ps = build_parallel_state(1, PP, torch.device("cpu"))
+    embedding_group = ps.embedding_group
     contenders, references, failures = [], {}, {}
     for kind in TORCH:
         found = harness.trial(lambda k=kind: torch_contender(args, k, embedding_group), batches[0])
@@ -240,7 +240,7 @@ def worker(args: argparse.Namespace) -> dict:
             contenders.append(found)
             references[kind] = found.name
     for kind in MEGALITE:
-        megalite = megalite_contender(args, kind)
+        megalite = megalite_contender(args, kind, ps)
         megalite.step(batches[0])  # the same trial step as torch's, so the losses compare
         megalite.reference = references.get(MEGALITE[kind][2], references.get("1f1b"))
         contenders.append(megalite)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from megalite.architectures import architecture
 from megalite.benchmarks import harness
 from megalite.benchmarks.torch_gpt import ADAMW_IMPLEMENTATIONS, torch_adamw
 from megalite.checkpoint.hf import hf_config
@@ -73,7 +74,7 @@ def options() -> argparse.ArgumentParser:
 def megalite_config(args: argparse.Namespace, arch: str, compiled: bool = False) -> Config:
     """The benchmark model as megalite's config: one micro-batch of the whole batch."""
     overrides = [f"model.arch={arch}", f"train.compile={str(compiled).lower()}"]
-    if arch == "llama" and args.kv_heads is not None:
+    if architecture(arch).grouped_query and args.kv_heads is not None:
         overrides.append(f"model.n_kv_heads={args.kv_heads}")
     return harness.megalite_config(args, args.batch, args.batch, *overrides)
 

@@ -14,6 +14,8 @@ each, the segments that make it up: (tp piece, flat element range within the pie
 A parameter is one segment per tp piece; its optimizer state is one segment per owned range, so
 each rank writes exactly what it holds, with no gather over dp and host memory bounded by its
 own shards. A checkpoint loads into any tp / pp / dp layout: segments are glued and cut as needed.
+Files are named by the writing rank's coordinates on the grid's axes (`weights_file`,
+`optimizer_file`); a reader finds them through the manifest, never by parsing a name.
 
 Safety: everything is written under a temporary directory that is renamed into place only when
 complete, then `latest` is replaced atomically (`writer.py`); files are safetensors and JSON (no
@@ -47,8 +49,10 @@ from megalite.checkpoint.reader import CheckpointError, SavedTensors, corrupt
 from megalite.checkpoint.state import RunState
 from megalite.config import build_config
 from megalite.data.tokenizer import HFTokenizer, Tokenizer, open_tokenizer
-from megalite.models import CausalLM, build_chunks
-from megalite.optimizer.zero1 import STATE_KINDS
+from megalite.models.causal_lm import CausalLM
+from megalite.models.factory import build_chunks
+from megalite.optimizer.distributed import STATE_KINDS
+from megalite.parallel_dims import ParallelDims
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import TPRandom, global_tensors
 
@@ -102,8 +106,16 @@ def state_name(param_name: str, kind: str) -> str:
     return f"{param_name}.{kind}"
 
 
-def layout_of(ps: ParallelState) -> dict[str, int]:
-    return {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size}
+def weights_file(dims: ParallelDims, rank: int) -> str:
+    """The file of the weight pieces `rank` holds, named by its place on the axes that shard the
+    weights (`model_tp01_pp00.safetensors`): one file per piece, written by one rank of it."""
+    return f"model_{dims.label(rank, dims.weight_axes)}.safetensors"
+
+
+def optimizer_file(dims: ParallelDims, rank: int) -> str:
+    """The file of the optimizer state `rank` owns, named by its place on every axis
+    (`optim_tp01_pp00_dp03.safetensors`)."""
+    return f"optim_{dims.label(rank, dims.naming_order)}.safetensors"
 
 
 def manifest_checksum(manifest: dict[str, Any]) -> str:
@@ -286,7 +298,7 @@ class Checkpoint:
 
     @property
     def layout(self) -> dict[str, int]:
-        """The layout that saved it (`{"tp": .., "pp": .., "dp": ..}`, as `layout_of` gives)."""
+        """The layout that saved it (`{"tp": .., "pp": .., "dp": ..}`, `ParallelDims.layout`)."""
         return dict(self._manifest["layout"])
 
     @property
@@ -424,6 +436,6 @@ def _load_tensors(ckpt: Checkpoint, state: RunState) -> None:
         return tensors.local_range(source, tensor, ps, lo, hi).to(ps.device)
 
     state.optimizer.load_pieces(read_state, manifest["optimizer_step"])
-    if manifest["layout"] == layout_of(ps):
+    if manifest["layout"] == ps.dims.layout():
         rng = tensors.file(rng_file(ps.rank))
         state.rng.load_state_dict({key: tensors.read(rng.name, key) for key in rng.header})

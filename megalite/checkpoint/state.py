@@ -13,8 +13,8 @@ from torch import nn
 
 from megalite.data.sampler import GlobalBatchSampler
 from megalite.optimizer.bad_steps import BadStepPolicy
+from megalite.optimizer.distributed import DistributedOptimizer
 from megalite.optimizer.loss_scale import LossScaler
-from megalite.optimizer.zero1 import DistributedOptimizer
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import TPRandom
 

@@ -33,14 +33,15 @@ from megalite.checkpoint.sharded import (
     UNFINISHED_SUFFIX,
     CheckpointError,
     complete_checkpoints,
-    layout_of,
     manifest_checksum,
     newest_good_checkpoint,
+    optimizer_file,
     rng_file,
     state_name,
     step_dir,
     sum_over_world,
     unfinished_checkpoints,
+    weights_file,
 )
 from megalite.checkpoint.staging import HostStaging
 from megalite.checkpoint.state import RunState
@@ -74,8 +75,7 @@ def owned_tensors(state: RunState) -> tuple[dict[str, dict[str, torch.Tensor]], 
     manifest entries saying where each segment lies. No collective: every rank already holds
     what it writes."""
     ps, optimizer = state.ps, state.optimizer
-    model_file = f"model_tp{ps.tp_rank:02d}_pp{ps.pp_rank:02d}.safetensors"
-    optim_file = f"optim_tp{ps.tp_rank:02d}_pp{ps.pp_rank:02d}_dp{ps.dp_rank:02d}.safetensors"
+    model_file, optim_file = weights_file(ps.dims, ps.rank), optimizer_file(ps.dims, ps.rank)
     files: dict[str, dict[str, torch.Tensor]] = {}
     entries: dict[str, dict] = {}
 
@@ -187,7 +187,7 @@ def take_snapshot(
         "format": FORMAT,
         "step": state.step,
         "good": good,
-        "layout": layout_of(ps),
+        "layout": ps.dims.layout(),
         "world_size": ps.world_size,
         "optimizer_step": state.optimizer.step_count,
         "trainer": copy.deepcopy(state.trainer_state()),

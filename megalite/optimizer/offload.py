@@ -25,8 +25,8 @@ import os
 
 import torch
 
+from megalite.hardware import cpu_cores
 from megalite.host_memory import HostArena
-from megalite.profiling.flops import cpu_cores
 
 HOST = torch.device("cpu")
 

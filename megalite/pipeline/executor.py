@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from megalite import comm
-from megalite.optimizer.grad_buffer import GradBuffer
+from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.schedule import Action, Op, p2p_batches, peer_of, virtual_stage
 from megalite.tensor_parallel.deferred import WeightGradQueue, deferring

@@ -36,11 +36,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from megalite.config import Config, OptimConfig
+from megalite.models.partition import chunk_layers
 from megalite.optimizer.adamw import SCRATCH_BYTES_PER_ELEMENT, scratch_numel
-from megalite.pipeline.partition import chunk_layers
 from megalite.pipeline.schedule import Op, compute_order
 from megalite.profiling import activations as act
-from megalite.profiling.parameters import Param, chunk_parameters, layout_buffers
+from megalite.profiling.parameters import Param, chunk_parameters, layout_buffers, stage_parameters
 
 CUDA_CONTEXT_BYTES = 768 * 2**20
 """What nvidia-smi shows for a training process beyond the caching allocator's reservation:
@@ -164,7 +164,7 @@ def _static_parts(cfg: Config, pp_rank: int, dp: int, element: int, device: str)
 
 
 def _optimizer_part(o: OptimConfig, owned: list[int], element: int, device: str) -> Part:
-    """The optimizer's tensors for the owned pieces (`optimizer.zero1`, `adamw`, `offload`):
+    """The optimizer's tensors for the owned pieces (`optimizer.distributed`, `adamw`, `offload`):
     fp32 master weights (unless the params are fp32 and stay on the device) and Adam's m and v
     in optim.state_dtype; with optim.offload=cpu all on the host, plus each piece's fp32
     gradient staging and, for 16-bit params, its upload staging; a bf16-state update's upcast
@@ -344,18 +344,12 @@ def estimate_layout(
     precision = resolve_precision(cfg.train.precision, device)
     element = ELEMENT_BYTES[precision]
     x = act.Shapes(cfg, element, device)
-    p = cfg.parallel
-    last = p.pp * p.vpp - 1
     stages = []
-    for pp_rank in range(p.pp):
+    for pp_rank in range(cfg.parallel.pp):
         chunks = chunk_layers(cfg, pp_rank)
         in_flight, activation = _activation_parts(cfg, x, pp_rank, chunks, m, dp)
-        params = sum(
-            param.numel
-            for stage, layers in chunks
-            for param in chunk_parameters(cfg, layers, stage == 0, stage == last)
-        )
         static = _static_parts(cfg, pp_rank, dp, element, device)
+        params = stage_parameters(cfg, pp_rank)
         stages.append(StageEstimate(pp_rank, chunks, params, in_flight, static + activation))
     return LayoutEstimate(cfg, world_size, dp, m, precision, device, stages, cuda_context)
 

@@ -1,6 +1,6 @@
 """A model chunk's parameters and megalite's gradient-buffer layout, in closed form: the names,
 sizes and order `models/` registers them in (so the estimate needs no model build), and the
-buckets `optimizer.grad_buffer` cuts them into (padding and ZeRO ownership included).
+buckets `data_parallel.grad_buffer` cuts them into (padding and ZeRO ownership included).
 `tests/unit/test_estimate.py` checks both against a model built on the meta device."""
 
 from __future__ import annotations
@@ -9,67 +9,32 @@ from collections import Counter
 from dataclasses import dataclass
 
 from megalite.config import Config
-from megalite.pipeline.partition import chunk_layers
+from megalite.models.formulas import Param, formulas_of
+from megalite.models.partition import chunk_layers
 from megalite.profiling.activations import head_rows
-
-
-@dataclass(frozen=True)
-class Param:
-    name: str
-    numel: int
-    """On one tp rank."""
-    own_bucket: bool = False
-    """GPT's embedding shared by the first and last pipeline stage gets a bucket of its own."""
-
-
-def _layer(cfg: Config, i: int) -> list[Param]:
-    m, tp = cfg.model, cfg.parallel.tp
-    h, f, hd = m.hidden, m.ffn_hidden // tp, m.head_dim
-    q = h // tp
-    kv = (m.n_kv_heads // tp if m.n_kv_heads >= tp else m.n_kv_heads) * hd
-    pre = f"layers.{i}."
-    if m.arch == "gpt":
-        shapes = [
-            ("attn_norm.weight", h), ("attn_norm.bias", h),
-            ("attn.wqkv.weight", (q + 2 * kv) * h), ("attn.wqkv.bias", q + 2 * kv),
-            ("attn.wo.weight", h * q), ("attn.wo.bias", h),
-            ("mlp_norm.weight", h), ("mlp_norm.bias", h),
-            ("mlp.fc.weight", f * h), ("mlp.fc.bias", f),
-            ("mlp.proj.weight", h * f), ("mlp.proj.bias", h),
-        ]  # fmt: skip
-    else:
-        shapes = [
-            ("attn_norm.weight", h),
-            ("attn.wqkv.weight", (q + 2 * kv) * h),
-            ("attn.wo.weight", h * q),
-            ("mlp_norm.weight", h),
-            ("mlp.gate_up.weight", 2 * f * h), ("mlp.down.weight", h * f),
-        ]  # fmt: skip
-    return [Param(pre + name, n) for name, n in shapes]
 
 
 def chunk_parameters(
     cfg: Config, layers: range, has_embedding: bool, has_head: bool
 ) -> list[Param]:
     """One tp rank's parameters of a chunk, in `chunk.parameters()` order."""
-    m = cfg.model
-    vocab = head_rows(cfg) * m.hidden
-    gpt = m.arch == "gpt"
-    params = []
-    if has_embedding:
-        if gpt:  # wpe is the chunk's own parameter, so it comes before the submodules'
-            params.append(Param("wpe", m.max_positions * m.hidden))
-        name = "wte.weight" if gpt else "tok_embeddings.weight"
-        params.append(Param(name, vocab, own_bucket=gpt and not has_head))
+    formulas, rows = formulas_of(cfg.model.arch), head_rows(cfg)
+    params = formulas.embedding_parameters(cfg, rows, has_head) if has_embedding else []
     for i in layers:
-        params += _layer(cfg, i)
+        params += formulas.layer_parameters(cfg, i)
     if has_head:
-        params.append(Param("final_norm.weight", m.hidden))
-        if gpt:
-            params.append(Param("final_norm.bias", m.hidden))
-        if not (gpt and has_embedding):  # GPT's head on the embedding's chunk is the same tensor
-            params.append(Param("lm_head.weight", vocab, own_bucket=gpt))
+        params += formulas.head_parameters(cfg, rows, has_embedding)
     return params
+
+
+def stage_parameters(cfg: Config, pp_rank: int) -> int:
+    """Parameters one tp rank of pipeline rank `pp_rank` holds (all its chunks)."""
+    last = cfg.parallel.pp * cfg.parallel.vpp - 1
+    return sum(
+        param.numel
+        for stage, layers in chunk_layers(cfg, pp_rank)
+        for param in chunk_parameters(cfg, layers, stage == 0, stage == last)
+    )
 
 
 @dataclass(frozen=True)
@@ -80,7 +45,7 @@ class BufferLayout:
     """Elements of each bucket, padded to a multiple of dp."""
     dp: int
     module_buffers: list[int]
-    """Elements of the chunk's non-parameter buffers (Llama's rotary cos / sin per layer)."""
+    """Elements of the chunk's non-parameter buffers (rotary cos / sin tables per layer)."""
     arrival: tuple[int, ...] = ()
     """The bucket of each parameter's gradient, in the order backward delivers them."""
 
@@ -136,26 +101,23 @@ def buckets_of(params: list[Param], bucket_numel: int, dp: int) -> list[int]:
 
 def gradient_arrival(params: list[Param], bucket_numel: int) -> tuple[int, ...]:
     """The bucket of each gradient in the order backward delivers them: reverse registration
-    order, except that GPT's position table (added after the token lookup, and a leaf: autograd
-    accumulates it at once) arrives before the token embedding, whose gradient comes last."""
+    order, except those that arrive last (`Param.arrives_last`)."""
     bucket_of = {p.name: i for i, bucket in enumerate(_cut(params, bucket_numel)) for p in bucket}
-    names = [p.name for p in reversed(params)]
-    if "wpe" in names:
-        names.remove("wte.weight")
-        names.append("wte.weight")
-    return tuple(bucket_of[name] for name in names)
+    backward = list(reversed(params))
+    order = [p for p in backward if not p.arrives_last] + [p for p in backward if p.arrives_last]
+    return tuple(bucket_of[p.name] for p in order)
 
 
 def layout_buffers(cfg: Config, pp_rank: int, dp: int) -> list[BufferLayout]:
     """The gradient buffers of `pp_rank`'s chunks (one each: a chunk has one dtype)."""
-    p, m = cfg.parallel, cfg.model
+    p = cfg.parallel
     last = p.pp * p.vpp - 1
     bucket_numel = max(1, int(p.bucket_mb * 2**20 / 4))
-    rotary = [m.max_positions * m.head_dim] * 2 if m.arch == "llama" else []
+    layer_buffers = formulas_of(cfg.model.arch).layer_buffers(cfg.model)
     layouts = []
     for stage, layers in chunk_layers(cfg, pp_rank):
         params = chunk_parameters(cfg, layers, stage == 0, stage == last)
         buckets = buckets_of(params, bucket_numel, dp)
         arrival = gradient_arrival(params, bucket_numel)
-        layouts.append(BufferLayout(buckets, dp, rotary * len(layers), arrival))
+        layouts.append(BufferLayout(buckets, dp, layer_buffers * len(layers), arrival))
     return layouts

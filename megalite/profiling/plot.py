@@ -11,7 +11,6 @@ Figures are drawn on matplotlib `Figure` objects, rendered by Agg: no display, n
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,35 +215,3 @@ def _labels(sources: list[Path]) -> list[str]:
     if len(set(names)) < len(names):
         return [str(s).replace("/", "_").strip("_.") for s in sources]
     return names
-
-
-def _run_plot(args: argparse.Namespace) -> int:
-    for path in plot(args.runs, args.out):
-        print(f"wrote {path}")
-    return 0
-
-
-def register(commands: argparse._SubParsersAction) -> None:
-    """Add `megalite plot`."""
-    parser = commands.add_parser(
-        "plot",
-        help="PNG figures of runs (loss, tokens/s, MFU, memory) and profile reports",
-        description="Figures of one or several runs on the same axes, to compare layouts: loss "
-        "and val loss against tokens seen, tokens/s, MFU and peak memory from each run's "
-        "metrics.jsonl; and from a `megalite profile` report (profile.json) stacked bars of "
-        "every rank's memory and step-time breakdowns.",
-    )
-    parser.add_argument(
-        "runs",
-        nargs="+",
-        type=Path,
-        metavar="RUN",
-        help="a run directory (train.out_dir) or a profile report (profile.json)",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        metavar="DIR",
-        help="where the PNGs go (default: RUN/plots for one RUN, ./plots for several)",
-    )
-    parser.set_defaults(func=_run_plot)

@@ -55,7 +55,7 @@ def gather_ranks(run: Run, values: dict[str, float]) -> list[dict[str, float]]:
 
 def layout_of(cfg: Config, world_size: int) -> dict[str, Any]:
     p, t = cfg.parallel, cfg.train
-    dp = world_size // (p.tp * p.pp)
+    dp, microbatches = cfg.layout_for_world(world_size)
     return {
         "tp": p.tp,
         "pp": p.pp,
@@ -66,7 +66,7 @@ def layout_of(cfg: Config, world_size: int) -> dict[str, Any]:
         "zero": p.zero,
         "micro_batch_size": t.micro_batch_size,
         "global_batch_size": t.global_batch_size,
-        "microbatches": t.global_batch_size // (t.micro_batch_size * dp),
+        "microbatches": microbatches,
     }
 
 

@@ -25,11 +25,12 @@ import math
 from dataclasses import dataclass
 
 from megalite.config import Config
-from megalite.pipeline.partition import rank_stages, stage_costs, stage_ranges
+from megalite.models.partition import rank_stages, stage_costs, stage_ranges
+from megalite.parallel_dims import ParallelDims
 from megalite.pipeline.schedule import build_schedule, check_microbatches, v_shaped
 from megalite.pipeline.simulate import simulate
 from megalite.profiling.estimate import ELEMENT_BYTES, resolve_precision
-from megalite.profiling.flops import matmul_params
+from megalite.profiling.parameters import stage_parameters
 
 OPTIMIZER_BYTES_PER_PARAM = 28
 """AdamW reads param, grad, m, v and writes param, m, v: seven fp32 values per parameter."""
@@ -112,23 +113,6 @@ class Prediction:
     """CPU only: the shared cores, not the critical path, set the step time."""
 
 
-def stage_params(cfg: Config) -> list[float]:
-    """Parameters of one tp rank of each pipeline rank (its chunks' layers, the embedding on
-    the first, the head on the last; GPT ties them, but under pp both stages hold a copy)."""
-    m, p = cfg.model, cfg.parallel
-    head = m.vocab_size * m.hidden
-    layer = matmul_params(m) / m.n_layers - head / m.n_layers
-    embedding = head + (m.max_positions * m.hidden if m.arch == "gpt" else 0)
-    ranges = stage_ranges(cfg)
-    per_stage = []
-    for stage, layers in enumerate(ranges):
-        extra = embedding if stage == 0 else 0.0
-        if stage == len(ranges) - 1 and (m.arch == "llama" or len(ranges) > 1):
-            extra += head
-        per_stage.append((len(layers) * layer + extra) / p.tp)
-    return per_rank(cfg, per_stage)
-
-
 def per_rank(cfg: Config, per_stage: list[float]) -> list[float]:
     """Sums of a per-virtual-stage quantity over each pipeline rank's chunks."""
     return [sum(per_stage[s] for s in stages) for stages in rank_stages(cfg)]
@@ -138,21 +122,22 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
     """Seconds per step of `cfg`'s layout on `machine` (see the module docstring)."""
     p, t = cfg.parallel, cfg.train
     dp, m = cfg.layout_for_world(machine.world_size)
+    dims = p.dims(machine.world_size)
     element = ELEMENT_BYTES[resolve_precision(t.precision, machine.device)]
     act = t.micro_batch_size * cfg.model.seq_len * cfg.model.hidden * element  # one mb's x
-    forward, backward, tp_s, tp_calls = _stage_times(cfg, machine, act)
+    forward, backward, tp_s, tp_calls = _stage_times(cfg, machine, dims, act)
     makespan, bubble = pipeline_makespan(cfg, m, forward, backward)
     tp_per_rank = [m * s for s in per_rank(cfg, tp_s)]
     calls = max(m * c for c in per_rank(cfg, tp_calls))
 
     # pp: an activation forward and a gradient back per boundary, exposed along fill and drain
-    message = act / (p.tp if p.sp else 1) / machine.bandwidth(p.tp * dp * p.pp)
+    message = act / (p.tp if p.sp else 1) / machine.bandwidth(dims.span("pp"))
     boundaries = p.pp * p.vpp - 1
     p2p = 2 * boundaries * message
     calls += 2 * (boundaries + m) if p.pp > 1 else 0
 
-    params = max(stage_params(cfg))
-    dp_bw = machine.bandwidth(p.tp * dp)
+    params = max(stage_parameters(cfg, r) for r in range(p.pp))
+    dp_bw = machine.bandwidth(dims.span("dp"))
     split = machine.split_collective_cost
     grads = (dp - 1) / dp * params * 4 / dp_bw  # fp32 main grads, reduce-scattered
     gather = split * (dp - 1) / dp * params * element / dp_bw if p.zero else 0.0
@@ -192,14 +177,15 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
 
 
 def _stage_times(
-    cfg: Config, machine: Machine, act: float
+    cfg: Config, machine: Machine, dims: ParallelDims, act: float
 ) -> tuple[list[float], list[float], list[float], list[int]]:
     """Per virtual stage and micro-batch: forward and backward seconds (FLOPs, tp transfers,
     per-layer overhead), the tp transfer seconds among them, and the tp collectives called."""
     p, tokens = cfg.parallel, cfg.train.micro_batch_size * cfg.model.seq_len
     # per layer pass: two all-reduces, or two all-gathers and two reduce-scatters under sp
     per_pass = 0 if p.tp == 1 else 4 if p.sp else 2
-    transfer = 4 * (p.tp - 1) / p.tp * act / machine.bandwidth(p.tp)  # same bytes either way
+    # all-reduces or sp's all-gathers and reduce-scatters: the same bytes either way
+    transfer = 4 * (p.tp - 1) / p.tp * act / machine.bandwidth(dims.span("tp"))
     transfer *= machine.split_collective_cost if p.sp else 1.0
     forward, backward, tp_s, tp_calls = [], [], [], []
     for cost, layers, rerun in zip(stage_costs(cfg), stage_ranges(cfg), _recomputed_layers(cfg)):

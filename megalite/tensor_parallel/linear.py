@@ -14,7 +14,7 @@ Both are opaque to torch.compile (`train.compile`): a compiled block runs eagerl
 so their collectives, overlap and observers stay exactly as written here.
 
 Weight gradients go straight into the fp32 main grad when the gradient buffer gave the
-parameter an `accumulate_main_grad` (optimizer/grad_buffer.py): no 16-bit `.grad` is made.
+parameter an `accumulate_main_grad` (data_parallel/grad_buffer.py): no 16-bit `.grad` is made.
 Under a zero-bubble schedule's B step (`tensor_parallel.deferred`) both linears compute only the
 input gradient and leave the weight gradient, with x and dy, to the W step; under SP each keeps
 only the sequence shard it was given (the column-parallel linear's x, the row-parallel one's
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite import comm
+from megalite.eager_boundary import eager_only
 from megalite.tensor_parallel.deferred import queue_for
 
 SEQ_DIM = 1
@@ -200,7 +201,7 @@ class _RowParallel(torch.autograd.Function):
         return dx, dw, None, None
 
 
-@torch.compiler.disable
+@eager_only
 def column_parallel_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -214,7 +215,7 @@ def column_parallel_linear(
     return _ColumnParallel.apply(x, weight, bias, group, sequence_parallel, rows)
 
 
-@torch.compiler.disable
+@eager_only
 def row_parallel_linear(
     x: torch.Tensor, weight: torch.Tensor, group: Any, sequence_parallel: bool
 ) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from megalite import comm
+from megalite.eager_boundary import eager_only
 
 SEQ_DIM = 1
 
@@ -87,26 +88,26 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return comm.all_gather(grad, ctx.group, dim=SEQ_DIM), None
 
 
-@torch.compiler.disable
+@eager_only
 def copy_to_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x if comm.size(group) == 1 else _CopyToTPRegion.apply(x, group)
 
 
-@torch.compiler.disable
+@eager_only
 def reduce_from_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x if comm.size(group) == 1 else _ReduceFromTPRegion.apply(x, group)
 
 
-@torch.compiler.disable
+@eager_only
 def gather_from_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x if comm.size(group) == 1 else _GatherFromTPRegion.apply(x, group)
 
 
-@torch.compiler.disable
+@eager_only
 def gather_from_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x if comm.size(group) == 1 else _GatherFromSequenceRegion.apply(x, group)
 
 
-@torch.compiler.disable
+@eager_only
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x if comm.size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group)

@@ -28,13 +28,20 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch._dynamo.utils
-import torch._inductor.config
 from torch import nn
+
+from megalite.eager_boundary import mark_for_compile
+
+# torch._dynamo and torch._inductor are imported inside the functions: importing them imports
+# Triton, which must not happen before a test sets TRITON_INTERPRET (and costs start-up time
+# for every run that does not compile).
 
 
 def compile_blocks(chunks: list[nn.Module]) -> int:
     """Compile every block (`chunk.layers`) of this rank's chunks in place; returns how many."""
+    import torch._inductor.config
+
+    mark_for_compile()  # the tensor-parallel linears and mappings stay eager (graph breaks)
     torch._inductor.config.fallback_random = True
     blocks = [block for chunk in chunks for block in chunk.layers.values()]
     for block in blocks:
@@ -45,12 +52,16 @@ def compile_blocks(chunks: list[nn.Module]) -> int:
 def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far (each forward graph; AOTAutograd
     compiles its backward with it)."""
+    import torch._dynamo.utils
+
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def compile_seconds() -> float:
     """Wall time this process has spent compiling so far (dynamo, AOTAutograd, inductor;
     backward graphs included)."""
+    import torch._dynamo.utils
+
     return torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0)
 
 

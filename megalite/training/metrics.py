@@ -22,15 +22,10 @@ from tqdm import tqdm
 
 from megalite import comm
 from megalite.config import Config
+from megalite.hardware import host_id, peak_flops, raise_cpu_peak_flops, unknown_peak_message
+from megalite.models.flops import flops_per_token
 from megalite.optimizer.loss_scale import LossScaler
 from megalite.parallel_state import ParallelState
-from megalite.profiling.flops import (
-    flops_per_token,
-    host_id,
-    peak_flops,
-    raise_cpu_peak_flops,
-    unknown_peak_message,
-)
 from megalite.training.setup import resolve_precision
 from megalite.training.step import StepMetrics
 from megalite.training.trackers import Tracker, start_trackers

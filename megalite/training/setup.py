@@ -12,11 +12,12 @@ from torch import nn
 
 from megalite.checkpoint.initial import load_initial_weights
 from megalite.config import Config
-from megalite.models import CausalLM, build_chunks
+from megalite.data_parallel.grad_buffer import GradBuffer, build_grad_buffers
+from megalite.models.causal_lm import CausalLM
+from megalite.models.factory import build_chunks
 from megalite.optimizer.bad_steps import BadStepPolicy
-from megalite.optimizer.grad_buffer import GradBuffer, build_grad_buffers
+from megalite.optimizer.distributed import DistributedOptimizer
 from megalite.optimizer.loss_scale import LossScaler
-from megalite.optimizer.zero1 import DistributedOptimizer
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.executor import PipelineExecutor
 from megalite.pipeline.schedule import Action, build_schedule, v_shaped

@@ -4,14 +4,15 @@ the optimizer step on this rank's shard."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from megalite import comm
 from megalite.data.dataset import TokenBatch
+from megalite.data_parallel.finalize import finalize_grads
 from megalite.optimizer.clip import clip_coefficient
-from megalite.optimizer.finalize import finalize_grads
 from megalite.pipeline.executor import IntervalTimer, MicroBatch, StepTimes, bubble_fraction
 from megalite.training.compile import eager
 from megalite.training.setup import Run
@@ -105,7 +106,8 @@ def eval_loss(run: Run, batch: TokenBatch) -> float:
     run.train(False)
     batches = micro_batches(batch, run.cfg.train.micro_batch_size)
     total_tokens = batch.size * run.ps.dp_size * run.cfg.model.seq_len
-    with eager():  # compiled blocks run eagerly: no graphs for a few no-grad batches
+    compiled = run.compile_watch is not None
+    with eager() if compiled else contextlib.nullcontext():  # no graphs for a few batches
         schedule = run.schedule(len(batches), True)
         local_loss, _ = run.executor.run(schedule, batches, 1.0 / total_tokens)
     return global_loss(local_loss, run)

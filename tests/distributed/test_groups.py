@@ -12,7 +12,8 @@ from equivalence import TINY
 from megalite import comm
 from megalite.config import load_config
 from megalite.launch import run_ranks
-from megalite.parallel_state import build_parallel_state, group_timeout, rank_grid
+from megalite.parallel_dims import ParallelDims
+from megalite.parallel_state import build_parallel_state, group_timeout
 from megalite.training.loop import setup_topology
 
 RUN_TIMEOUT_S = 120.0
@@ -23,7 +24,7 @@ def _groups(ps) -> dict[str, tuple[list[int], float, float] | None]:
     """Per axis: the group's ranks, its time-out in seconds and the sum of (rank + 1) over it;
     None where this rank has no group on that axis."""
     seen = {}
-    for axis in rank_grid(ps.world_size, ps.tp_size, ps.pp_size).by_axis():
+    for axis in ps.dims.named_groups():
         group = getattr(ps, f"{axis}_group")
         if group is None:
             seen[axis] = None
@@ -40,7 +41,7 @@ def _layouts(layouts: list[tuple[int, int]], timeout_s: float | None) -> list[di
 
 
 def _check(rank: int, world_size: int, tp: int, pp: int, seen: dict, timeout_s: float) -> None:
-    for axis, groups in rank_grid(world_size, tp, pp).by_axis().items():
+    for axis, groups in ParallelDims.for_world(world_size, tp=tp, pp=pp).named_groups().items():
         own = next((g for g in groups if rank in g), [rank])
         if len(own) == 1:
             assert seen[axis] is None, (rank, axis)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import megalite.profiling.flops as flops
+import megalite.hardware as flops
 from megalite.config import load_config
 from megalite.launch import run_ranks
 from megalite.training.loop import train

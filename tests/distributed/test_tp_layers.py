@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from equivalence import relative_error
-from megalite.models import GPT, BuildContext, Llama
-from megalite.models.common import dropout
+from megalite.models.gpt.model import GPT
+from megalite.models.layers import BuildContext, dropout
+from megalite.models.llama.model import Llama
 
 from megalite import comm
 from megalite.config import load_config

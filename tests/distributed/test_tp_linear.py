@@ -11,13 +11,15 @@ import time
 import pytest
 import torch
 from equivalence import relative_error
-from megalite.models import GPT, BuildContext, Llama
+from megalite.models.gpt.model import GPT
+from megalite.models.layers import BuildContext
+from megalite.models.llama.model import Llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megalite import comm
 from megalite.config import load_config
+from megalite.data_parallel.grad_buffer import build_grad_buffers
 from megalite.launch import run_ranks
-from megalite.optimizer.grad_buffer import build_grad_buffers
 from megalite.parallel_state import build_parallel_state
 from megalite.tensor_parallel import ColumnParallelLinear, TPRandom, init_parameters, linear
 from megalite.tensor_parallel import normal_init as normal

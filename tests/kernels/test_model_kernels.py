@@ -11,7 +11,7 @@ from megalite.kernels.gelu import BiasGeluFunction
 from megalite.kernels.norms import AddNormFunction
 from megalite.kernels.rotary import RotaryFunction
 from megalite.kernels.swiglu import SwiGLUFunction
-from megalite.models import build_chunks
+from megalite.models.factory import build_chunks
 
 from megalite.config import load_config
 from megalite.parallel_state import ParallelState

@@ -5,7 +5,7 @@ views attention cuts out of its fused q/k/v output."""
 import pytest
 import torch
 from megalite.kernels import rotary_embedding
-from megalite.models.common import rotary_tables
+from megalite.models.layers import rotary_tables
 
 # (batch, seq, heads, kv_heads, head_dim): grouped-query heads, a head_dim whose half (50) is
 # not a power of two, a single token, odd head counts

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from megalite.checkpoint.sharded import CheckpointError, read_manifest
 from megalite.config import load_config
-from megalite.profiling.flops import peak_flops
+from megalite.hardware import peak_flops
 from megalite.training.loop import TrainingError, train
 
 STEPS, INTERVAL, KEEP = 6, 2, 2

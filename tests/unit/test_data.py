@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from megalite.commands.data import register
 from megalite.data import (
     DataError,
     TokenDataset,
@@ -18,7 +19,6 @@ from megalite.data import (
     token_dtype,
     train_tokenizer,
 )
-from megalite.data.commands import register
 
 DOCS = [
     "In the beginning God created the heaven and the earth.\n",

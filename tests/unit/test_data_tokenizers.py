@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from megalite.commands.data import register
 from megalite.data import (
     DataError,
     builtin_corpus_text,
@@ -16,7 +17,6 @@ from megalite.data import (
     prepare_corpus,
     train_tokenizer,
 )
-from megalite.data.commands import register
 
 TEXTS = ["In the beginning God created\n\nthe heaven.", "  spaces,\ttabs, café 漢字 🙂\n", ""]
 

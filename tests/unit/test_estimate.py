@@ -9,11 +9,11 @@ import time
 
 import pytest
 import torch
-from megalite.models import build_chunks
+from megalite.models.factory import build_chunks
 
 from megalite.cli import main
 from megalite.config import load_config
-from megalite.optimizer.grad_buffer import GradBuffer
+from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.schedule import build_schedule
 from megalite.pipeline.simulate import simulate
@@ -28,8 +28,8 @@ TINY = ["model.n_layers=4", "model.hidden=64", "model.n_heads=4", "model.vocab_s
 
 def _meta_chunks(cfg, tp_rank: int, pp_rank: int, dp: int = 1):
     p = cfg.parallel
-    world = p.tp * p.pp * dp
-    ps = ParallelState(0, world, p.tp, p.pp, dp, tp_rank, pp_rank, 0, torch.device("meta"))
+    dims = p.dims(p.tp * p.pp * dp)
+    ps = ParallelState(dims, dims.rank_of(tp=tp_rank, pp=pp_rank), torch.device("meta"))
     return build_chunks(cfg, ps, TPRandom(0, ParallelState.single()), random_init=False), ps
 
 

@@ -6,8 +6,9 @@ import json
 
 import pytest
 import torch
+from megalite.models.flops import flops_per_token
 
-import megalite.profiling.flops as flops
+import megalite.hardware as flops
 from megalite.config import ModelConfig, load_config
 from megalite.errors import MegaliteError
 from megalite.parallel_state import ParallelState
@@ -40,10 +41,10 @@ def test_flops_match_narayanan_et_al(layers, hidden, heads, seq, vocab):
         arch="gpt", n_layers=layers, hidden=hidden, n_heads=heads, seq_len=seq, vocab_size=vocab
     )
     batch = 8
-    counted = flops.flops_per_token(cfg, causal=False) * batch * seq
+    counted = flops_per_token(cfg, causal=False) * batch * seq
     assert counted == pytest.approx(narayanan_flops(batch, seq, layers, hidden, vocab), rel=1e-12)
     # The causal mask skips half of the attention scores: 6 l h s per token fewer.
-    skipped = counted / (batch * seq) - flops.flops_per_token(cfg)
+    skipped = counted / (batch * seq) - flops_per_token(cfg)
     assert skipped == pytest.approx(6 * layers * hidden * seq, rel=1e-12)
 
 
@@ -90,20 +91,6 @@ def test_dense_figures_by_dtype(float32_matmul_precision):
     assert flops.gpu_peak_flops("NVIDIA GeForce GTX 1080", "bf16") is None
 
 
-def single_rank(device: torch.device) -> ParallelState:
-    return ParallelState(
-        rank=0,
-        world_size=1,
-        tp_size=1,
-        pp_size=1,
-        dp_size=1,
-        tp_rank=0,
-        pp_rank=0,
-        dp_rank=0,
-        device=device,
-    )
-
-
 @pytest.fixture
 def no_measuring(monkeypatch, tmp_path):
     monkeypatch.setenv("MEGALITE_CACHE", str(tmp_path))
@@ -115,7 +102,7 @@ def no_measuring(monkeypatch, tmp_path):
 
 def test_peak_tflops_overrides_the_table_and_the_measurement(no_measuring):
     cfg = load_config(None, ["logging.peak_tflops=2.5"])
-    cost = StepCost.of(cfg, single_rank(torch.device("cpu")))
+    cost = StepCost.of(cfg, ParallelState.single(torch.device("cpu")))
     assert (cost.devices, cost.device_peak_flops) == (1, 2.5e12)
     with pytest.raises(MegaliteError, match="logging.peak_tflops must be a positive number"):
         load_config(None, ["logging.peak_tflops=0"])
@@ -123,7 +110,7 @@ def test_peak_tflops_overrides_the_table_and_the_measurement(no_measuring):
 
 def test_an_unknown_gpu_is_said_once_and_has_no_mfu(no_measuring, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GTX 1080")
-    cost = StepCost.of(load_config(None, []), single_rank(torch.device("cuda", 0)))
+    cost = StepCost.of(load_config(None, []), ParallelState.single(torch.device("cuda", 0)))
     assert cost.device_peak_flops is None
     assert capsys.readouterr().out.splitlines() == [
         "unknown peak for NVIDIA GTX 1080: pass logging.peak_tflops=<dense TFLOP/s of one "
@@ -160,7 +147,7 @@ def test_a_step_that_beats_the_measured_cpu_peak_raises_it(monkeypatch, tmp_path
     flops.peak_flops.cache_clear()
     monkeypatch.setattr(flops, "measure_cpu_peak_flops", lambda precision: 1e10)
     try:
-        cost = StepCost.of(load_config(None, []), single_rank(torch.device("cpu")))
+        cost = StepCost.of(load_config(None, []), ParallelState.single(torch.device("cpu")))
     finally:
         flops.peak_flops.cache_clear()
     assert cost.peak_for(5e9) == 1e10

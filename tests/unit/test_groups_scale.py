@@ -16,7 +16,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from megalite import parallel_state
 from megalite.config import load_config
 from megalite.errors import MegaliteError
-from megalite.parallel_state import build_parallel_state, choose_device, rank_grid
+from megalite.parallel_dims import ParallelDims
+from megalite.parallel_state import build_parallel_state, choose_device
 
 TIMEOUT_S = 321.0
 
@@ -57,18 +58,20 @@ def new_group_calls(monkeypatch) -> list[tuple[list[int], dict]]:
     return calls
 
 
+def _named_groups(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+    return ParallelDims.for_world(world_size, tp=tp, pp=pp).named_groups()
+
+
 def _expected_groups(world_size: int, tp: int, pp: int) -> set[tuple[int, ...]]:
     """The groups that need a process group of their own: more than one rank, not the world."""
-    every = {
-        tuple(g) for groups in rank_grid(world_size, tp, pp).by_axis().values() for g in groups
-    }
+    every = {tuple(g) for groups in _named_groups(world_size, tp, pp).values() for g in groups}
     return {g for g in every if 1 < len(g) < world_size}
 
 
 def _check_state(ps: Any, rank: int, world_size: int, tp: int, pp: int) -> None:
     """Each axis's field is None when this rank's group of that axis has one rank (or it is in
     none), else a group with exactly the grid's ranks."""
-    for axis, groups in rank_grid(world_size, tp, pp).by_axis().items():
+    for axis, groups in _named_groups(world_size, tp, pp).items():
         own = next((g for g in groups if rank in g), [rank])
         group = getattr(ps, f"{axis}_group")
         if len(own) == 1:
@@ -143,7 +146,7 @@ def test_a_bound_device_splits_each_axis_once(fake_world, new_group_calls, monke
     dist.group.WORLD.bound_device_id = torch.device("cuda", 0)  # as init_distributed's device_id
     ps = build_parallel_state(8, 8, torch.device("cpu"), timeout_s=TIMEOUT_S)
     assert new_group_calls == []
-    grid = rank_grid(1024, 8, 8).by_axis()
+    grid = _named_groups(1024, 8, 8)
     assert [(axis, ranks) for axis, ranks, _ in splits] == list(grid.items())
     assert {timeout for *_, timeout in splits} == {datetime.timedelta(seconds=TIMEOUT_S)}
     for axis, groups in grid.items():

@@ -7,10 +7,12 @@ resumes or starts from `checkpoint.init_from` draws nothing."""
 import megalite.models.factory as factory
 import pytest
 import torch
-from megalite.models import ARCHITECTURES, BuildContext
+from megalite.models.factory import model_class
+from megalite.models.layers import BuildContext
 from run_configs import TWO_LAYERS
 
 from megalite.config import load_config
+from megalite.parallel_dims import ParallelDims
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import (
     ParamMeta,
@@ -52,11 +54,12 @@ def _rank_params(arch: str, tp_size: int, tp_rank: int, pp_size: int) -> dict[st
     params = {}
     for pp_rank in range(pp_size):
         cpu = torch.device("cpu")
-        ps = ParallelState(0, tp_size * pp_size, tp_size, pp_size, 1, tp_rank, pp_rank, 0, cpu)
+        dims = ParallelDims.for_world(tp_size * pp_size, tp=tp_size, pp=pp_size)
+        ps = ParallelState(dims, dims.rank_of(tp=tp_rank, pp=pp_rank), cpu)
         ctx = BuildContext(cfg, ps, TPRandom(SEED, ps))
         layers = range(pp_rank, cfg.n_layers, pp_size)
         first, last = pp_rank == 0, pp_rank == pp_size - 1
-        chunk = ARCHITECTURES[arch](ctx, layers, has_embedding=first, has_head=last)
+        chunk = model_class(arch)(ctx, layers, has_embedding=first, has_head=last)
         init_parameters(chunk, SEED, ps, VALUES_PER_BLOCK)
         params.update(global_tensors(dict(chunk.named_parameters())))
     return params

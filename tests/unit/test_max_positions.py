@@ -8,7 +8,9 @@ import json
 
 import pytest
 import torch
-from megalite.models import ARCHITECTURES, BuildContext
+from megalite.models.factory import model_class
+from megalite.models.flops import flops_per_token
+from megalite.models.layers import BuildContext
 from safetensors.torch import load_file
 
 import megalite.training.loop as loop
@@ -17,7 +19,6 @@ from megalite.checkpoint.sharded import Checkpoint, CheckpointError, resolve_che
 from megalite.config import load_config
 from megalite.generate import generate
 from megalite.parallel_state import ParallelState
-from megalite.profiling.flops import flops_per_token
 from megalite.tensor_parallel import TPRandom
 
 POSITIONS, SEQ = 1024, 256
@@ -147,7 +148,7 @@ def test_the_position_table_has_max_positions_rows_and_flops_use_seq_len():
     def build(*extra):
         m = load_config(None, [*SMALL, *extra]).model
         ps = ParallelState.single("cpu")
-        return m, ARCHITECTURES[m.arch](BuildContext(m, ps, TPRandom(0, ps)), range(m.n_layers))
+        return m, model_class(m.arch)(BuildContext(m, ps, TPRandom(0, ps)), range(m.n_layers))
 
     m, gpt = build("model.arch=gpt", f"model.max_positions={POSITIONS}")
     assert gpt.wpe.shape == (POSITIONS, 64)

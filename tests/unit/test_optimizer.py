@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from megalite.models import build_chunks
+from megalite.models.factory import build_chunks
 
 from megalite.config import OptimConfig, load_config
 from megalite.optimizer.clip import clip_coefficient

@@ -5,18 +5,18 @@ the actual stage costs."""
 from __future__ import annotations
 
 import pytest
-
-from megalite.config import ConfigError, load_config
-from megalite.pipeline.partition import (
+from megalite.models.flops import flops_per_token
+from megalite.models.partition import (
     layer_weights,
     part_flops,
     partition_layers,
     stage_costs,
     stage_ranges,
 )
+
+from megalite.config import ConfigError, load_config
 from megalite.pipeline.schedule import build_schedule
 from megalite.pipeline.simulate import simulate
-from megalite.profiling.flops import flops_per_token
 
 PIPELINE = ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved"]
 # gpt, h 256, seq 128, vocab 8000: the head is about 2.4 layers of FLOPs

@@ -9,20 +9,13 @@ import functools
 import shlex
 
 import pytest
+from megalite.models.partition import stage_costs
 
 from megalite.cli import main
+from megalite.commands.plan import machine_from_args, parse_memory
 from megalite.config import ConfigError, config_to_dict, load_config
-from megalite.pipeline.partition import stage_costs
 from megalite.profiling import throughput
-from megalite.profiling.plan import (
-    PlanError,
-    estimated_peak_bytes,
-    layouts,
-    machine_from_args,
-    parse_memory,
-    plan,
-    validated,
-)
+from megalite.profiling.plan import PlanError, estimated_peak_bytes, layouts, plan, validated
 from megalite.profiling.throughput import pipeline_makespan, predict
 
 # (config, device, devices, nodes, memory per device); peaks are given, so nothing is measured

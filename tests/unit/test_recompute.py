@@ -4,7 +4,8 @@ et al. (2022) predict: s*b*h*(34 + 5*a*s/h), 34*s*b*h with selective, 2*s*b*h wi
 
 import pytest
 import torch
-from megalite.models import ARCHITECTURES, BuildContext
+from megalite.models.factory import model_class
+from megalite.models.layers import BuildContext
 
 from megalite.config import load_config
 from megalite.parallel_state import ParallelState
@@ -38,7 +39,7 @@ def _layers(arch: str, recompute: str, n_layers: int, dtype: torch.dtype, limit=
     cfg = _config(arch, n_layers)
     ps = ParallelState.single()
     ctx = BuildContext(cfg.model, ps, TPRandom(5, ps), recompute=recompute, recompute_layers=limit)
-    chunk = ARCHITECTURES[arch](ctx, range(n_layers), has_embedding=False, has_head=False)
+    chunk = model_class(arch)(ctx, range(n_layers), has_embedding=False, has_head=False)
     init_parameters(chunk, 5, ps)
     return chunk.to(dtype).train()
 

@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
-from megalite.models import ARCHITECTURES, BuildContext
-from megalite.models.common import segment_layers
+from megalite.models.causal_lm import segment_layers
+from megalite.models.factory import model_class
+from megalite.models.layers import BuildContext
 
 from megalite.config import load_config
 from megalite.parallel_state import ParallelState
@@ -26,7 +27,7 @@ def _chunk(arch: str, recompute: str, n_layers: int):
     )
     ps = ParallelState.single()
     ctx = BuildContext(cfg.model, ps, TPRandom(5, ps), recompute=recompute)
-    chunk = ARCHITECTURES[arch](ctx, range(n_layers), has_embedding=False, has_head=False)
+    chunk = model_class(arch)(ctx, range(n_layers), has_embedding=False, has_head=False)
     init_parameters(chunk, 5, ps)
     return chunk.train()
 

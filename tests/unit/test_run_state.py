@@ -19,7 +19,7 @@ from megalite.data import (
     open_tokenizer,
     train_tokenizer,
 )
-from megalite.optimizer.zero1 import STATE_KINDS
+from megalite.optimizer.distributed import STATE_KINDS
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import global_tensors
 from megalite.training.loop import run_state

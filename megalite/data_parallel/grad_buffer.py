@@ -11,8 +11,8 @@ Tensor-parallel linears add their weight and bias gradients in fp32 straight int
 (or ZeRO-2's staging) through `param.accumulate_main_grad` (Megatron's gradient-accumulation
 fusion): no 16-bit `.grad` in between, and the bucket counts the gradient as arrived at once.
 A fused parameter (q/k/v, gate/up) holds several global tensors (`ParamMeta.parts`); the
-fix-ups and the optimizer select by each part's meta (`finalize`, `zero1`), so a shared kv head's
-rows are summed over tp and the query rows beside it are not.
+fix-ups and the optimizer select by each part's meta (`finalize`, `optimizer.distributed`), so
+a shared kv head's rows are summed over tp and the query rows beside it are not.
 
 Under a zero-bubble schedule's split backward the linears' weight gradients arrive in the W
 step (`tensor_parallel.deferred`), and so does every other gradient: during B a parameter keeps

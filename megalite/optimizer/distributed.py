@@ -19,9 +19,9 @@ from torch import nn
 
 from megalite import comm
 from megalite.config import OptimConfig
+from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.optimizer.adamw import AdamW
 from megalite.optimizer.clip import sum_of_squares
-from megalite.optimizer.grad_buffer import GradBuffer
 from megalite.optimizer.offload import OnDevice, OnHost
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.layers import ParamMeta, global_tensors, param_parts

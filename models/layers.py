@@ -1,6 +1,7 @@
-"""The parallel building blocks GPT and Llama share: norms, rotary embeddings, attention with
-its heads split over tp ranks, dropout that knows the sharding, and `CausalLM`, the pipeline
-chunk both models are. Each model file shows its own block and forward pass.
+"""The parallel building blocks every architecture is made of: norms, rotary embeddings,
+attention with its heads split over tp ranks, and dropout that knows the sharding. Each
+architecture's model (models/<arch>/model.py) shows its own block and forward pass;
+`causal_lm.CausalLM` is the pipeline chunk they all are.
 
 Shapes: activations are (batch, seq, hidden); under sequence parallelism (SP) the tensors that
 flow between layers are sequence shards (batch, seq/tp, hidden), and attention and the MLP see
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -159,7 +159,7 @@ class Attention(nn.Module):
         # holds every kv head and computes the one its query heads use.
         kv_width, shared = cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads < tp
         kv_heads = cfg.n_kv_heads if shared else 0
-        assert not (bias and shared), "shared kv heads are llama-only (no biases)"
+        assert not (bias and shared), "kv heads shared over tp ranks are built without biases"
         qkv = [ColumnOutput("wq", cfg.hidden), ColumnOutput("wk", kv_width, kv_heads)]
         qkv.append(ColumnOutput("wv", kv_width, kv_heads))
         self.wqkv = FusedColumnParallelLinear(cfg.hidden, qkv, ps, **linear)
@@ -203,57 +203,3 @@ class Attention(nn.Module):
         if self.ctx.recompute == "selective":  # Korthikanti et al.: drop the s x s tensors
             return recompute(dropped, q, k, v, tp_random=tp_random)
         return dropped(q, k, v)
-
-
-def segment_layers(layers: list[nn.Module]) -> list[list[nn.Module]]:
-    """Cut L blocks into consecutive segments of round(sqrt(L)) blocks (the last may be
-    shorter): about sqrt(L) segments, the count that minimises inputs kept plus one segment."""
-    size = max(1, round(math.sqrt(len(layers))))
-    return [layers[i : i + size] for i in range(0, len(layers), size)]
-
-
-def run_in_order(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
-    for layer in layers:
-        x = layer(x)
-    return x
-
-
-class CausalLM(nn.Module):
-    """One pipeline chunk of a decoder-only language model (the whole model when pp = 1): the
-    embedding if it is the first chunk, a run of blocks keyed by their global index (`layers`),
-    and the final norm + LM head + loss if it is the last chunk. Subclasses build those pieces
-    and write the forward pass; the pipeline decides which pieces a rank holds, and nothing here
-    knows about schedules."""
-
-    layers: nn.ModuleDict
-
-    def __init__(self, ctx: BuildContext, has_embedding: bool, has_head: bool) -> None:
-        super().__init__()
-        self.ctx, self.has_embedding, self.has_head = ctx, has_embedding, has_head
-
-    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
-        """The blocks in order. Under `train.recompute=full` the first `recompute_layers` of
-        them (all by default) keep only their input for backward and run again there. Under
-        `segments` (Chen et al. 2016) the blocks run in about sqrt(L) segments of about
-        sqrt(L) blocks: only each segment's input is kept, and backward reruns one segment at a
-        time, so at most sqrt(L) inputs plus one segment's activations are alive."""
-        layers = list(self.layers.values())
-        if not self.training or self.ctx.recompute not in ("full", "segments"):
-            for layer in layers:
-                x = layer(x)
-            return x
-        if self.ctx.recompute == "segments":
-            for segment in segment_layers(layers):
-                x = recompute(partial(run_in_order, segment), x, tp_random=self.ctx.tp_random)
-            return x
-        limit = len(layers) if self.ctx.recompute_layers is None else self.ctx.recompute_layers
-        for n, layer in enumerate(layers):
-            x = recompute(layer, x, tp_random=self.ctx.tp_random) if n < limit else layer(x)
-        return x
-
-    def sequence_positions(self, seq_len: int) -> torch.Tensor:
-        """Positions of this rank's tokens: all of them, or its sequence shard under SP."""
-        positions = torch.arange(seq_len, device=self.ctx.ps.device)
-        if not self.ctx.sequence_parallel:
-            return positions
-        return positions.chunk(self.ctx.ps.tp_size)[self.ctx.ps.tp_rank]

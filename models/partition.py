@@ -5,7 +5,7 @@ pipeline rank v % P as its local chunk v // P (under zb-v, in a V: `schedule.sta
 Layers are spread so the costliest stage is as cheap as possible, counting the embedding and
 the head (final norm + LM head + loss) as a fraction of a layer, because the first and last
 stage also run them. By default those fractions come from the model's FLOPs
-(`profiling.flops`): on a small model the head over the vocabulary outweighs several layers, and
+(`models.flops`): on a small model the head over the vocabulary outweighs several layers, and
 a split by layer count would leave the last stage the slowest.
 `parallel.embedding_layer_weight` / `parallel.head_layer_weight` override them.
 """
@@ -16,9 +16,10 @@ import dataclasses
 from functools import cache
 from typing import NamedTuple
 
+from megalite.models.flops import flops_per_token
+
 from megalite.config import Config, ModelConfig
 from megalite.pipeline.schedule import v_shaped, virtual_stage
-from megalite.profiling.flops import flops_per_token
 
 
 def partition_layers(

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from megalite import comm
-from megalite.optimizer.grad_buffer import GradBuffer
+from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.layers import ParamMeta, param_parts
 

@@ -1,15 +1,10 @@
-"""Model FLOPs, and the peak FLOP/s that MFU divides them by.
-
-FLOPs are counted as Megatron-LM and torchtitan do. Per token, training costs 6 FLOPs per weight
-of every matmul (forward 2, backward 4) plus the attention scores and their weighted sum,
-12 * layers * hidden * seq, of which a causal mask skips half. Recompute is hardware work, not
-model work, so it never raises MFU. With the causal halving off this is exactly Narayanan et al.
-2021's 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) for GPT (tests/unit/test_flops.py checks it).
+"""The peak FLOP/s that MFU divides by, and the cores of this machine.
 
 The peak is a property of the hardware, never of the run: a GPU's dense datasheet figure for
 the training dtype (never the 2:4-sparsity one), and a CPU's best large matmul, measured once
 per machine with all its cores and cached on disk (`cpu_peak_flops`), so that every run and
-every rank on that machine divides by the same number.
+every rank on that machine divides by the same number. Below everything that reports MFU or
+sizes work to the cores (metrics, the planner, the offloaded optimizer).
 """
 
 from __future__ import annotations
@@ -28,26 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megalite.config import ModelConfig
-
 if TYPE_CHECKING:  # imported where used, so that `megalite plan` starts without torch
     import torch
-
-
-def matmul_params(cfg: ModelConfig) -> int:
-    """Weights that take part in a matmul per token: the layers and the LM head."""
-    h, f, kv = cfg.hidden, cfg.ffn_hidden, cfg.n_kv_heads * cfg.head_dim
-    attention = h * h + 2 * h * kv + h * h
-    mlp = (3 if cfg.arch == "llama" else 2) * h * f
-    return cfg.n_layers * (attention + mlp) + cfg.vocab_size * h
-
-
-def flops_per_token(cfg: ModelConfig, causal: bool = True) -> float:
-    """Training FLOPs per token (forward + backward). `causal`: count the attention scores that
-    a causal mask skips as not done (MFU as Megatron and torchtitan report it); off only to
-    compare with formulas that count them."""
-    attention_scores = 12 * cfg.n_layers * cfg.hidden * cfg.seq_len
-    return 6 * matmul_params(cfg) + (attention_scores / 2 if causal else attention_scores)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 everywhere, and an LM head tied to the token embedding.
 
 It reads like nanoGPT, top to bottom: the MLP, the block, the model and its forward pass. The
-layers it is built from are tensor-parallel (see `common.py` for attention and the norms), so
+layers it is built from are tensor-parallel (see `models/layers.py` for attention and the norms), so
 the same file runs at any tp; under sequence parallelism (SP) the residual stream between
 blocks is a sequence shard (b, s/tp, h) instead of (b, s, h).
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 from megalite.kernels import bias_gelu
-from megalite.models.common import (
+from megalite.models.causal_lm import CausalLM
+from megalite.models.layers import (
     Attention,
     BuildContext,
-    CausalLM,
     LayerNorm,
     ResidualDropout,
 )

@@ -1,7 +1,7 @@
 """Llama (Touvron et al. 2023): RMSNorm, rotary position embeddings (Hugging Face rotate_half
 layout), SwiGLU MLP, grouped-query attention, no biases, an untied LM head.
 
-Built from the same tensor-parallel pieces as GPT (`common.py`) and read the same way, top to
+Built from the same tensor-parallel pieces as GPT (`models/layers.py`) and read the same way, top to
 bottom: the MLP, the block, the model and its forward pass. Under sequence parallelism (SP) the
 residual stream between blocks is a sequence shard (b, s/tp, h) instead of (b, s, h).
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 from megalite.kernels import swiglu
-from megalite.models.common import (
+from megalite.models.causal_lm import CausalLM
+from megalite.models.layers import (
     Attention,
     BuildContext,
-    CausalLM,
     ResidualDropout,
     RMSNorm,
 )

@@ -1,0 +1,139 @@
+"""The named parallel axes of a run: their order, sizes, a rank's coordinates and the groups of
+any axis or combination of axes, as pure functions of the sizes (testable without processes).
+
+Ranks are laid out as Megatron-LM's `RankGenerator` lays them out: the first axis of the order
+varies fastest, each later one strides over all before it. Today the order is tp-dp-pp, so
+`rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank` (tp inside a node); context and expert
+parallelism become names inserted into `ORDER` ("tp-cp-ep-dp-pp"), not new formulas. dp is the
+axis nobody configures: it takes what the world leaves, derived here alone (`for_world`).
+Nothing here imports torch, so a layout that cannot run fails before torch is loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from megalite.errors import ConfigError
+
+ORDER = ("tp", "dp", "pp")
+"""Every axis, fastest-varying first."""
+DERIVED = "dp"
+"""The axis whose size is the world size over the others'."""
+WEIGHT_AXES = ("tp", "pp")
+"""The axes along which ranks hold different pieces of the weights; ranks that differ only on
+the others hold the same weights."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The rank grid: each axis's size, fastest-varying first, and which axes shard the weights.
+    Built once per run (`for_world`); everything that needs a rank's place or a group's ranks
+    asks it."""
+
+    sizes: Mapping[str, int]
+    """Each axis's size, the fastest-varying axis first (a run's: in `ORDER`)."""
+    weight_axes: tuple[str, ...] = WEIGHT_AXES
+    """The axes that shard the weights (`WEIGHT_AXES` for a run's grid)."""
+
+    def __post_init__(self) -> None:
+        bad = {axis: size for axis, size in self.sizes.items() if size < 1}
+        if bad or not set(self.weight_axes) <= set(self.sizes):
+            raise ValueError(f"bad grid: sizes {dict(self.sizes)}, weight axes {self.weight_axes}")
+
+    @classmethod
+    def for_world(
+        cls, world_size: int, order: tuple[str, ...] = ORDER, **sizes: int
+    ) -> ParallelDims:
+        """The grid of `world_size` ranks with the given axis sizes (an axis not given: 1), dp
+        taking the rest; the clear error when the other axes do not divide the world."""
+        if DERIVED in sizes or DERIVED not in order or not set(sizes) <= set(order):
+            raise ValueError(f"sizes {sizes} must name axes of {order} other than {DERIVED}")
+        given = {axis: sizes.get(axis, 1) for axis in order if axis != DERIVED}
+        product = math.prod(given.values())
+        if world_size % product:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by {'*'.join(given)} = "
+                f"{'*'.join(map(str, given.values()))}: launch a multiple of {product} processes "
+                f"or change {' / '.join(f'parallel.{axis}' for axis in given)}"
+            )
+        return cls({axis: given.get(axis, world_size // product) for axis in order})
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes.values())
+
+    @property
+    def naming_order(self) -> tuple[str, ...]:
+        """Every axis, the weight axes first: the order in which a layout is spelled
+        (`tp 2 pp 1 dp 4`, checkpoint files `optim_tp01_pp00_dp03`)."""
+        return (*self.weight_axes, *(a for a in self.sizes if a not in self.weight_axes))
+
+    def layout(self) -> dict[str, int]:
+        """Each axis's size in naming order, as checkpoints record the layout that saved them."""
+        return {axis: self.sizes[axis] for axis in self.naming_order}
+
+    @functools.cached_property
+    def strides(self) -> dict[str, int]:
+        """Per axis, how far apart two ranks are that differ by one along it alone."""
+        sizes = list(self.sizes.values())
+        return {axis: math.prod(sizes[:i]) for i, axis in enumerate(self.sizes)}
+
+    def span(self, axis: str) -> int:
+        """How many consecutive ranks a group of `axis` lies within (stride times size): a
+        group whose span fits a node talks over the node's links."""
+        return self.strides[axis] * self.sizes[axis]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """`rank`'s coordinate on every axis."""
+        return {axis: rank // self.strides[axis] % size for axis, size in self.sizes.items()}
+
+    def rank_of(self, **coords: int) -> int:
+        """The rank at these coordinates (an axis not named: coordinate 0)."""
+        if not set(coords) <= set(self.sizes):
+            raise ValueError(f"coordinates {coords} name axes outside {tuple(self.sizes)}")
+        return sum(value * self.strides[axis] for axis, value in coords.items())
+
+    def group_of(self, rank: int, *axes: str) -> list[int]:
+        """The ranks that share `rank`'s coordinates except on `axes`, in rank order (the
+        pipeline's ranks, indexed by pp rank, for `group_of(rank, "pp")`)."""
+        coords = self.coords(rank)
+        first = rank - sum(coords[axis] * self.strides[axis] for axis in axes)
+        return [first + offset for offset in self._offsets(axes)]
+
+    def groups(self, *axes: str) -> list[list[int]]:
+        """The partition of the world into the groups of `axes` (one axis, or several together,
+        such as tp x pp for the ranks holding one copy of the model), by first rank."""
+        if not axes or not set(axes) <= set(self.sizes):
+            raise ValueError(f"axes {axes} must be some of {tuple(self.sizes)}")
+        members = self._offsets(axes)
+        firsts = self._offsets(tuple(axis for axis in self.sizes if axis not in axes))
+        return [[first + offset for offset in members] for first in firsts]
+
+    def _offsets(self, axes: tuple[str, ...]) -> list[int]:
+        """How far each rank reached by moving along `axes` alone lies from the start, sorted."""
+        steps = [[i * self.strides[axis] for i in range(self.sizes[axis])] for axis in axes]
+        return sorted(map(sum, itertools.product(*steps)))
+
+    def embedding_groups(self) -> list[list[int]]:
+        """The first and last stage of each pipeline: they hold the tied embedding's copies."""
+        return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
+
+    def named_groups(self) -> dict[str, list[list[int]]]:
+        """Every group a run creates, by the name `ParallelState` gives it, in the order every
+        rank creates them: each axis's (fastest first), the model-parallel groups (the weight
+        axes together: one copy of the model), the embedding pairs last."""
+        return {
+            **{axis: self.groups(axis) for axis in self.sizes},
+            "model_parallel": self.groups(*self.weight_axes),
+            "embedding": self.embedding_groups(),
+        }
+
+    def label(self, rank: int, axes: tuple[str, ...]) -> str:
+        """`rank`'s coordinates on `axes` as a name, `tp01_pp00`: how checkpoint files name
+        the piece a rank holds."""
+        coords = self.coords(rank)
+        return "_".join(f"{axis}{coords[axis]:02d}" for axis in axes)

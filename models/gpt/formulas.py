@@ -1,0 +1,53 @@
+"""GPT's parameters, FLOPs and saved activations in closed form (see `models.formulas`)."""
+
+from __future__ import annotations
+
+from megalite.models.formulas import (
+    INDEX_BYTES,
+    LAYER_NORM,
+    Formulas,
+    Param,
+    Shapes,
+    attention_matmul_weights,
+    attention_parameters,
+    linear_parameters,
+    pre_norm_block_saved,
+)
+
+from megalite.config import Config, ModelConfig
+
+
+class GPTFormulas(Formulas):
+    norm = LAYER_NORM
+    tied_embeddings = True
+
+    def embedding_parameters(self, cfg: Config, rows: int, has_head: bool) -> list[Param]:
+        """wpe is the chunk's own parameter, so it comes before the submodules' (wte)."""
+        h = cfg.model.hidden
+        wte = Param("wte.weight", rows * h, own_bucket=not has_head, arrives_last=True)
+        return [Param("wpe", cfg.model.max_positions * h), wte]
+
+    def layer_parameters(self, cfg: Config, layer: int) -> list[Param]:
+        h, f = cfg.model.hidden, cfg.model.ffn_hidden // cfg.parallel.tp
+        pre = f"layers.{layer}."
+        return [
+            *LAYER_NORM.parameters(pre + "attn_norm", h),
+            *attention_parameters(cfg, pre + "attn", bias=True),
+            *LAYER_NORM.parameters(pre + "mlp_norm", h),
+            *linear_parameters(pre + "mlp.fc", f, h, bias=True),
+            *linear_parameters(pre + "mlp.proj", h, f, bias=True),
+        ]
+
+    def layer_matmul_weights(self, m: ModelConfig) -> int:
+        return attention_matmul_weights(m) + 2 * m.hidden * m.ffn_hidden
+
+    def layer_saved(self, x: Shapes) -> list[int]:
+        """The MLP keeps the pre-GELU and post-GELU tensors besides its input."""
+        return pre_norm_block_saved(x, LAYER_NORM, mlp=[x.ffn_activation] * 2)
+
+    def embedding_saved(self, x: Shapes) -> list[int]:
+        """Also the positions: a slice (the rank's shard under SP) of one arange."""
+        return super().embedding_saved(x) + [x.cfg.model.seq_len * INDEX_BYTES]
+
+
+FORMULAS = GPTFormulas()

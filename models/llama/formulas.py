@@ -1,0 +1,51 @@
+"""Llama's parameters, FLOPs and saved activations in closed form (see `models.formulas`)."""
+
+from __future__ import annotations
+
+from megalite.models.formulas import (
+    RMS_NORM,
+    Formulas,
+    Param,
+    Shapes,
+    attention_matmul_weights,
+    attention_parameters,
+    linear_parameters,
+    pre_norm_block_saved,
+    rotary_buffers,
+)
+
+from megalite.config import Config, ModelConfig
+
+
+class LlamaFormulas(Formulas):
+    norm = RMS_NORM
+    tied_embeddings = False
+
+    def embedding_parameters(self, cfg: Config, rows: int, has_head: bool) -> list[Param]:
+        return [Param("tok_embeddings.weight", rows * cfg.model.hidden)]
+
+    def layer_parameters(self, cfg: Config, layer: int) -> list[Param]:
+        h, f = cfg.model.hidden, cfg.model.ffn_hidden // cfg.parallel.tp
+        pre = f"layers.{layer}."
+        return [
+            *RMS_NORM.parameters(pre + "attn_norm", h),
+            *attention_parameters(cfg, pre + "attn", bias=False),
+            *RMS_NORM.parameters(pre + "mlp_norm", h),
+            *linear_parameters(pre + "mlp.gate_up", 2 * f, h, bias=False),
+            *linear_parameters(pre + "mlp.down", h, f, bias=False),
+        ]
+
+    def layer_buffers(self, m: ModelConfig) -> list[int]:
+        return rotary_buffers(m)
+
+    def layer_matmul_weights(self, m: ModelConfig) -> int:
+        return attention_matmul_weights(m) + 3 * m.hidden * m.ffn_hidden
+
+    def layer_saved(self, x: Shapes) -> list[int]:
+        """The MLP keeps gate, up and their product besides its input (Triton's SwiGLU), and
+        silu(gate) too with PyTorch's reference."""
+        mlp = [x.ffn_activation] * (3 if x.device == "cuda" else 4)
+        return pre_norm_block_saved(x, RMS_NORM, mlp)
+
+
+FORMULAS = LlamaFormulas()

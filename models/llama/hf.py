@@ -1,0 +1,98 @@
+"""Llama as Hugging Face's `LlamaForCausalLM`: one tensor per projection under the same
+layout. q and k need no permutation, because megalite's rotary embedding already uses the
+Hugging Face `rotate_half` convention."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from megalite.models.hugging_face import HFMapping, Link
+
+from megalite.config import ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+class LlamaMapping(HFMapping):
+    model_type = "llama"
+    base_prefix = "model."
+
+    def links(self, m: ModelConfig) -> list[Link]:
+        found = [
+            Link("tok_embeddings.weight", "model.embed_tokens.weight"),
+            Link("final_norm.weight", "model.norm.weight"),
+            Link("lm_head.weight", "lm_head.weight"),
+        ]
+        for i in range(m.n_layers):
+            ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+            for mine, hf in [
+                ("attn_norm", "input_layernorm"),
+                ("mlp_norm", "post_attention_layernorm"),
+                ("attn.wq", "self_attn.q_proj"),
+                ("attn.wk", "self_attn.k_proj"),
+                ("attn.wv", "self_attn.v_proj"),
+                ("attn.wo", "self_attn.o_proj"),
+                ("mlp.gate", "mlp.gate_proj"),
+                ("mlp.up", "mlp.up_proj"),
+                ("mlp.down", "mlp.down_proj"),
+            ]:
+                found.append(Link(f"{ours}{mine}.weight", f"{theirs}{hf}.weight"))
+        return found
+
+    def aliases(self, raw: dict[str, Any]) -> dict[str, str]:
+        """A Llama with a tied head (trained untied here) may store only the embedding."""
+        return (
+            {"lm_head.weight": "model.embed_tokens.weight"}
+            if raw.get("tie_word_embeddings")
+            else {}
+        )
+
+    def hf_config(self, m: ModelConfig) -> PretrainedConfig:
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=m.vocab_size,
+            hidden_size=m.hidden,
+            intermediate_size=m.ffn_hidden,
+            num_hidden_layers=m.n_layers,
+            num_attention_heads=m.n_heads,
+            num_key_value_heads=m.n_kv_heads,
+            head_dim=m.head_dim,
+            max_position_embeddings=m.max_positions,
+            rms_norm_eps=m.norm_eps,
+            rope_theta=m.rope_theta,  # transformers 5 files it under rope_parameters
+            attention_dropout=m.dropout,
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+
+    def config_from_hf(self, raw: dict[str, Any]) -> dict[str, Any]:
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"rope scaling {rope.get('rope_type')!r} is not supported: megalite implements "
+                "plain rotary embeddings"
+            )
+        hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+        if raw.get("head_dim", hidden // heads) != hidden // heads:
+            raise ValueError(f"head_dim {raw['head_dim']} is not hidden / n_heads")
+        if raw.get("hidden_act") != "silu":
+            raise ValueError(f"activation {raw.get('hidden_act')!r} is not one megalite implements")
+        if raw.get("attention_bias") or raw.get("mlp_bias"):
+            raise ValueError("Llama with attention or MLP biases is not supported")
+        return {
+            "hidden": hidden,
+            "n_layers": raw["num_hidden_layers"],
+            "n_heads": heads,
+            "n_kv_heads": raw.get("num_key_value_heads", heads),
+            "ffn_hidden": raw["intermediate_size"],
+            "vocab_size": raw["vocab_size"],
+            "norm_eps": raw["rms_norm_eps"],
+            "rope_theta": raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            "max_positions": raw.get("max_position_embeddings", 2048),  # transformers' default
+        }
+
+
+MAPPING = LlamaMapping()
