@@ -15,6 +15,8 @@ Grid (world size, what it covers), and one resume across layouts at these sizes:
     2  gpt   pp 2 gpipe      tied embeddings across stages, 4 micro-batches
     2  llama pp 2 1f1b       4 micro-batches
     2  gpt   pp 2 vpp 2      interleaved, 4 chunks of one layer, 4 micro-batches
+    2  llama pp 2 zb-h1      the split backward (W steps), 4 micro-batches
+    2  gpt   pp 2 zb-v       the V: rank 0 holds the first and last chunk (tied embeddings)
     2  llama zero 2 dp 2, offload, segments recompute, 1 MB buckets (a bucket per tensor or less)
     4  gpt   pp 2 zero 2 (dp 2), 1 MB buckets: the tied embedding's own bucket over both stages
     8  gpt   tp 2 sp pp 2 zero 1 (dp 2)   the README's 8-rank example
@@ -51,6 +53,13 @@ CASES = {
         GPT,
         _batch(2, 8),
         ("parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved"),
+    ),
+    "llama-pp2-zb-h1": (2, LLAMA, _batch(4, 16), ("parallel.pp=2", "parallel.schedule=zb-h1")),
+    "gpt-pp2-zb-v": (
+        2,
+        GPT,
+        _batch(2, 8),
+        ("parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zb-v"),
     ),
     "llama-zero2-offload-segments": (
         2,
