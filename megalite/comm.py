@@ -160,9 +160,24 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Any, async
         output.copy_(shard)
         return None
     call = _enter("all_gather", output, group)
+    if _on_gloo_cpu(output, group):
+        # gloo's allgather took 0.9-1.3 ms where an all-to-all of the same bytes took 0.6-0.7
+        # (2 ranks, 512 KiB out): send every rank a copy of the shard instead
+        copies = shard.repeat(size(group))
+
+        def send_copies(async_op: bool) -> Any:
+            return dist.all_to_all_single(output, copies, group=group, async_op=async_op)
+
+        return _issue(call, send_copies, async_op)
     return _issue(
         call, lambda a: _all_gather_flat(output, shard, group=group, async_op=a), async_op
     )
+
+
+def _on_gloo_cpu(tensor: torch.Tensor, group: Any) -> bool:
+    """Whether `group` is a gloo group working on CPU tensors, where two collectives are
+    faster as an all-to-all (`all_gather_flat`, `_gloo_reduce_scatter`)."""
+    return tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
 
 
 def reduce_scatter_flat(
@@ -173,7 +188,7 @@ def reduce_scatter_flat(
         shard.copy_(full)
         return None
     call = _enter("reduce_scatter", full, group)
-    if full.device.type == "cpu" and dist.get_backend(group) == "gloo":
+    if _on_gloo_cpu(full, group):
         return _issue(call, _gloo_reduce_scatter(shard, full, group), async_op)
     return _issue(
         call, lambda a: _reduce_scatter_flat(shard, full, group=group, async_op=a), async_op

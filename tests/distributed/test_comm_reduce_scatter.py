@@ -1,6 +1,8 @@
-"""comm's reduce-scatter on gloo (an all-to-all and a local sum, not ProcessGroupGloo's
-clone + all-reduce + copy) gives each rank the sum of its piece, blocking and asynchronous,
-flat and along a middle dim, at 2 and 4 ranks, for fp32 and bf16."""
+"""comm's reduce-scatter and all-gather on gloo, both all-to-alls (the reduce-scatter with a
+local sum, not ProcessGroupGloo's clone + all-reduce + copy; the all-gather sending each rank a
+copy of the shard, faster than gloo's allgather): each rank gets the sum of its piece / every
+rank's shard in order, blocking and asynchronous, flat and along a middle dim, at 2 and 4
+ranks, for fp32 and bf16."""
 
 import pytest
 import torch
@@ -38,3 +40,27 @@ def test_gloo_reduce_scatter_sums_each_rank_piece(world_size, dtype):
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2
     for errors in run_ranks(world_size, _reduce_scatters, dtype):
         assert max(errors) < tolerance, errors
+
+
+def _all_gathers(dtype: torch.dtype) -> list[bool]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    every_rank = torch.randn(world, 3, 4, 5, generator=torch.Generator().manual_seed(9))
+    every_rank = every_rank.to(dtype)
+    expected = torch.cat(list(every_rank), dim=1)  # (3, 4 * world, 5): rank order along dim 1
+    results = []
+    for async_op in (False, True):
+        flat = torch.empty(every_rank.numel(), dtype=dtype)
+        handle = comm.all_gather_flat(flat, every_rank[rank].reshape(-1), group, async_op)
+        if async_op:
+            handle.wait()
+        results.append(torch.equal(flat, every_rank.reshape(-1)))
+    results.append(torch.equal(comm.all_gather(every_rank[rank], group, dim=1), expected))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gloo_all_gather_concatenates_every_rank_shard(world_size, dtype):
+    for results in run_ranks(world_size, _all_gathers, dtype):
+        assert results == [True, True, True]
