@@ -1,7 +1,5 @@
 """`python -m megalite` and `torchrun -m megalite` run the CLI."""
 
-import sys
+from megalite.cli import entry_point
 
-from megalite.cli import main
-
-sys.exit(main())
+entry_point()

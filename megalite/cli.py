@@ -11,6 +11,7 @@ preemption with 75.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -42,7 +43,7 @@ CRASH_EXIT_CODE = 1
 uncaught error, distinct from a hang (124), a bad input (2) and a preemption (75)."""
 
 
-def _leave_world() -> None:
+def _leave_world() -> bool:
     """Destroy the process group before the interpreter exits, on success and on error alike:
     left to the interpreter's teardown, gloo's threads were seen to abort a rank that lost the
     out_dir lock race ("terminate called without an active exception", exit -6) after it had
@@ -50,6 +51,8 @@ def _leave_world() -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        return True
+    return False
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -123,15 +126,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code, _ = _run(argv)
+    return code
+
+
+def _run(argv: list[str] | None) -> tuple[int, bool]:
+    """The command's exit code, and whether this process had joined a distributed world."""
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
     except MegaliteError as exc:
         report_error(exc)
-        return 2
+        code = 2
     finally:
-        _leave_world()
+        joined = _leave_world()
+    return code, joined
+
+
+def entry_point() -> None:
+    """`megalite` and `python -m megalite` (torchrun's workers): after a distributed command the
+    process ends at once (`os._exit`), its output flushed. Why: left to the interpreter's
+    teardown, a C++ thread of the backends still joinable at static destruction aborted a rank
+    that had finished cleanly ("terminate called without an active exception", exit -6), about
+    once in a few hundred torchrun workers here, failing a job that had saved everything."""
+    code, joined = _run(None)
+    if joined:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry_point()

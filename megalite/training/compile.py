@@ -37,16 +37,15 @@ from megalite.eager_boundary import mark_for_compile
 # for every run that does not compile).
 
 
-def compile_blocks(chunks: list[nn.Module]) -> int:
-    """Compile every block (`chunk.layers`) of this rank's chunks in place; returns how many."""
+def compile_blocks(chunks: list[nn.Module]) -> None:
+    """Compile every block (`chunk.layers`) of this rank's chunks in place."""
     import torch._inductor.config
 
     mark_for_compile()  # the tensor-parallel linears and mappings stay eager (graph breaks)
     torch._inductor.config.fallback_random = True
-    blocks = [block for chunk in chunks for block in chunk.layers.values()]
-    for block in blocks:
-        block.compile(dynamic=False)
-    return len(blocks)
+    for chunk in chunks:
+        for block in chunk.layers.values():
+            block.compile(dynamic=False)
 
 
 def compiled_graphs() -> int:
@@ -77,17 +76,12 @@ class CompileWatch:
     compiled after it is a recompile (a guard failed: a shape, dtype or mode changed)."""
 
     def __init__(self) -> None:
-        self._graphs, self._seconds = compiled_graphs(), compile_seconds()
+        self._seconds = compile_seconds()
         self._graphs_after_first: int | None = None
 
     def step_done(self) -> None:
         if self._graphs_after_first is None:
             self._graphs_after_first = compiled_graphs()
-
-    @property
-    def graphs(self) -> int:
-        """Graphs compiled since the watch began."""
-        return compiled_graphs() - self._graphs
 
     @property
     def seconds(self) -> float:
