@@ -133,6 +133,15 @@ class ModelConfig:
 class ParallelConfig:
     tp: int = 1
     """Tensor-parallel size: ranks that split every layer's heads and MLP columns."""
+    cp: int = 1
+    """Context-parallel size: ranks that split every sequence (in 2*cp chunks, rank i holding
+    chunks i and 2cp-1-i so the causal work is balanced); attention sees the other ranks' keys
+    and values through `cp_comm`. Gradients are reduced over dp x cp."""
+    cp_comm: str = "p2p"
+    """How context-parallel attention reaches the other chunks: p2p (ring attention: K/V blocks
+    passed around the cp ranks, each overlapped with a block of compute, partial outputs merged
+    by their log-sum-exp) or allgather (every rank gathers the whole sequence's K/V, as Llama 3
+    trained: one collective, memory of the full K/V, cheap with few kv heads)."""
     pp: int = 1
     """Pipeline-parallel size: stages the layers are cut into."""
     vpp: int = 1
@@ -160,8 +169,12 @@ class ParallelConfig:
     """Gradient bucket size (MB of fp32) for the overlapped data-parallel reduction."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp"):
+        for name in ("tp", "cp", "pp"):
             _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1")
+        _require(
+            self.cp_comm in ("p2p", "allgather"),
+            f"parallel.cp_comm must be p2p or allgather, got {self.cp_comm!r}",
+        )
         _require(self.zero in (0, 1, 2), f"parallel.zero must be 0, 1 or 2, got {self.zero}")
         _schedule_rule(check_chunks, self.schedule, self.pp, self.vpp)
         # The schedule also builds gpipe with virtual stages (evaluation runs their forwards);
@@ -182,7 +195,7 @@ class ParallelConfig:
     def dims(self, world_size: int) -> ParallelDims:
         """This layout's rank grid on `world_size` ranks (dp takes the rest), or the error that
         names the fix."""
-        return ParallelDims.for_world(world_size, tp=self.tp, pp=self.pp)
+        return ParallelDims.for_world(world_size, tp=self.tp, cp=self.cp, pp=self.pp)
 
 
 @dataclass
@@ -296,6 +309,14 @@ class DataConfig:
     """Sentencepiece .model for a prepared source (used by generate); builtin brings its own."""
     val_fraction: float = 0.01
     """Fraction of the tokens held out for evaluation."""
+    document_mask: bool = False
+    """Attention never crosses a document boundary inside a packed window: the token after an
+    end-of-document token starts a new document that sees nothing before it (Megatron's
+    reset_attention_mask; Llama 3's pretraining). The loss of a window is then the sum of its
+    documents' losses, each as if run alone."""
+    reset_positions: bool = True
+    """With document_mask: positions restart at 0 at each document (Megatron's
+    reset_position_ids); false keeps the window's positions."""
 
     def __post_init__(self) -> None:
         _require(0 < self.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
@@ -434,8 +455,21 @@ class Config:
         )
         _require(not p.sp or tp > 1, "parallel.sp=true needs parallel.tp > 1")
         _require(
-            not p.sp or m.seq_len % tp == 0,
-            f"parallel.sp needs model.seq_len ({m.seq_len}) divisible by parallel.tp ({tp})",
+            p.cp == 1 or m.seq_len % (2 * p.cp) == 0,
+            f"parallel.cp={p.cp} cuts each sequence into 2*cp={2 * p.cp} chunks: model.seq_len "
+            f"({m.seq_len}) must be divisible by {2 * p.cp}",
+        )
+        held = f"model.seq_len ({m.seq_len})"
+        if p.cp > 1:
+            held = f"the sequence a rank holds (model.seq_len / parallel.cp = {m.seq_len // p.cp})"
+        _require(
+            not p.sp or (m.seq_len // p.cp) % tp == 0,
+            f"parallel.sp needs {held} divisible by parallel.tp ({tp})",
+        )
+        _require(
+            m.dropout == 0.0 or (p.cp == 1 and not self.data.document_mask),
+            f"model.dropout={m.dropout} drops attention probabilities, which context "
+            "parallelism and document masking never materialise: set model.dropout=0",
         )
         chunks = p.pp * p.vpp
         _require(

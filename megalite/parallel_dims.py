@@ -2,9 +2,10 @@
 any axis or combination of axes, as pure functions of the sizes (testable without processes).
 
 Ranks are laid out as Megatron-LM's `RankGenerator` lays them out: the first axis of the order
-varies fastest, each later one strides over all before it. Today the order is tp-dp-pp, so
-`rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank` (tp inside a node); context and expert
-parallelism become names inserted into `ORDER` ("tp-cp-ep-dp-pp"), not new formulas. dp is the
+varies fastest, each later one strides over all before it. The order is tp-cp-dp-pp, so
+`rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank` (tp inside a node, then the
+context-parallel ring); expert parallelism becomes a name inserted into `ORDER`, not a new
+formula. dp is the
 axis nobody configures: it takes what the world leaves, derived here alone (`for_world`).
 Nothing here imports torch, so a layout that cannot run fails before torch is loaded.
 """
@@ -19,13 +20,17 @@ from dataclasses import dataclass
 
 from megalite.errors import ConfigError
 
-ORDER = ("tp", "dp", "pp")
+ORDER = ("tp", "cp", "dp", "pp")
 """Every axis, fastest-varying first."""
 DERIVED = "dp"
 """The axis whose size is the world size over the others'."""
 WEIGHT_AXES = ("tp", "pp")
 """The axes along which ranks hold different pieces of the weights; ranks that differ only on
 the others hold the same weights."""
+ALWAYS_NAMED = ("tp", "dp", "pp")
+"""The axes every checkpoint has spelled its layout and file names with. A later axis (cp) is
+named only where it is larger than 1, so a run without it writes what earlier runs wrote and
+earlier checkpoints read as the same layout."""
 
 
 @dataclass(frozen=True)
@@ -55,10 +60,11 @@ class ParallelDims:
         given = {axis: sizes.get(axis, 1) for axis in order if axis != DERIVED}
         product = math.prod(given.values())
         if world_size % product:
+            named = {a: n for a, n in given.items() if a in ALWAYS_NAMED or n > 1}
             raise ConfigError(
-                f"world size {world_size} is not divisible by {'*'.join(given)} = "
-                f"{'*'.join(map(str, given.values()))}: launch a multiple of {product} processes "
-                f"or change {' / '.join(f'parallel.{axis}' for axis in given)}"
+                f"world size {world_size} is not divisible by {'*'.join(named)} = "
+                f"{'*'.join(map(str, named.values()))}: launch a multiple of {product} processes "
+                f"or change {' / '.join(f'parallel.{axis}' for axis in named)}"
             )
         return cls({axis: given.get(axis, world_size // product) for axis in order})
 
@@ -70,7 +76,8 @@ class ParallelDims:
     def naming_order(self) -> tuple[str, ...]:
         """Every axis, the weight axes first: the order in which a layout is spelled
         (`tp 2 pp 1 dp 4`, checkpoint files `optim_tp01_pp00_dp03`)."""
-        return (*self.weight_axes, *(a for a in self.sizes if a not in self.weight_axes))
+        named = [a for a in self.sizes if a in ALWAYS_NAMED or self.sizes[a] > 1]
+        return (*self.weight_axes, *(a for a in named if a not in self.weight_axes))
 
     def layout(self) -> dict[str, int]:
         """Each axis's size in naming order, as checkpoints record the layout that saved them."""
@@ -122,13 +129,22 @@ class ParallelDims:
         """The first and last stage of each pipeline: they hold the tied embedding's copies."""
         return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
 
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        """The axes along which ranks hold the same weights (dp, cp): their gradients are summed
+        over these together, and ZeRO shards the optimizer over them."""
+        return tuple(axis for axis in self.sizes if axis not in self.weight_axes)
+
     def named_groups(self) -> dict[str, list[list[int]]]:
         """Every group a run creates, by the name `ParallelState` gives it, in the order every
         rank creates them: each axis's (fastest first), the model-parallel groups (the weight
-        axes together: one copy of the model), the embedding pairs last."""
+        axes together: one copy of the model), the replicas of one piece of the weights
+        (`dp_cp`, Megatron's data-parallel group with context parallelism: the dp group when cp
+        is 1), the embedding pairs last."""
         return {
             **{axis: self.groups(axis) for axis in self.sizes},
             "model_parallel": self.groups(*self.weight_axes),
+            "dp_cp": self.groups(*self.replica_axes),
             "embedding": self.embedding_groups(),
         }
 

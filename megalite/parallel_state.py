@@ -59,15 +59,20 @@ class ParallelState:
     world_group: Any = None
 
     tp_size = _PerAxis()
+    cp_size = _PerAxis()
     dp_size = _PerAxis()
     pp_size = _PerAxis()
     tp_rank = _PerAxis()
+    cp_rank = _PerAxis()
     dp_rank = _PerAxis()
     pp_rank = _PerAxis()
     tp_group = _PerAxis()
+    cp_group = _PerAxis()
     dp_group = _PerAxis()
     pp_group = _PerAxis()
     model_parallel_group = _PerAxis()
+    dp_cp_group = _PerAxis()
+    """The ranks holding the same weights (dp x cp): gradients are summed and ZeRO shards over it."""
     embedding_group = _PerAxis()
 
     @functools.cached_property
@@ -77,6 +82,20 @@ class ParallelState:
     @property
     def world_size(self) -> int:
         return self.dims.world_size
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.dp_size * self.cp_size
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place among the replicas of its weights (cp varies fastest)."""
+        return self.dp_rank * self.cp_size + self.cp_rank
+
+    @functools.cached_property
+    def cp_ranks(self) -> tuple[int, ...]:
+        """Global ranks of this rank's context-parallel ring, indexed by cp_rank (for p2p)."""
+        return tuple(self.dims.group_of(self.rank, "cp"))
 
     @functools.cached_property
     def pp_ranks(self) -> tuple[int, ...]:
@@ -238,7 +257,7 @@ def _starting(what: str, timeout_s: float | None = None) -> Iterator[None]:
 
 
 def build_parallel_state(
-    tp: int, pp: int, device: torch.device, timeout_s: float | None = None
+    tp: int, pp: int, device: torch.device, timeout_s: float | None = None, cp: int = 1
 ) -> ParallelState:
     """Create every process group of the layout; must run on all ranks in the same order.
 
@@ -248,7 +267,7 @@ def build_parallel_state(
     A single process outside torch.distributed gets the layout of one rank, or the error that
     says how many processes the layout needs."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    dims = ParallelDims.for_world(world_size, tp=tp, pp=pp)
+    dims = ParallelDims.for_world(world_size, tp=tp, cp=cp, pp=pp)
     if not dist.is_initialized():
         return ParallelState(dims, 0, device)
     rank = dist.get_rank()

@@ -11,6 +11,7 @@ import torch
 from megalite.models.layers import BuildContext
 from torch import nn
 
+from megalite.context_parallel.layout import SequenceLayout
 from megalite.tensor_parallel import recompute
 
 
@@ -21,9 +22,11 @@ def segment_layers(layers: list[nn.Module]) -> list[list[nn.Module]]:
     return [layers[i : i + size] for i in range(0, len(layers), size)]
 
 
-def run_in_order(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+def run_in_order(
+    layers: list[nn.Module], x: torch.Tensor, layout: SequenceLayout | None
+) -> torch.Tensor:
     for layer in layers:
-        x = layer(x)
+        x = layer(x, layout)
     return x
 
 
@@ -40,7 +43,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.ctx, self.has_embedding, self.has_head = ctx, has_embedding, has_head
 
-    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, layout: SequenceLayout | None) -> torch.Tensor:
         """The blocks in order. Under `train.recompute=full` the first `recompute_layers` of
         them (all by default) keep only their input for backward and run again there. Under
         `segments` (Chen et al. 2016) the blocks run in about sqrt(L) segments of about
@@ -48,21 +51,27 @@ class CausalLM(nn.Module):
         time, so at most sqrt(L) inputs plus one segment's activations are alive."""
         layers = list(self.layers.values())
         if not self.training or self.ctx.recompute not in ("full", "segments"):
-            for layer in layers:
-                x = layer(x)
-            return x
+            return run_in_order(layers, x, layout)
+        tp_random = self.ctx.tp_random
         if self.ctx.recompute == "segments":
             for segment in segment_layers(layers):
-                x = recompute(partial(run_in_order, segment), x, tp_random=self.ctx.tp_random)
+                x = recompute(partial(run_in_order, segment, layout=layout), x, tp_random=tp_random)
             return x
         limit = len(layers) if self.ctx.recompute_layers is None else self.ctx.recompute_layers
         for n, layer in enumerate(layers):
-            x = recompute(layer, x, tp_random=self.ctx.tp_random) if n < limit else layer(x)
+            if n < limit:
+                x = recompute(partial(layer, layout=layout), x, tp_random=tp_random)
+            else:
+                x = layer(x, layout)
         return x
 
-    def sequence_positions(self, seq_len: int) -> torch.Tensor:
-        """Positions of this rank's tokens: all of them, or its sequence shard under SP."""
-        positions = torch.arange(seq_len, device=self.ctx.ps.device)
+    def sequence_positions(self, seq_len: int, layout: SequenceLayout | None) -> torch.Tensor:
+        """(1 or b, tokens) positions of this rank's tokens: of its chunks of the windows
+        (`layout`; all seq_len without one), or of its sequence shard of them under SP."""
+        if layout is None:
+            positions = torch.arange(seq_len, device=self.ctx.ps.device)[None]
+        else:
+            positions = layout.positions
         if not self.ctx.sequence_parallel:
             return positions
-        return positions.chunk(self.ctx.ps.tp_size)[self.ctx.ps.tp_rank]
+        return positions.chunk(self.ctx.ps.tp_size, dim=1)[self.ctx.ps.tp_rank]

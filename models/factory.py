@@ -34,6 +34,7 @@ def build_chunks(
         sequence_parallel=p.sp,
         recompute=cfg.train.recompute,
         recompute_layers=cfg.train.recompute_layers,
+        cp_comm=p.cp_comm,
     )
     n_stages = ps.pp_size * p.vpp
     model = model_class(cfg.model.arch)

@@ -19,6 +19,8 @@ from megalite.kernels import flash_attention, layer_norm, rms_norm, rotary_embed
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.context_parallel.attention import chunked_attention
+from megalite.context_parallel.layout import SequenceLayout
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import (
     ColumnOutput,
@@ -44,6 +46,7 @@ class BuildContext:
     sequence_parallel: bool = False
     recompute: str = "none"
     recompute_layers: int | None = None
+    cp_comm: str = "p2p"
 
     @property
     def out_proj_init(self) -> InitFn:
@@ -176,21 +179,45 @@ class Attention(nn.Module):
             self.register_buffer("cos", cos.to(ps.device), persistent=False)
             self.register_buffer("sin", sin.to(ps.device), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: SequenceLayout | None = None) -> torch.Tensor:
+        """x: the block's normed input; `layout`: which pieces of the windows its tokens are
+        and their documents (None: whole windows, one document each)."""
         q, k, v = self.wqkv(x)  # one gather, one GEMM: (b, s, local heads * hd) each
         b, s = q.shape[:2]
         q = q.view(b, s, -1, self.head_dim)  # (b, s, local heads, hd)
         k = k.view(b, s, -1, self.head_dim)  # (b, s, local kv heads, hd)
         v = v.view(b, s, -1, self.head_dim)
         if self.rotary:
-            q, k = rotary_embedding(q, k, self.cos, self.sin)  # one pass over both
+            q, k = self.rotate(q, k, layout)
             # q and k are new tensors now; a copy of v lets the fused output go (attention
             # keeps v for backward, and a view would keep q/k/v's whole output alive)
             v = v.contiguous()
-        y = self.core(q, k, v)  # (b, s, local heads, hd)
+        y = self.core(q, k, v, layout)  # (b, s, local heads, hd)
         return self.wo(y.reshape(b, s, -1))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, layout: SequenceLayout | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary embedding of q and k at their tokens' positions, in one pass over both."""
+        if layout is None or layout.plain:
+            return rotary_embedding(q, k, self.cos, self.sin)  # positions 0..s-1
+        b, s = q.shape[:2]
+        positions = layout.positions.expand(b, s).reshape(-1)  # one table row per token
+        q, k = rotary_embedding(
+            q.reshape(1, b * s, *q.shape[2:]),
+            k.reshape(1, b * s, *k.shape[2:]),
+            self.cos[positions],
+            self.sin[positions],
+        )
+        return q.view(b, s, *q.shape[2:]), k.view(b, s, *k.shape[2:])
+
+    def core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout | None
+    ) -> torch.Tensor:
+        if layout is not None and not layout.plain:  # pieces of windows, or documents
+            ps = self.ctx.ps
+            mode = self.ctx.cp_comm
+            return chunked_attention(q, k, v, layout, ps.cp_ranks, ps.cp_rank, ps.cp_group, mode)
         p = self.ctx.cfg.dropout if self.training else 0.0
         if p == 0.0:
             return flash_attention(q, k, v, causal=True)

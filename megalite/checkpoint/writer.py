@@ -86,11 +86,11 @@ def owned_tensors(state: RunState) -> tuple[dict[str, dict[str, torch.Tensor]], 
         entry["segments"].append([piece, lo, lo + tensor.numel(), file, key])
         files.setdefault(file, {})[key] = tensor.detach()
 
-    if ps.dp_rank == 0:  # fused parameters as their parts: the layout before fusing
+    if ps.dp_cp_rank == 0:  # fused parameters as their parts: the layout before fusing
         for name, tensor in global_tensors(state.params).items():
             if _saved_name(tensor, name, ps) is not None:
                 add(name, tensor, model_file, 0, tensor)
-    if optimizer.sharded or ps.dp_rank == 0:
+    if optimizer.sharded or ps.dp_cp_rank == 0:
         for name, tensor, lo, _, views in optimizer.owned_pieces():
             if _saved_name(tensor, name, ps) is not None:
                 for kind, view in views.items():

@@ -133,6 +133,11 @@ class BlendedDataset:
     def sizes(self) -> list[int]:
         return [len(d) for d in self.datasets]
 
+    @property
+    def eos_id(self) -> int:
+        """The end-of-document token the corpora were prepared with (one tokenizer)."""
+        return int(self.datasets[0].meta["eos_id"])
+
     def describe(self) -> str:
         """'data blend: 0.7000 a (N windows), ...' with the proportions actually drawn."""
         parts = [

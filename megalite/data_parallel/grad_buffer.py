@@ -96,7 +96,7 @@ class GradBuffer:
     grads (`accumulate_main_grad`); False: they return a `.grad` like any other parameter."""
 
     def __post_init__(self) -> None:
-        dp = self.ps.dp_size
+        dp = self.ps.dp_cp_size
         self.sharded = self.shard_optimizer and dp > 1
         self.grads_sharded = self.shard_grads and self.sharded
         self.buckets: list[Bucket] = []
@@ -167,8 +167,8 @@ class GradBuffer:
         """This rank's piece of a bucket, in buffer coordinates."""
         if not self.sharded:
             return bucket.start, bucket.end
-        piece = bucket.numel // self.ps.dp_size
-        start = bucket.start + self.ps.dp_rank * piece
+        piece = bucket.numel // self.ps.dp_cp_size
+        start = bucket.start + self.ps.dp_cp_rank * piece
         return start, start + piece
 
     def owned_segments(self, param: nn.Parameter) -> list[tuple[int, int, int]]:
@@ -268,15 +268,15 @@ class GradBuffer:
                 self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        if self.ps.dp_size == 1:
+        if self.ps.dp_cp_size == 1:
             return
         grads = self.grads_flat[bucket.start : bucket.end]
         if self.sharded:
             bucket.handle = comm.reduce_scatter_flat(
-                self.owned_grads[bucket.owned], grads, self.ps.dp_group, async_op=True
+                self.owned_grads[bucket.owned], grads, self.ps.dp_cp_group, async_op=True
             )
         else:
-            bucket.handle = comm.all_reduce(grads, self.ps.dp_group, async_op=True)
+            bucket.handle = comm.all_reduce(grads, self.ps.dp_cp_group, async_op=True)
 
     def start_sync(self) -> None:
         """Reduce each bucket over dp as soon as it is complete, from now on: called before the
@@ -330,11 +330,11 @@ class GradBuffer:
         """Launch the bucket's reduce-scatter, then fold in every earlier one: their reductions
         overlapped the backward that filled this bucket."""
         bucket.received = torch.empty(
-            bucket.numel // self.ps.dp_size, dtype=torch.float32, device=self.device
+            bucket.numel // self.ps.dp_cp_size, dtype=torch.float32, device=self.device
         )
         self._count_staging(bucket.received.nbytes)
         bucket.handle = comm.reduce_scatter_flat(
-            bucket.received, bucket.staging, self.ps.dp_group, async_op=True
+            bucket.received, bucket.staging, self.ps.dp_cp_group, async_op=True
         )
         self.in_flight.append(bucket)
         while len(self.in_flight) > 1:
@@ -379,7 +379,7 @@ class GradBuffer:
         for bucket, (start, end) in reversed(list(zip(self.buckets, self.owned_ranges))):
             source = self.params_flat[start:end].clone()
             full = self.params_flat[bucket.start : bucket.end]
-            handle = comm.all_gather_flat(full, source, self.ps.dp_group, async_op=True)
+            handle = comm.all_gather_flat(full, source, self.ps.dp_cp_group, async_op=True)
             bucket.gather = (handle, source)
 
     def wait_param_gather(self, bucket: Bucket) -> None:

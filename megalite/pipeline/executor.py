@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from megalite import comm
+from megalite.context_parallel.layout import SequenceLayout
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.schedule import Action, Op, p2p_batches, peer_of, virtual_stage
@@ -147,6 +148,9 @@ class MicroBatch:
     """Token ids (b, s); None on a rank without the first virtual stage (it never reads them)."""
     targets: torch.Tensor | None
     """Next-token ids (b, s); None on a rank without the last virtual stage."""
+    layout: SequenceLayout | None = None
+    """Which pieces of the windows this rank holds and their documents (every stage needs it
+    for attention); None for whole windows of one document each."""
 
 
 @dataclass
@@ -326,7 +330,7 @@ class PipelineExecutor:
             inputs = batch.inputs
         else:
             inputs = received.requires_grad_(torch.is_grad_enabled())
-        output = self.chunks[c](inputs, batch.targets if self.is_last[c] else None)
+        output = self.chunks[c](inputs, batch.targets if self.is_last[c] else None, batch.layout)
         if self.is_last[c]:
             output = output * step.loss_weight  # the token-loss sum: this micro-batch's share
         if self.feeds[c] is not None:

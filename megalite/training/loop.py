@@ -183,9 +183,8 @@ def setup_topology(cfg: Config) -> ParallelState:
     cfg.layout_for_world(int(os.environ.get("WORLD_SIZE", 1)))
     device = choose_device(cfg.train.device)
     init_distributed(device, collective_timeout(cfg.fault))
-    return build_parallel_state(
-        cfg.parallel.tp, cfg.parallel.pp, device, collective_timeout(cfg.fault)
-    )
+    p = cfg.parallel
+    return build_parallel_state(p.tp, p.pp, device, collective_timeout(cfg.fault), cp=p.cp)
 
 
 def start_run(
@@ -204,6 +203,7 @@ def start_run(
         ps,
         init_from=Path(init_from) if init_from and not resume_from else None,
         random_init=resume_from is None,  # the checkpoint overwrites every weight
+        eos_id=data.train.eos_id,
     )
     state = run_state(run, sampler)
     if resume_from is not None:
@@ -280,6 +280,7 @@ def rank_batch(data: BlendedDataset, pairs: list[tuple[int, int]], run: Run) -> 
     share = len(pairs) // ps.dp_size
     mine = pairs[ps.dp_rank * share : (ps.dp_rank + 1) * share]
     first, last = any(run.executor.is_first), any(run.executor.is_last)
+    first = first or run.sequence_cut.needs_inputs  # every stage finds the documents
     return data.read(mine, inputs=first, targets=last).to(ps.device)
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from megalite.checkpoint.initial import load_initial_weights
 from megalite.config import Config
+from megalite.context_parallel.layout import SequenceCut
 from megalite.data_parallel.grad_buffer import GradBuffer, build_grad_buffers
 from megalite.models.causal_lm import CausalLM
 from megalite.models.factory import build_chunks
@@ -51,11 +52,27 @@ class Run:
     names: dict[nn.Parameter, str] = field(default_factory=dict)
     compile_watch: CompileWatch | None = None
     """With `train.compile`: compile time and recompiles of the blocks (training/compile.py)."""
+    eos_id: int | None = None
+    """The data's end-of-document token, where documents are masked (`data.document_mask`)."""
     _schedules: dict[tuple[int, bool], list[Action]] = field(default_factory=dict)
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """Global name -> local parameter over all chunks (names never repeat across chunks)."""
         return {name: param for param, name in self.names.items()}
+
+    @property
+    def sequence_cut(self) -> SequenceCut:
+        """How this rank cuts its windows: its cp chunks, and the documents if masked."""
+        masked = self.cfg.data.document_mask
+        if masked and self.eos_id is None:
+            raise ValueError("data.document_mask needs the data's eos_id (Run.eos_id)")
+        return SequenceCut(
+            self.cfg.model.seq_len,
+            self.ps.cp_size,
+            self.ps.cp_rank,
+            self.eos_id if masked else None,
+            self.cfg.data.reset_positions,
+        )
 
     def train(self, mode: bool = True) -> None:
         for chunk in self.chunks:
@@ -83,6 +100,7 @@ def build_run(
     ps: ParallelState,
     init_from: Path | None = None,
     random_init: bool = True,
+    eos_id: int | None = None,
 ) -> Run:
     """`init_from`: weights to start from instead of the seeded initialisation (loaded before
     the optimizer takes its master copy). `random_init=False`: the caller loads every weight
@@ -103,7 +121,7 @@ def build_run(
         for chunk in chunks
     ]
     buffers = [b for chunk_buffers in buffers_of_chunk for b in chunk_buffers]
-    seq = cfg.model.seq_len // (ps.tp_size if cfg.parallel.sp else 1)
+    seq = cfg.model.seq_len // ps.cp_size // (ps.tp_size if cfg.parallel.sp else 1)
     executor = PipelineExecutor(
         chunks,
         ps,
@@ -129,4 +147,5 @@ def build_run(
         bad_steps=BadStepPolicy.from_config(cfg.fault),
         names=names,
         compile_watch=compile_watch,
+        eos_id=eos_id,
     )

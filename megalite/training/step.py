@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite import comm
+from megalite.context_parallel.layout import SequenceCut
 from megalite.data.dataset import TokenBatch
 from megalite.data_parallel.finalize import finalize_grads
 from megalite.optimizer.clip import clip_coefficient
@@ -38,25 +39,39 @@ class StepMetrics:
     """With `train.compile`: graphs this rank compiled after its first step (should be 0)."""
 
 
-def micro_batches(batch: TokenBatch | torch.Tensor, micro_batch_size: int) -> list[MicroBatch]:
+def micro_batches(
+    batch: TokenBatch | torch.Tensor, micro_batch_size: int, cut: SequenceCut | None = None
+) -> list[MicroBatch]:
     """Cut this rank's share into micro-batches: of the halves it read (a middle pipeline stage
     gets micro-batches of neither, only their count). A tensor is whole (n, seq + 1) windows, as
-    tests and benchmarks pass them: inputs and shifted targets both."""
+    tests and benchmarks pass them: inputs and shifted targets both. With a `cut` (context
+    parallelism, document masking) each micro-batch holds this rank's chunks of its windows
+    and their layout."""
     if isinstance(batch, torch.Tensor):
         batch = TokenBatch.of_windows(batch)
+    layout = None
+    if cut is not None and not cut.plain:
+        device = next(t for t in (batch.inputs, batch.targets, torch.empty(0)) if t is not None)
+        layout = cut.layout(batch.inputs, device.device)
+        batch = TokenBatch(batch.size, cut.shard(batch.inputs), cut.shard(batch.targets))
 
     def rows(half: torch.Tensor | None, start: int) -> torch.Tensor | None:
         return None if half is None else half[start : start + micro_batch_size]
 
     return [
-        MicroBatch(rows(batch.inputs, start), rows(batch.targets, start))
+        MicroBatch(
+            rows(batch.inputs, start),
+            rows(batch.targets, start),
+            None if layout is None else layout.rows(start, micro_batch_size),
+        )
         for start in range(0, batch.size, micro_batch_size)
     ]
 
 
 def global_loss(local: torch.Tensor, run: Run) -> float:
-    """Sum the per-rank shares of the mean: over dp ranks and from the last pipeline stage."""
-    comm.all_reduce(local, run.ps.dp_group)
+    """Sum the per-rank shares of the mean: over the replicas (dp x cp: each holds some of the
+    tokens) and from the last pipeline stage."""
+    comm.all_reduce(local, run.ps.dp_cp_group)
     comm.all_reduce(local, run.ps.pp_group)
     return local.item()
 
@@ -71,7 +86,7 @@ def train_step(
     run.train(True)
     for buffer in run.buffers:
         buffer.reset()
-    batches = micro_batches(tokens, cfg.train.micro_batch_size)
+    batches = micro_batches(tokens, cfg.train.micro_batch_size, run.sequence_cut)
     loss_weight = 1.0 / (cfg.train.global_batch_size * cfg.model.seq_len)
     local_loss, times = run.executor.run(
         run.schedule(len(batches)), batches, loss_weight, run.scaler.scale, timer
@@ -104,7 +119,7 @@ def train_step(
 def eval_loss(run: Run, batch: TokenBatch) -> float:
     """Mean token loss of `batch` (this rank's share of an evaluation batch)."""
     run.train(False)
-    batches = micro_batches(batch, run.cfg.train.micro_batch_size)
+    batches = micro_batches(batch, run.cfg.train.micro_batch_size, run.sequence_cut)
     total_tokens = batch.size * run.ps.dp_size * run.cfg.model.seq_len
     compiled = run.compile_watch is not None
     with eager() if compiled else contextlib.nullcontext():  # no graphs for a few batches

@@ -20,6 +20,7 @@ from megalite.models.layers import (
 )
 from torch import nn
 
+from megalite.context_parallel.layout import SequenceLayout
 from megalite.tensor_parallel import (
     ColumnParallelLinear,
     ParamMeta,
@@ -68,10 +69,10 @@ class Block(nn.Module):
         self.mlp = MLP(ctx)
         self.drop = ResidualDropout(ctx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: SequenceLayout | None = None) -> torch.Tensor:
         # the MLP's norm takes the attention's residual add with it (one fused pass): h is the
         # new residual stream x + attn(...), normed is ln(h)
-        h, normed = self.mlp_norm(x, residual=self.drop(self.attn(self.attn_norm(x))))
+        h, normed = self.mlp_norm(x, residual=self.drop(self.attn(self.attn_norm(x), layout)))
         return h + self.drop(self.mlp(normed))  # (b, s, h), or (b, s/tp, h) under SP
 
 
@@ -102,17 +103,24 @@ class GPT(CausalLM):
             tied = dict(tied=self.wte) if has_embedding else dict(tied_name="wte.weight")
             self.lm_head = VocabParallelOutput(cfg.vocab_size, cfg.hidden, ps, **vocab, **tied)
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """inputs: token ids (b, s) on the first chunk, else the previous chunk's hidden states.
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        layout: SequenceLayout | None = None,
+    ) -> torch.Tensor:
+        """inputs: token ids (b, s) on the first chunk, else the previous chunk's hidden states;
+        `layout`: which pieces of the windows they are (context parallelism) and their documents
+        (None: whole windows, one document each).
         Returns hidden states, or on the last chunk the summed token loss (an fp32 scalar) given
         targets, or the full logits (b, s, vocab) without."""
         if self.has_embedding:
             x = self.wte(inputs)  # (b, s, h), or (b, s/tp, h) under SP
-            x = x + self.wpe[self.sequence_positions(inputs.shape[1])]
+            x = x + self.wpe[self.sequence_positions(inputs.shape[1], layout)]
             x = self.drop(x)
         else:
             x = inputs  # from the previous pipeline stage
-        x = self.run_layers(x)  # the blocks
+        x = self.run_layers(x, layout)  # the blocks
         if not self.has_head:
             return x
         return self.lm_head(self.final_norm(x), targets)

@@ -36,7 +36,8 @@ def test_tp_varies_fastest_then_dp_then_pp(world_size, tp, pp):
     """Megatron's order: `rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank`."""
     dims = ParallelDims.for_world(world_size, tp=tp, pp=pp)
     dp = world_size // (tp * pp)
-    assert list(dims.sizes) == ["tp", "dp", "pp"] and dims.sizes["dp"] == dp
+    assert list(dims.sizes) == ["tp", "cp", "dp", "pp"] and dims.sizes["dp"] == dp
+    assert dims.sizes["cp"] == 1
     for rank in range(world_size):
         c = dims.coords(rank)
         assert rank == c["pp"] * (dp * tp) + c["dp"] * tp + c["tp"]
@@ -71,14 +72,17 @@ def test_combined_groups_are_the_unions_along_their_axes():
 
 
 def test_named_groups_in_creation_order():
-    """Each axis (fastest first), the weight axes together, then the embedding pairs: the
-    first and last stage of each pipeline."""
+    """Each axis (fastest first), the weight axes together, the replicas (dp x cp), then the
+    embedding pairs: the first and last stage of each pipeline."""
     dims = ParallelDims.for_world(8, tp=2, pp=4)
+    singles = [[r] for r in range(8)]
     assert dims.named_groups() == {
         "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
-        "dp": [[0], [1], [2], [3], [4], [5], [6], [7]],
+        "cp": singles,
+        "dp": singles,
         "pp": [[0, 2, 4, 6], [1, 3, 5, 7]],
         "model_parallel": [list(range(8))],
+        "dp_cp": singles,
         "embedding": [[0, 6], [1, 7]],
     }
     assert list(ParallelDims.for_world(16, order=WITH_CP, tp=2, cp=2).named_groups()) == [
@@ -87,12 +91,13 @@ def test_named_groups_in_creation_order():
         "dp",
         "pp",
         "model_parallel",
+        "dp_cp",
         "embedding",
     ]
 
 
 def test_dp_takes_the_rest_of_the_world():
-    assert ParallelDims.for_world(8, tp=2).sizes == {"tp": 2, "dp": 4, "pp": 1}
+    assert ParallelDims.for_world(8, tp=2).sizes == {"tp": 2, "cp": 1, "dp": 4, "pp": 1}
     assert ParallelDims.for_world(1).world_size == 1
 
 
@@ -111,9 +116,9 @@ def test_dp_is_never_given_and_axes_must_exist():
     with pytest.raises(ValueError):
         ParallelDims.for_world(8, dp=2)
     with pytest.raises(ValueError):
-        ParallelDims.for_world(8, cp=2)  # not in today's order
+        ParallelDims.for_world(8, ep=2)  # not in today's order
     with pytest.raises(ValueError):
-        ParallelDims.for_world(8).groups("cp")
+        ParallelDims.for_world(8).groups("ep")
 
 
 def test_layout_and_labels_spell_the_weight_axes_first():

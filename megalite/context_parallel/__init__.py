@@ -1,0 +1,1 @@
+"""Context parallelism: the sequence cut over ranks, and attention across the cuts."""
