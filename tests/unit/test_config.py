@@ -406,6 +406,22 @@ def test_sp_needs_seq_len_divisible_by_tp():
     load_config(None, ["parallel.tp=2", "parallel.sp=true", "model.seq_len=34"])
 
 
+def test_context_parallel_rules():
+    """2*cp chunks per sequence; under SP the rank's chunks split over tp; no attention
+    dropout (the probabilities are never materialised); a known cp_comm; cp in the world."""
+    message = error_of(["parallel.cp=3", "model.seq_len=256"])
+    assert "2*cp=6 chunks" in message and "model.seq_len (256)" in message
+    message = error_of(["parallel.cp=2", "parallel.tp=4", "parallel.sp=true", "model.seq_len=36"])
+    assert "model.seq_len / parallel.cp = 18) divisible by parallel.tp (4)" in message
+    assert "set model.dropout=0" in error_of(["parallel.cp=2", "model.dropout=0.1"])
+    assert "set model.dropout=0" in error_of(["data.document_mask=true", "model.dropout=0.1"])
+    assert "p2p or allgather" in error_of(["parallel.cp_comm=ring"])
+    cfg = load_config(None, ["parallel.cp=2", "parallel.tp=2", "train.global_batch_size=16"])
+    assert cfg.layout_for_world(8)[0] == 2  # dp = 8 / (tp * cp)
+    with pytest.raises(ConfigError, match=r"tp\*cp\*pp = 2\*2\*1"):
+        cfg.layout_for_world(6)
+
+
 def test_n_layers_at_least_pipeline_chunks():
     message = error_of(
         ["model.n_layers=3", "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved"]
