@@ -202,7 +202,7 @@ class AllGatherAttention(torch.autograd.Function):
         blocks = _Attention(layout, scale)
         kv = _gather_window(k, v, layout, group)
         out, lse = _fresh(q)
-        blocks.forward(q, kv[0], kv[1], ((0, layout.seq_len),), out, lse)
+        blocks.forward(q, kv[0], kv[1], _all_chunks(layout.seq_len, comm.size(group)), out, lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.blocks, ctx.group = blocks, group
@@ -216,9 +216,16 @@ class AllGatherAttention(torch.autograd.Function):
         delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        ctx.blocks.backward(dout, q, kv[0], kv[1], out, lse, delta, ((0, layout.seq_len),), dq, dkv)
+        chunks = _all_chunks(layout.seq_len, comm.size(group))
+        ctx.blocks.backward(dout, q, kv[0], kv[1], out, lse, delta, chunks, dq, dkv)
         mine = comm.reduce_scatter(_to_holders(dkv, comm.size(group)), group, dim=0)[0]
         return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None
+
+
+def _all_chunks(seq_len: int, cp: int) -> Chunks:
+    """The window's 2*cp chunks in order: the gathered keys, as blocks the causal mask can skip."""
+    size = seq_len // (2 * cp)
+    return tuple((i * size, size) for i in range(2 * cp))
 
 
 def _gather_window(k, v, layout: SequenceLayout, group: Any) -> torch.Tensor:

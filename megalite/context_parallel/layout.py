@@ -35,7 +35,7 @@ def local_chunks(seq_len: int, cp: int, cp_rank: int) -> tuple[tuple[int, int], 
 def shard_sequence(
     x: torch.Tensor, chunks: tuple[tuple[int, int], ...], dim: int = 1
 ) -> torch.Tensor:
-    """This rank's tokens of whole windows `x` (the sequence along `dim`): its chunks side by side."""
+    """This rank's tokens of whole windows `x` (sequence along `dim`): its chunks side by side."""
     if len(chunks) == 1 and chunks[0] == (0, x.shape[dim]):
         return x
     return torch.cat([x.narrow(dim, start, length) for start, length in chunks], dim=dim)
