@@ -5,9 +5,9 @@ mapping, its closed-form formulas, and an `Architecture` record in its `__init__
 module lists the shipped packages by name (`SHIPPED`: one line per architecture) and imports
 their records on first use; a plugin or a test registers one at run time (`register`). The
 record is all that `megalite.config` reads (the MLP width default, whether grouped-query
-attention is allowed), so a record imports nothing of megalite but this module: a config is
-checked before torch is imported, and the rest of the package imports the config. The other
-parts are named by import path and imported by whoever uses them (`load`).
+attention and rope scaling are allowed), so a record imports nothing of megalite but this
+module: a config is checked before torch is imported, and the rest of the package imports the
+config. The other parts are named by import path and imported by whoever uses them (`load`).
 
 Why the registry is not in models/: the config reads it, and models/ imports the config; here,
 below both, the packages' import graph has no cycle (tests/unit/test_imports.py).
@@ -37,6 +37,9 @@ class Architecture:
     """Its `Formulas` (`models.formulas`): parameters, FLOPs and activations in closed form."""
     grouped_query: bool = False
     """Whether `model.n_kv_heads` may be fewer than `model.n_heads`."""
+    rope_scaling: bool = False
+    """Whether `model.rope_scaling` may be set: the model has rotary embeddings from
+    `layers.rotary_tables`, and its Hugging Face mapping carries the scaling both ways."""
 
 
 SHIPPED = ("megalite.models.gpt", "megalite.models.llama")

@@ -49,6 +49,20 @@ def _one_of(names: list[str]) -> str:
     return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
 
 
+ROPE_SCALING_DEFAULTS: dict[str, dict[str, float | int]] = {
+    "none": {},
+    "llama3": {
+        "rope_scaling_factor": 8.0,
+        "rope_low_freq_factor": 1.0,
+        "rope_high_freq_factor": 4.0,
+        "rope_original_max_positions": 8192,
+    },
+}
+"""The kinds of `model.rope_scaling`, each with its parameters' defaults (Llama 3.1's)."""
+ROPE_SCALING_KEYS = tuple(ROPE_SCALING_DEFAULTS["llama3"])
+"""The `ModelConfig` fields that parameterise rope scaling."""
+
+
 @dataclass
 class ModelConfig:
     arch: str = "gpt"
@@ -75,14 +89,35 @@ class ModelConfig:
     max_positions: int | None = None
     """Positions the model can represent (GPT-2's `n_positions`, Llama's
     `max_position_embeddings`): GPT's learned position table has this many rows and Llama's
-    rotary tables cover them; `generate` may use this much context. None means seq_len. Set it
-    to fine-tune a model that has more positions than seq_len (GPT-2: 1024) and keep them all."""
+    rotary tables cover them; `generate` may use this much context. None means seq_len, except
+    that `checkpoint.init_from` adopts the model's own (GPT-2: 1024, kept whatever seq_len
+    trains at), as it does the rotary settings below; setting it there asks for that count."""
     dropout: float = 0.0
     """Dropout on attention probabilities and residual branches (0 makes layouts comparable)."""
     norm_eps: float = 1e-5
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
     """Rotary embedding base (architectures with rotary embeddings)."""
+    rope_scaling: str = "none"
+    """Rotary frequency scaling, to run at a longer context than the model was pretrained at:
+    none, or llama3 (Llama 3.1's: wavelengths longer than rope_original_max_positions /
+    rope_low_freq_factor are stretched rope_scaling_factor times, those shorter than
+    rope_original_max_positions / rope_high_freq_factor kept, those between interpolated).
+    Architectures whose record allows it (llama); Hugging Face's `rope_scaling` /
+    `rope_parameters` with rope_type llama3."""
+    rope_scaling_factor: float | None = None
+    """llama3: how many times longer the context is than at pretraining (>= 1). None: Llama
+    3.1's 8 with rope_scaling=llama3. With rope_scaling=none it stays unset, as do the three
+    below."""
+    rope_low_freq_factor: float | None = None
+    """llama3: wavelengths above rope_original_max_positions / this are stretched in full.
+    None: Llama 3.1's 1."""
+    rope_high_freq_factor: float | None = None
+    """llama3: wavelengths below rope_original_max_positions / this are kept; above
+    rope_low_freq_factor. None: Llama 3.1's 4."""
+    rope_original_max_positions: int | None = None
+    """llama3: the context length of pretraining (Hugging Face's
+    `original_max_position_embeddings`). None: Llama 3.1's 8192."""
     init_std: float = 0.02
     """Standard deviation of the normal init; output projections use init_std/sqrt(2*n_layers)."""
 
@@ -123,6 +158,53 @@ class ModelConfig:
             f"{_one_of(grouped)}-only",
         )
         _require(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+        self._check_rope_scaling(arch)
+
+    def _check_rope_scaling(self, arch: architectures.Architecture) -> None:
+        """rope_scaling names a kind megalite implements, on an architecture that has it; the
+        llama3 parameters default to Llama 3.1's and are in range."""
+        kinds = list(ROPE_SCALING_DEFAULTS)
+        _require(
+            self.rope_scaling in kinds,
+            f"model.rope_scaling must be {_one_of(kinds)}, got {self.rope_scaling!r}",
+        )
+        defaults = ROPE_SCALING_DEFAULTS[self.rope_scaling]
+        if not defaults:
+            given = [f"model.{key}" for key in ROPE_SCALING_KEYS if getattr(self, key) is not None]
+            if given:
+                raise ConfigError(
+                    f"{_one_of(given)} {'are' if given[1:] else 'is'} set, but "
+                    f"model.rope_scaling=none: set model.rope_scaling={_one_of(kinds[1:])} to "
+                    f"scale, or leave {'them' if given[1:] else 'it'} out"
+                )
+            return
+        scaled = [
+            name for name in architectures.names() if architectures.architecture(name).rope_scaling
+        ]
+        _require(
+            arch.rope_scaling,
+            f"model.rope_scaling={self.rope_scaling}, but rope scaling is {_one_of(scaled)}-only "
+            f"(model.arch={self.arch} has no rotary embeddings to scale): set "
+            "model.rope_scaling=none",
+        )
+        for key, value in defaults.items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        _require(
+            self.rope_scaling_factor >= 1,
+            f"model.rope_scaling_factor must be >= 1 (the context is that many times "
+            f"pretraining's), got {self.rope_scaling_factor}",
+        )
+        _require(
+            0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+            "need 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, got "
+            f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}: set both (Llama "
+            "3.1: 1 and 4)",
+        )
+        _require(
+            self.rope_original_max_positions >= 1,
+            "model.rope_original_max_positions must be >= 1",
+        )
 
     @property
     def head_dim(self) -> int:
@@ -332,7 +414,9 @@ class CheckpointConfig:
     """Newest checkpoints to keep (older ones are deleted)."""
     init_from: str | None = None
     """Start a fresh run from these weights (a megalite checkpoint dir or a Hugging Face model
-    dir) instead of random ones; the optimizer and data order start anew. Not used on resume."""
+    dir) instead of random ones; the optimizer and data order start anew. The model's
+    max_positions, rope_theta and rope scaling are adopted unless the config sets them; its
+    other settings must match the config (the error names the overrides). Not used on resume."""
     async_save: bool = False
     """Write checkpoints in the background: a save waits only for a copy of the state in host
     memory (pinned on CUDA, so it needs that much free host memory); the checkpoint becomes
@@ -437,6 +521,12 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
 
+    explicit: typing.ClassVar[frozenset[str]] = frozenset()
+    """The keys the YAML file and the overrides set ("model.max_positions"), as `build_config`
+    read them, so that a default can be told from a choice (`checkpoint.init_from` adopts the
+    model's own positions unless they were chosen). Not a setting: never saved; a Config built
+    otherwise (or copied by `dataclasses.replace`) has none."""
+
     def __post_init__(self) -> None:
         m, p = self.model, self.parallel
         tp = p.tp
@@ -497,7 +587,8 @@ class Config:
 
 @functools.cache  # the planner builds thousands of configs; the annotations never change
 def _sections() -> dict[str, type]:
-    return typing.get_type_hints(Config)
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
 
 
 @functools.cache
@@ -565,7 +656,9 @@ def build_config(raw: dict[str, Any]) -> Config:
                 raise _unknown_key(key, _all_keys())
             checked[name] = _coerce(key, value, hints[name])
         kwargs[section] = sections[section](**checked)
-    return Config(**kwargs)
+    config = Config(**kwargs)
+    config.explicit = frozenset(f"{section}.{name}" for section, v in raw.items() for name in v)
+    return config
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -56,9 +56,11 @@ class HFMapping(ABC):
 
     @abstractmethod
     def config_from_hf(self, raw: dict[str, Any]) -> dict[str, Any]:
-        """The megalite model settings (`ModelConfig` fields, `max_positions` among them) that
-        a Hugging Face config.json describes, with the defaults of releases that omit them;
-        ValueError for what megalite does not implement."""
+        """The megalite model settings (`ModelConfig` fields, `max_positions` among them, and
+        the rotary settings where the architecture has them) that a Hugging Face config.json
+        describes, with the defaults of releases that omit them; ValueError for what megalite
+        does not implement. `checkpoint.init_from` adopts those in
+        `checkpoint.initial.ADOPTED` and checks the rest against the config."""
 
     def aliases(self, raw: dict[str, Any]) -> dict[str, str]:
         """Hugging Face tensors a checkpoint may leave out because they equal another one it

@@ -124,9 +124,46 @@ class RMSNorm(nn.Module):
         return y if residual is None else (h, y)
 
 
-def rotary_tables(head_dim: int, positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (positions, head_dim) in the Hugging Face `rotate_half` layout."""
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3.1's rope scaling (`model.rope_scaling=llama3`): measured against the pretraining
+    context, a frequency with fewer than `low_freq_factor` periods in it is slowed
+    `factor` times, one with more than `high_freq_factor` is kept, and one in between is slowed
+    by a factor interpolated linearly in its period count."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_positions: int
+
+    @staticmethod
+    def of(cfg: ModelConfig) -> Llama3Scaling | None:
+        """The scaling the config asks for; None for plain rotary embeddings."""
+        if cfg.rope_scaling == "none":
+            return None
+        return Llama3Scaling(
+            cfg.rope_scaling_factor,
+            cfg.rope_low_freq_factor,
+            cfg.rope_high_freq_factor,
+            cfg.rope_original_max_positions,
+        )
+
+    def scale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The scaled inverse frequencies (radians per position)."""
+        periods = self.original_max_positions * inv_freq / (2 * math.pi)  # in the old context
+        span = self.high_freq_factor - self.low_freq_factor
+        kept = ((periods - self.low_freq_factor) / span).clamp(0.0, 1.0)  # 0: slowed, 1: kept
+        return inv_freq * (kept + (1.0 - kept) / self.factor)
+
+
+def rotary_tables(
+    head_dim: int, positions: int, theta: float, scaling: Llama3Scaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (positions, head_dim) in the Hugging Face `rotate_half` layout, with the
+    frequencies `scaling` rescales (`Llama3Scaling.of(cfg)`); computed in float64."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is not None:
+        inv_freq = scaling.scale(inv_freq)
     angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
@@ -175,7 +212,8 @@ class Attention(nn.Module):
             sequence_parallel=ctx.sequence_parallel,
         )
         if rotary:
-            cos, sin = rotary_tables(cfg.head_dim, cfg.max_positions, cfg.rope_theta)
+            scaling = Llama3Scaling.of(cfg)
+            cos, sin = rotary_tables(cfg.head_dim, cfg.max_positions, cfg.rope_theta, scaling)
             self.register_buffer("cos", cos.to(ps.device), persistent=False)
             self.register_buffer("sin", sin.to(ps.device), persistent=False)
 

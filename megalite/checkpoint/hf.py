@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from megalite import architectures
 from megalite.checkpoint.sharded import Checkpoint, CheckpointError, resolve_checkpoint
-from megalite.config import ModelConfig
+from megalite.config import ROPE_SCALING_KEYS, ModelConfig
 from megalite.models.hugging_face import HFMapping, hf_mapping
 from megalite.tensor_parallel import global_tensors
 
@@ -86,22 +86,55 @@ def _mapping_of(raw: dict[str, Any], path: Path) -> tuple[str, HFMapping]:
     )
 
 
+def read_hf_config(path: Path) -> dict[str, Any]:
+    """The config.json of a Hugging Face model directory, as a dict."""
+    config_file = path / "config.json"
+    try:
+        return json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{config_file} cannot be read: {exc}") from None
+
+
+def hf_model_settings(raw: dict[str, Any], path: Path) -> tuple[str, dict[str, Any]]:
+    """(model.arch, the other `ModelConfig` settings) of the Hugging Face model in `path` whose
+    config.json is `raw`; refused for what megalite does not implement."""
+    arch, mapping = _mapping_of(raw, path)
+    try:
+        return arch, mapping.config_from_hf(raw)
+    except ValueError as unsupported:
+        raise CheckpointError(f"{path}: {unsupported}") from None
+
+
+def overrides(wanted: dict[str, Any]) -> str:
+    """`model.a=1 model.b=null`: settings as the command line sets them."""
+    return " ".join(f"{key}={'null' if value is None else value}" for key, value in wanted.items())
+
+
+def mismatches(theirs: dict[str, Any], m: ModelConfig) -> dict[str, Any]:
+    """The `model.*` overrides that make `m` the model whose settings are `theirs`
+    (`ModelConfig` fields, `arch` and `max_positions` among them), and the shorter seq_len a
+    model with fewer positions needs. Unscaled rotary embeddings ask for no scaling parameters
+    (the config names any that are set)."""
+    wanted = {f"model.{key}": value for key, value in theirs.items() if getattr(m, key) != value}
+    if theirs.get("rope_scaling") == "none":
+        wanted = {
+            key: value
+            for key, value in wanted.items()
+            if not (value is None and key.removeprefix("model.") in ROPE_SCALING_KEYS)
+        }
+    if theirs["max_positions"] < m.seq_len:  # a longer context than the model has positions for
+        wanted["model.seq_len"] = theirs["max_positions"]
+    return wanted
+
+
 def check_hf_config(raw: dict[str, Any], path: Path, m: ModelConfig) -> None:
     """The Hugging Face model must be the architecture and size the config asks for; the error
     lists the overrides that would make it so."""
-    arch, mapping = _mapping_of(raw, path)
-    try:
-        values = mapping.config_from_hf(raw)
-    except ValueError as unsupported:
-        raise CheckpointError(f"{path}: {unsupported}") from None
-    wanted = {"model.arch": arch} if arch != m.arch else {}
-    wanted |= {f"model.{key}": value for key, value in values.items() if getattr(m, key) != value}
-    if values["max_positions"] < m.seq_len:  # a longer context than the model has positions for
-        wanted["model.seq_len"] = values["max_positions"]
+    arch, values = hf_model_settings(raw, path)
+    wanted = mismatches({"arch": arch, **values}, m)
     if wanted:
-        fix = " ".join(f"{key}={value}" for key, value in wanted.items())
         raise CheckpointError(
-            f"the Hugging Face model in {path} does not match the config: set {fix}"
+            f"the Hugging Face model in {path} does not match the config: set {overrides(wanted)}"
         )
 
 
@@ -111,11 +144,7 @@ def read_hf(
     """Global megalite tensors from a Hugging Face model directory: all of them, or only those
     in `names` (a rank reads just what it holds). Safetensors only: pickled
     `pytorch_model.bin` weights are refused rather than unpickled."""
-    config_file = path / "config.json"
-    try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{config_file} cannot be read: {exc}") from None
+    raw = read_hf_config(path)
     check_hf_config(raw, path, m)
     index = path / "model.safetensors.index.json"
     if index.is_file():

@@ -47,7 +47,7 @@ from megalite import comm
 from megalite.checkpoint.files import CorruptFile, verify_file
 from megalite.checkpoint.reader import CheckpointError, SavedTensors, corrupt
 from megalite.checkpoint.state import RunState
-from megalite.config import build_config
+from megalite.config import ROPE_SCALING_KEYS, build_config
 from megalite.data.tokenizer import HFTokenizer, Tokenizer, open_tokenizer
 from megalite.models.causal_lm import CausalLM
 from megalite.models.factory import build_chunks
@@ -85,10 +85,11 @@ SHAPE_KEYS = (
 )
 """The model settings that decide which tensors a checkpoint holds and their shapes."""
 
-MODEL_IDENTITY = (*SHAPE_KEYS, "norm_eps", "rope_theta")
+MODEL_IDENTITY = (*SHAPE_KEYS, "norm_eps", "rope_theta", "rope_scaling", *ROPE_SCALING_KEYS)
 """The model settings that change the function a checkpoint's weights compute: resuming with any
-of them changed would reinterpret the weights (another head split) or silently drop some (fewer
-layers) whenever the tensor shapes happen to fit, so a resume refuses it."""
+of them changed would reinterpret the weights (another head split, other rotary frequencies) or
+silently drop some (fewer layers) whenever the tensor shapes happen to fit, so a resume refuses
+it, and `checkpoint.init_from` a megalite checkpoint names the overrides."""
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from megalite import comm
+from megalite.checkpoint.initial import adoption_line, init_from_settings
 from megalite.checkpoint.saver import CheckpointSaver
 from megalite.checkpoint.sharded import (
     Checkpoint,
@@ -88,6 +89,9 @@ def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
     ckpt_root = out_dir / "checkpoints"
     remove_unfinished(ckpt_root, ps)  # before any rank writes (ordered by the next collective)
     resume_from = resume_point(cfg, ckpt_root)
+    cfg, adopted = init_from_settings(cfg, resume_from)  # the model's positions, rotary settings
+    if adopted and ps.rank == 0:
+        print(adoption_line(adopted))
     if resume_from is not None and already_trained(resume_from, cfg, ps):
         return {}
     check_shared_directory(ckpt_root, ps)  # every rank writes its own checkpoint files there

@@ -1,5 +1,6 @@
-"""Llama (Touvron et al. 2023): RMSNorm, rotary position embeddings, SwiGLU MLP of width 8/3 h
-(rounded up to a multiple of 64), grouped-query attention, no biases, an untied LM head.
+"""Llama (Touvron et al. 2023): RMSNorm, rotary position embeddings (with Llama 3.1's scaling
+under `model.rope_scaling=llama3`), SwiGLU MLP of width 8/3 h (rounded up to a multiple of 64),
+grouped-query attention, no biases, an untied LM head.
 `model.py` builds it, `hf.py` maps it to `LlamaForCausalLM`, `formulas.py` counts it."""
 
 import math
@@ -13,4 +14,5 @@ ARCHITECTURE = Architecture(
     hf=f"{__name__}.hf:MAPPING",
     formulas=f"{__name__}.formulas:FORMULAS",
     grouped_query=True,
+    rope_scaling=True,
 )

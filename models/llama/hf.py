@@ -1,6 +1,7 @@
 """Llama as Hugging Face's `LlamaForCausalLM`: one tensor per projection under the same
 layout. q and k need no permutation, because megalite's rotary embedding already uses the
-Hugging Face `rotate_half` convention."""
+Hugging Face `rotate_half` convention. Rope scaling travels both ways as `rope_type: llama3`
+(transformers 4's `rope_scaling`, 5's `rope_parameters`); other rope types are refused."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from megalite.models.hugging_face import HFMapping, Link
 
-from megalite.config import ModelConfig
+from megalite.config import ROPE_SCALING_KEYS, ModelConfig
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -61,7 +62,8 @@ class LlamaMapping(HFMapping):
             head_dim=m.head_dim,
             max_position_embeddings=m.max_positions,
             rms_norm_eps=m.norm_eps,
-            rope_theta=m.rope_theta,  # transformers 5 files it under rope_parameters
+            rope_theta=m.rope_theta,  # transformers 5 files both under rope_parameters
+            rope_scaling=hf_rope_scaling(m),
             attention_dropout=m.dropout,
             tie_word_embeddings=False,
             bos_token_id=None,
@@ -69,12 +71,6 @@ class LlamaMapping(HFMapping):
         )
 
     def config_from_hf(self, raw: dict[str, Any]) -> dict[str, Any]:
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(
-                f"rope scaling {rope.get('rope_type')!r} is not supported: megalite implements "
-                "plain rotary embeddings"
-            )
         hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
         if raw.get("head_dim", hidden // heads) != hidden // heads:
             raise ValueError(f"head_dim {raw['head_dim']} is not hidden / n_heads")
@@ -90,9 +86,60 @@ class LlamaMapping(HFMapping):
             "ffn_hidden": raw["intermediate_size"],
             "vocab_size": raw["vocab_size"],
             "norm_eps": raw["rms_norm_eps"],
-            "rope_theta": raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
             "max_positions": raw.get("max_position_embeddings", 2048),  # transformers' default
+            **rope_from_hf(raw),
         }
+
+
+HF_LLAMA3_KEYS = {
+    "rope_scaling_factor": "factor",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+}
+"""Megalite's llama3 scaling settings by the key Hugging Face stores each under (besides
+`original_max_position_embeddings`, which has a default)."""
+
+
+def hf_rope_scaling(m: ModelConfig) -> dict[str, Any] | None:
+    """The `rope_scaling` of a Hugging Face Llama config (None: plain rotary embeddings), in the
+    form both transformers 4 and 5 read."""
+    if m.rope_scaling == "none":
+        return None
+    scaling = {"rope_type": m.rope_scaling}
+    scaling |= {theirs: getattr(m, ours) for ours, theirs in HF_LLAMA3_KEYS.items()}
+    return scaling | {"original_max_position_embeddings": m.rope_original_max_positions}
+
+
+def rope_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
+    """The rotary settings of a Hugging Face Llama config.json: transformers 4 writes
+    `rope_theta` and `rope_scaling` (null when unscaled; `type` in releases before `rope_type`),
+    transformers 5 one `rope_parameters` holding both. ValueError for a scaling megalite does
+    not implement."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    found = {
+        "rope_theta": float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        "rope_scaling": "none",
+        **dict.fromkeys(ROPE_SCALING_KEYS),
+    }
+    if kind == "default":
+        return found
+    if kind != "llama3":
+        raise ValueError(
+            f"rope scaling {kind!r} is not supported: megalite implements plain rotary "
+            "embeddings and Llama 3.1's llama3 scaling"
+        )
+    missing = [theirs for theirs in HF_LLAMA3_KEYS.values() if rope.get(theirs) is None]
+    if missing:
+        raise ValueError(f"llama3 rope scaling without {', '.join(missing)}")
+    found["rope_scaling"] = "llama3"
+    found |= {ours: float(rope[theirs]) for ours, theirs in HF_LLAMA3_KEYS.items()}
+    # transformers' default: the model was pretrained at all of its positions
+    original = rope.get("original_max_position_embeddings")
+    found["rope_original_max_positions"] = int(
+        original if original is not None else raw.get("max_position_embeddings", 2048)
+    )
+    return found
 
 
 MAPPING = LlamaMapping()

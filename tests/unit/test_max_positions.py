@@ -2,12 +2,14 @@
 A Hugging Face GPT-2 with 1024 positions (and a Llama with max_position_embeddings 1024) goes
 through `checkpoint.init_from` into a run at seq_len 256 and comes back out of `export-hf`
 with every tensor identical, and the positions beyond seq_len still compute Hugging Face's
-logits and serve `generate`."""
+logits and serve `generate`. Without `model.max_positions` set, `checkpoint.init_from` adopts
+the model's own."""
 
 import json
 
 import pytest
 import torch
+import yaml
 from megalite.models.factory import model_class
 from megalite.models.flops import flops_per_token
 from megalite.models.layers import BuildContext
@@ -16,6 +18,7 @@ from safetensors.torch import load_file
 import megalite.training.loop as loop
 from megalite.checkpoint.hf import export_hf, read_hf
 from megalite.checkpoint.sharded import Checkpoint, CheckpointError, resolve_checkpoint
+from megalite.cli import main
 from megalite.config import load_config
 from megalite.generate import generate
 from megalite.parallel_state import ParallelState
@@ -119,11 +122,16 @@ def test_init_from_then_export_keeps_every_position(builtin_corpus, tmp_path, mo
     generate(ours, ids[:, : POSITIONS - 4], 6, temperature=0)
     assert contexts == [1020, 1021, 1022, 1023, 1024, 1024]
 
-    # Starting from the megalite checkpoint without max_positions names it as well.
+    # Starting from the megalite checkpoint without max_positions adopts its positions; setting
+    # others names the ones it has.
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000001"
-    fewer = [*SMALL, *MODEL[arch], f"checkpoint.init_from={checkpoint}"]
+    fewer = [*SMALL, *MODEL[arch], "train.steps=1", f"checkpoint.init_from={checkpoint}"]
+    loop.train(load_config(None, [*fewer, f"train.out_dir={tmp_path / 'again'}"]))
+    again = Checkpoint(resolve_checkpoint(tmp_path / "again")).config["model"]
+    assert again["max_positions"] == POSITIONS
+    other = [*fewer, "model.max_positions=512", f"train.out_dir={tmp_path / 'other'}"]
     with pytest.raises(CheckpointError) as error:
-        loop.train(load_config(None, [*fewer, f"train.out_dir={tmp_path / 'again'}"]))
+        loop.train(load_config(None, other))
     assert str(error.value) == (
         f"the megalite checkpoint {checkpoint} does not match the config: set "
         f"model.max_positions={POSITIONS}"
@@ -156,3 +164,45 @@ def test_the_position_table_has_max_positions_rows_and_flops_use_seq_len():
     assert llama.layers["0"].attn.cos.shape == (POSITIONS, 16)
     same, _ = build("model.arch=gpt")
     assert flops_per_token(m) == flops_per_token(same)  # work per token follows seq_len
+
+
+def test_init_from_adopts_the_models_positions(builtin_corpus, tmp_path, capsys):
+    """GPT-2's 1024 positions at seq_len 64, no max_positions set: the run takes the model's,
+    says so in one line, records them in its config.yaml (a resume rebuilds the same model)
+    and exports them. A conflicting max_positions set by the user stops the run before it
+    writes anything, exit code 2, naming the override."""
+    random_hf_model("gpt", tmp_path / "hf")
+    model = [
+        *SMALL,
+        "model.arch=gpt",
+        "model.seq_len=64",
+        f"checkpoint.init_from={tmp_path / 'hf'}",
+    ]
+    run = tmp_path / "run"
+    assert main(["train", *model, "train.steps=1", f"train.out_dir={run}"]) == 0
+    line = (
+        f"init_from: adopting the model's max_positions={POSITIONS} "
+        "(set model.max_positions to override)"
+    )
+    assert line in capsys.readouterr().out.splitlines()
+    saved = yaml.safe_load((run / "config.yaml").read_text())["model"]
+    assert (saved["seq_len"], saved["max_positions"]) == (64, POSITIONS)
+    rebuilt = load_config(run / "config.yaml")  # what was adopted is now set
+    assert rebuilt.model.max_positions == POSITIONS and "model.max_positions" in rebuilt.explicit
+
+    # The resume adopts the same (from the checkpoint it resumes), so the models match.
+    assert main(["train", *model, "train.steps=2", f"train.out_dir={run}"]) == 0
+    assert line in capsys.readouterr().out.splitlines()
+    assert Checkpoint(resolve_checkpoint(run)).step == 2
+    exported = export_hf(run, tmp_path / "back")
+    assert json.loads((exported / "config.json").read_text())["n_positions"] == POSITIONS
+
+    capsys.readouterr()  # transformers' progress bars
+    other = tmp_path / "other"
+    assert main(["train", *model, "model.max_positions=512", f"train.out_dir={other}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: the Hugging Face model in {tmp_path / 'hf'} does not match the config: set "
+        f"model.max_positions={POSITIONS}"
+    ]
+    assert not other.exists()
