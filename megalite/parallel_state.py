@@ -72,7 +72,7 @@ class ParallelState:
     pp_group = _PerAxis()
     model_parallel_group = _PerAxis()
     dp_cp_group = _PerAxis()
-    """The ranks holding the same weights (dp x cp): gradients are summed and ZeRO shards over it."""
+    """The ranks holding the same weights (dp x cp): gradients are summed, ZeRO shards, over it."""
     embedding_group = _PerAxis()
 
     @functools.cached_property

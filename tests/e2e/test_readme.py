@@ -57,6 +57,8 @@ SHORT = {
     "python tools/bench_pp.py": "--steps 1 --warmup 0",
     "python tools/bench_zero.py": "--steps 1 --warmup 0",
     "python tools/bench_kernels.py": "--cpu-smoke",
+    "python tools/bench_cp.py --seq 4096 --cp 2": "--seq 256 --heads 2 --kv-heads 1 "
+    "--head-dim 16 --steps 1 --warmup 0",
     "python tools/bench_gpu.py": "--device cpu --configs configs/gpt2-124m.yaml --layers 2 "
     "--hidden 64 --heads 2 --seq 32 --vocab 512 --micro-batch 2 --steps 1 --warmup 1",
     "python tools/estimate_memory.py --config configs/llama-7b.yaml --world-size 32": "",
@@ -114,6 +116,7 @@ EXPECTED = {
     "python tools/bench_pp.py": "tokens/s",
     "python tools/bench_zero.py": "tokens/s",
     "python tools/bench_kernels.py": "fwd",
+    "python tools/bench_cp.py": "MiB sent per rank",
     "python tools/bench_gpu.py": "tokens/s",
     "python tools/estimate_memory.py": "GiB",
     "python tools/bench_init.py": "shard",
