@@ -147,10 +147,12 @@ def test_a_bound_device_splits_each_axis_once(fake_world, new_group_calls, monke
     ps = build_parallel_state(8, 8, torch.device("cpu"), timeout_s=TIMEOUT_S)
     assert new_group_calls == []
     grid = _named_groups(1024, 8, 8)
-    assert [(axis, ranks) for axis, ranks, _ in splits] == list(grid.items())
+    # cp's groups have one rank and dp_cp's are dp's (cp is 1): neither needs a split
+    split_axes = ("tp", "dp", "pp", "model_parallel", "embedding")
+    assert [(axis, ranks) for axis, ranks, _ in splits] == [(a, grid[a]) for a in split_axes]
     assert {timeout for *_, timeout in splits} == {datetime.timedelta(seconds=TIMEOUT_S)}
     for axis, groups in grid.items():
-        own = next((g for g in groups if rank in g), None)
+        own = next((g for g in groups if rank in g and len(g) > 1), None)  # None: a group of one
         group = getattr(ps, f"{axis}_group")
         assert (group.ranks if group is not None else None) == own, axis
 
