@@ -24,17 +24,21 @@ what ring attention (context parallelism) and packed documents (varlen) need:
   earlier key chunk with every key visible, and skips later ones (no key visible).
 * Documents. ``doc_start`` (batch, seq_q) holds, per query row, the position where its document
   begins; key ``j`` is visible only if ``k_offset + j >= doc_start[b, i]`` (on top of the
-  causal rule). ``doc_start_from_cu_seqlens`` builds it from flash-attn's ``cu_seqlens``.
+  causal rule). ``doc_start_from_cu_seqlens`` builds it from flash-attn's ``cu_seqlens``, and
+  ``flash_attention(..., cu_seqlens=...)`` runs packed windows that way (causal only: a start
+  bounds the keys from below, so only the causal rule keeps later documents out).
 * LSE. Next to the output, the forward returns per row the natural-log log-sum-exp of its
   visible scaled scores, ``lse = log(sum_j exp(scale * q.k_j))``. A row that sees no key gets
   ``out = 0`` and ``lse = -inf``. (The kernels keep a base-2 LSE inside; the public functions
   convert at the boundary.)
 * Merge. Attention over the union of disjoint key blocks is the LSE-weighted mix of the
-  per-block results: ``lse = logsumexp_j(lse_j)`` and ``out = sum_j exp(lse_j - lse) * out_j``
-  (rows with ``lse = -inf`` everywhere stay 0). Backward needs no merge: each block's
-  probabilities are ``exp(scale * q.k - lse)`` with the FINAL ``lse`` of the row, and
-  ``delta = rowsum(dO * O)`` with the final output, so the dQ, dK, dV of the blocks simply add
-  up to the gradient of the whole attention.
+  per-block results (``attention_block_forward`` gives each block's ``out_j, lse_j``):
+  ``lse = logsumexp_j(lse_j)`` and ``out = sum_j exp(lse_j - lse) * out_j``, where a row whose
+  ``lse`` is -inf in every block keeps out 0 (subtract 0 instead of -inf to avoid NaN).
+  Backward needs no merge: ``attention_block_backward`` rebuilds each block's probabilities
+  as ``exp(scale * q.k - lse)`` with the FINAL ``lse`` of the row, and uses
+  ``delta = rowsum(dO * O)`` of the final output, so the dQ of the blocks add up (and dK, dV
+  over the query chunks) to the gradient of the whole attention.
 
 Which key blocks a row block visits: causal blocks wholly after its last row are skipped, as
 are blocks wholly before the earliest document start of its rows; only blocks that straddle
@@ -441,13 +445,17 @@ def _grid(seq: int, heads: int, block: str):
 
 
 def _query_ranges(doc_start: torch.Tensor, seq_k: int, k_offset: int) -> torch.Tensor:
-    """(batch, 2, seq_k) int32 row bounds per key for the dK/dV kernel's document masking.
+    """(batch, 2, seq_k) int32: per key, bounds on the query rows for the dK/dV kernel's
+    document masking (key j is at position k_offset + j).
 
-    [b, 0, j]: how many leading rows all start their documents at or before key j (from the
-    running max of doc_start), so they see j and every later key of a block starting at j.
-    [b, 1, j]: how many leading rows hold every row that may see key j; the rows after them
-    all start their documents after it (from the running min from the end). Both are exact
-    for any doc_start, monotone or not, and tight for the usual non-decreasing one."""
+    [b, 0, j]: the length of the longest prefix of rows whose documents all start at or before
+    key j (a searchsorted in the running max of doc_start): those rows see j and every later
+    key, so a key block starting at j needs no document mask for them.
+    [b, 1, j]: one past the last row that may see key j (a searchsorted in the running min of
+    doc_start from the end): every later row starts its document after j.
+    Both hold for any doc_start, monotone or not; for the usual non-decreasing one they are
+    tight. (The kernel's tiles are only known once the autotuner picks them, so the bounds are
+    per key, and the kernel reads them at its block's first and last key.)"""
     starts = doc_start.long()
     keys = (torch.arange(seq_k, device=starts.device) + k_offset).expand(starts.shape[0], -1)
     keys = keys.contiguous()

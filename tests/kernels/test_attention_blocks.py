@@ -11,6 +11,7 @@ from megalite.kernels.flash_attention import doc_start_from_cu_seqlens
 
 BACKENDS = ["triton", "torch"]
 TOL = 1e-4  # fp32 inputs against float64
+inf = float("inf")
 
 
 def float64_block(q, k, v, q_offset=0, k_offset=0, causal=True, doc_start=None, scale=None):
@@ -55,7 +56,7 @@ def leaves(*tensors):
     return [t.detach().double().requires_grad_() for t in tensors]
 
 
-def check_block(q, k, v, dout, *, q_offset, k_offset, causal, doc_start=None):
+def check_block(q, k, v, dout, *, q_offset, k_offset, causal, doc_start=None, tol=TOL):
     """One block on its own (its out/lse are the final ones) against float64."""
     kwargs = dict(q_offset=q_offset, k_offset=k_offset, causal=causal, doc_start=doc_start)
     out, lse = attention_block_forward(q, k, v, **kwargs)
@@ -70,7 +71,7 @@ def check_block(q, k, v, dout, *, q_offset, k_offset, causal, doc_start=None):
         assert g.dtype == torch.float32 and g.shape == t.shape
         assert torch.isfinite(g).all(), name
         errors[name] = rel(g, e)
-    assert all(err < TOL for err in errors.values()), errors
+    assert all(err < tol for err in errors.values()), errors
     assert torch.isfinite(out).all()
     dead = (ref_lse == float("-inf")).transpose(1, 2)  # (batch, seq_q, heads)
     assert (out[dead] == 0).all()
@@ -82,7 +83,8 @@ def check_block(q, k, v, dout, *, q_offset, k_offset, causal, doc_start=None):
 BLOCKS = {
     "keys_before": (37, 45, 4, 2, 16, 100, 20, True),  # every key visible
     "diagonal": (70, 70, 4, 2, 32, 64, 64, True),
-    "overlap": (37, 70, 2, 2, 16, 50, 30, True),  # row i sees keys 0 .. 20 + i
+    "overlap": (37, 70, 2, 2, 16, 50, 20, True),  # row i sees keys 0 .. 30 + i
+    "one_ahead": (70, 70, 2, 1, 16, 1, 0, True),  # row i sees keys 0 .. i + 1
     "overlap_some_rows_dead": (40, 37, 4, 1, 16, 10, 30, True),  # rows 0..19 see nothing
     "keys_after": (37, 40, 4, 2, 16, 0, 37, True),  # no row sees any key
     "non_causal": (37, 70, 4, 2, 16, 500, 0, False),
@@ -102,6 +104,40 @@ def test_block_matches_float64(case, backend, randn, monkeypatch):
     if case == "keys_after":
         assert (out == 0).all() and (lse == float("-inf")).all()
         assert all((g == 0).all() for g in grads)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_with_lse_minus_inf_get_no_gradient(backend, randn, monkeypatch):
+    """The final lse, not this block's, decides: a row given lse -inf (and out 0) contributes
+    nothing, even in a block where it sees every key."""
+    use(backend, monkeypatch)
+    q, k, v = randn(1, 64, 2, 16), randn(1, 64, 2, 16), randn(1, 64, 2, 16)
+    dout = randn(1, 64, 2, 16).detach()
+    dead = torch.zeros(64, dtype=torch.bool)
+    dead[40:50] = True  # rows of the second, unmasked-at-the-start query block
+    out, lse = attention_block_forward(q, k, v, q_offset=64)  # all keys visible
+    out, lse = out.masked_fill(dead[None, :, None, None], 0.0), lse.masked_fill(dead, -inf)
+    dq, dk, dv = attention_block_backward(dout, q, k, v, out, lse, q_offset=64)
+    leaf = leaves(q, k, v)
+    live_dout = dout.masked_fill(dead[None, :, None, None], 0.0).double()
+    expected = torch.autograd.grad(float64_block(*leaf, q_offset=64)[0], leaf, live_dout)
+    assert (dq[:, dead] == 0).all()
+    for got, want in zip((dq, dk, dv), expected):
+        assert rel(got, want) < TOL
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_block_and_varlen(backend, randn, monkeypatch):
+    """bf16 inputs: the block's out is bf16 and its grads fp32 (to accumulate over blocks);
+    varlen hands the user grads in the input dtype."""
+    use(backend, monkeypatch)
+    bf16 = torch.bfloat16
+    q, k, v = (randn(1, 45, 2, 32, dtype=bf16) for _ in range(3))
+    dout = randn(1, 45, 2, 32, dtype=bf16).detach()
+    check_block(q, k, v, dout, q_offset=40, k_offset=30, causal=True, tol=2e-2)
+    out = flash_attention(q, k, v, cu_seqlens=torch.tensor([0, 17, 45], dtype=torch.int32))
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert out.dtype == bf16 and all(g.dtype == bf16 for g in grads)
 
 
 def merge(outs, lses):
@@ -161,7 +197,7 @@ def test_unordered_doc_start_with_offsets(backend, randn, monkeypatch):
     q_offset, k_offset, sq, sk = 50, 20, 70, 65
     positions = torch.arange(sq) + q_offset
     doc_start = (torch.rand(2, sq, generator=gen) * (positions + 1)).long()
-    doc_start[:, 5] = 90  # after the last key (84): a dead row in the middle
+    doc_start[:, 66] = 90  # after the last key (84): a dead row
     q, k, v = randn(2, sq, 4, 16), randn(2, sk, 2, 16), randn(2, sk, 2, 16)
     dout = randn(2, sq, 4, 16).detach()
     for causal in (True, False):
@@ -169,13 +205,13 @@ def test_unordered_doc_start_with_offsets(backend, randn, monkeypatch):
                     doc_start=doc_start)  # fmt: skip
 
 
-# batch 2 windows of 63 tokens: documents of 5, 30, 1, 27 tokens, then 20 and 43
-CU_SEQLENS = [0, 5, 35, 36, 63, 83, 126]
+# batch 2 windows of 63 tokens: documents of 5, 30, 1, 27 tokens, then 31 and 32
+CU_SEQLENS = [0, 5, 35, 36, 63, 94, 126]
 
 
 def test_doc_start_from_cu_seqlens():
     starts = doc_start_from_cu_seqlens(torch.tensor(CU_SEQLENS, dtype=torch.int32), 2, 63)
-    expected = [0] * 5 + [5] * 30 + [35] + [36] * 27, [0] * 20 + [20] * 43
+    expected = [0] * 5 + [5] * 30 + [35] + [36] * 27, [0] * 31 + [31] * 32
     assert starts.dtype == torch.int32 and starts.tolist() == [list(row) for row in expected]
     # a repeated boundary is an empty document
     repeated = doc_start_from_cu_seqlens(torch.tensor([0, 3, 3, 8, 8]), 1, 8)
