@@ -7,7 +7,12 @@ it, the PyTorch reference, and a public function that picks between the two at e
 
 from ._shim_blocks import attention_block_backward, attention_block_forward
 from .dispatch import kernel_backend
-from .flash_attention import flash_attention
+from .flash_attention import (
+    attention_block_backward,
+    attention_block_forward,
+    doc_start_from_cu_seqlens,
+    flash_attention,
+)
 from .gelu import bias_gelu
 from .norms import layer_norm, rms_norm
 from .rotary import rotary_embedding
@@ -15,7 +20,10 @@ from .swiglu import swiglu
 from .wgrad import wgrad_accumulate
 
 __all__ = [
+    "attention_block_backward",
+    "attention_block_forward",
     "bias_gelu",
+    "doc_start_from_cu_seqlens",
     "flash_attention",
     "kernel_backend",
     "layer_norm",

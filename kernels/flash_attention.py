@@ -12,6 +12,41 @@ Layout is the model's: q (batch, seq, n_heads, head_dim), k/v (batch, seq, n_kv_
 head_dim); the kernels index with strides, so no transpose copies. Query head ``h`` uses key
 head ``h // (n_heads // n_kv_heads)``, as ``repeat_interleave`` and SDPA's ``enable_gqa`` do.
 
+One block of attention: offsets, documents, LSE
+-----------------------------------------------
+The same kernels compute attention of a chunk of queries against a chunk of keys, which is
+what ring attention (context parallelism) and packed documents (varlen) need:
+
+* Offsets. Query row ``i`` of ``q`` sits at position ``q_offset + i`` of the whole sequence,
+  key ``j`` of ``k``/``v`` at ``k_offset + j``; the chunks may differ in length. Causal means
+  key ``j`` is visible to row ``i`` iff ``k_offset + j <= q_offset + i``. So a rank holding
+  query chunk 3 of a ring runs the diagonal block with equal offsets (causal inside it), an
+  earlier key chunk with every key visible, and skips later ones (no key visible).
+* Documents. ``doc_start`` (batch, seq_q) holds, per query row, the position where its document
+  begins; key ``j`` is visible only if ``k_offset + j >= doc_start[b, i]`` (on top of the
+  causal rule). ``doc_start_from_cu_seqlens`` builds it from flash-attn's ``cu_seqlens``, and
+  ``flash_attention(..., cu_seqlens=...)`` runs packed windows that way (causal only: a start
+  bounds the keys from below, so only the causal rule keeps later documents out).
+* LSE. Next to the output, the forward returns per row the natural-log log-sum-exp of its
+  visible scaled scores, ``lse = log(sum_j exp(scale * q.k_j))``. A row that sees no key gets
+  ``out = 0`` and ``lse = -inf``. (The kernels keep a base-2 LSE inside; the public functions
+  convert at the boundary.)
+* Merge. Attention over the union of disjoint key blocks is the LSE-weighted mix of the
+  per-block results (``attention_block_forward`` gives each block's ``out_j, lse_j``):
+  ``lse = logsumexp_j(lse_j)`` and ``out = sum_j exp(lse_j - lse) * out_j``, where a row whose
+  ``lse`` is -inf in every block keeps out 0 (subtract 0 instead of -inf to avoid NaN).
+  Backward needs no merge: ``attention_block_backward`` rebuilds each block's probabilities
+  as ``exp(scale * q.k - lse)`` with the FINAL ``lse`` of the row, and uses
+  ``delta = rowsum(dO * O)`` of the final output, so the dQ of the blocks add up (and dK, dV
+  over the query chunks) to the gradient of the whole attention.
+
+Which key blocks a row block visits: causal blocks wholly after its last row are skipped, as
+are blocks wholly before the earliest document start of its rows; only blocks that straddle
+the diagonal, a document start or the end of the keys pay for a mask, the rest run unmasked.
+dK/dV does the same along the query axis, with per-key bounds (from the running max and the
+running min of ``doc_start``) computed on the host, which stay correct whatever the order of
+``doc_start``.
+
 Under the Triton interpreter bf16 values are held as raw integers, so the kernels widen every
 load to fp32 there (``UPCAST``); products are still rounded to the input dtype before each
 ``tl.dot`` so interpreter tests see the same rounding as a GPU.
@@ -30,6 +65,8 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E): exp2 is the fast one
+# The kernels keep a base-2 LSE; the public one is natural-log: lse = lse2 * LN2.
+LN2, INV_LN2 = math.log(2.0), 1.0 / math.log(2.0)
 
 
 # Tiles each kernel autotunes over, (BLOCK_M, BLOCK_N, num_warps, num_stages): tensor-core
@@ -77,24 +114,103 @@ def _store_tile(head_ptr, rows, stride_s, S, tile, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_head, v_head, stride_ks, stride_vs, offs_m, lo, hi, S,
-               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-               HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def _doc_starts(doc_batch, offs_m, S, K_OFF, HAS_DOCS: tl.constexpr):
+    """Per query row, the first key index its document lets it see (doc_start - K_OFF); without
+    documents a placeholder that no mask reads."""
+    doc = offs_m
+    if HAS_DOCS:
+        doc = tl.load(doc_batch + offs_m, mask=offs_m < S, other=0) - K_OFF
+    return doc
+
+
+@triton.jit
+def _visible(valid, q_idx, k_idx, doc, SHIFT, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """`valid` narrowed to the (query, key) pairs the rules allow. Indices are the tensors' own;
+    query row i sits at key index i + SHIFT (SHIFT = q_offset - k_offset); `doc` is each row's
+    first visible key index. Arguments broadcast, so one helper serves S and its transpose."""
+    if CAUSAL:
+        valid = valid & (k_idx <= q_idx + SHIFT)
+    if HAS_DOCS:
+        valid = valid & (k_idx >= doc)
+    return valid
+
+
+@triton.jit
+def _key_blocks(start_m, rows, doc, S, S_K, SHIFT, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """(lo, full, mid, hi): the key range one row block visits, in three runs of key blocks.
+    [lo, full) straddle a document start of some row (masked), [full, mid) are visible to every
+    row (unmasked), [mid, hi) straddle the causal diagonal or the end of the keys (masked).
+    Keys before lo or from hi on are visible to no row of the block."""
+    if CAUSAL:
+        # one past the last key the block's last row sees, and the first row's
+        hi = tl.minimum(tl.maximum(tl.minimum(start_m + BLOCK_M, S) + SHIFT, 0), S_K)
+        end = tl.minimum(tl.maximum(start_m + SHIFT + 1, 0), hi)
+    else:
+        hi = S_K
+        end = S_K
+    lo = 0
+    full = 0
+    if HAS_DOCS:  # the min over the rows bounds the skip whatever the order of doc_start
+        lo = (tl.maximum(tl.min(tl.where(rows, doc, S_K), 0), 0) // BLOCK_N) * BLOCK_N
+        last = tl.maximum(tl.max(tl.where(rows, doc, 0), 0), 0)
+        full = tl.minimum(((last + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, hi)
+    mid = full + (tl.maximum(end - full, 0) // BLOCK_N) * BLOCK_N
+    return lo, full, mid, hi
+
+
+@triton.jit
+def _query_blocks(QRANGE, off_b, start_n, S, S_K, SHIFT, CAUSAL: tl.constexpr,
+                  HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
+    """(lo, mid, end, hi): the query rows whose dK/dV terms one key block gathers, in three runs
+    of query blocks. [lo, mid) straddle the causal diagonal (masked), [mid, end) see every key
+    of the block (unmasked), [end, hi) straddle a document start or the end of the queries
+    (masked). Rows before lo or from hi on see none of its keys. Keys past S_K need no mask
+    here: their dK/dV rows are never stored."""
+    last_key = tl.minimum(start_n + BLOCK_N, S_K) - 1
+    if HAS_DOCS:  # per-key row bounds from the host (see `_query_ranges`)
+        ranges = QRANGE + off_b * 2 * S_K
+        hi = tl.minimum(tl.load(ranges + S_K + last_key), S)
+        end = (tl.minimum(tl.load(ranges + start_n), S) // BLOCK_M) * BLOCK_M
+    else:
+        hi = S
+        end = (S // BLOCK_M) * BLOCK_M
+    if CAUSAL:  # row i sees key j iff j <= i + SHIFT
+        lo = (tl.maximum(start_n - SHIFT, 0) // BLOCK_M) * BLOCK_M
+        mid = ((tl.maximum(last_key - SHIFT, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+        mid = tl.minimum(tl.maximum(mid, lo), hi)
+    else:
+        lo = 0
+        mid = 0
+    end = tl.minimum(tl.maximum(end, mid), hi)
+    return lo, mid, end, hi
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_head, v_head, stride_ks, stride_vs, offs_m, doc, lo, hi, S_K,
+               SHIFT, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_DOCS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """Online softmax over key blocks [lo, hi); only MASKED blocks pay for the mask."""
     DTYPE: tl.constexpr = k_head.dtype.element_ty
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_head, cols, stride_ks, S, HEAD_DIM, DTYPE, UPCAST)  # (BLOCK_N, D)
-        v = _load_tile(v_head, cols, stride_vs, S, HEAD_DIM, DTYPE, UPCAST)
+        k = _load_tile(k_head, cols, stride_ks, S_K, HEAD_DIM, DTYPE, UPCAST)  # (BLOCK_N, D)
+        v = _load_tile(v_head, cols, stride_vs, S_K, HEAD_DIM, DTYPE, UPCAST)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         if MASKED:
-            valid = cols[None, :] < S
-            if CAUSAL:
-                valid = valid & (offs_m[:, None] >= cols[None, :])
+            valid = _visible(cols[None, :] < S_K, offs_m[:, None], cols[None, :], doc[:, None],
+                             SHIFT, CAUSAL, HAS_DOCS)  # fmt: skip
             qk = tl.where(valid, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every row sees key 0 first
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # a row that has seen no key keeps m = -inf: subtract 0 there, so p and alpha are 0
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every row sees every key here
+            m_sub = m_new
+        p = tl.exp2(qk - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(_cast(p, DTYPE, UPCAST), v, input_precision=PRECISION)
         m_i = m_new
@@ -103,10 +219,11 @@ def _fwd_inner(acc, l_i, m_i, q, k_head, v_head, stride_ks, stride_vs, offs_m, l
 
 @autotune(*FWD_TILES)
 @triton.jit
-def _fwd_kernel(Q, K, V, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
+def _fwd_kernel(Q, K, V, OUT, LSE, DOC, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
                 stride_kh, stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-                H, GROUP, S, sm_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                H, GROUP, S, S_K, SHIFT, K_OFF, sm_scale, HEAD_DIM: tl.constexpr,
+                CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr,
+                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):  # fmt: skip
     """Output rows [start_m, start_m + BLOCK_M) of one (batch, head), plus their LSE."""
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -114,32 +231,36 @@ def _fwd_kernel(Q, K, V, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_kb, s
     off_kh = off_h // GROUP  # GQA: the kv head this query head reads
     start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    rows = offs_m < S
     q_head = Q + off_b * stride_qb + off_h * stride_qh
     k_head = K + off_b * stride_kb + off_kh * stride_kh
     v_head = V + off_b * stride_vb + off_kh * stride_vh
     q = _load_tile(q_head, offs_m, stride_qs, S, HEAD_DIM, Q.dtype.element_ty, UPCAST)
+    doc = _doc_starts(DOC + off_b * S, offs_m, S, K_OFF, HAS_DOCS)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # unnormalised output
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max
     qk_scale = sm_scale * LOG2E
-    # Key blocks left of the diagonal (causal) or before the ragged tail need no mask; the
-    # diagonal / tail blocks do; causal blocks right of the diagonal are skipped entirely.
-    if CAUSAL:
-        mid, hi = start_m, tl.minimum(start_m + BLOCK_M, S)
-    else:
-        mid, hi = (S // BLOCK_N) * BLOCK_N, S
+    lo, full, mid, hi = _key_blocks(start_m, rows, doc, S, S_K, SHIFT, CAUSAL, HAS_DOCS, BLOCK_M,
+                                    BLOCK_N)  # fmt: skip
+    if HAS_DOCS:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_head, v_head, stride_ks, stride_vs,
+                                   offs_m, doc, lo, full, S_K, SHIFT, qk_scale, True, CAUSAL,
+                                   HAS_DOCS, BLOCK_N, HEAD_DIM, UPCAST, PRECISION)  # fmt: skip
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_head, v_head, stride_ks, stride_vs, offs_m,
-                               0, mid, S, qk_scale, False, CAUSAL, BLOCK_N, HEAD_DIM, UPCAST,
-                               PRECISION)  # fmt: skip
+                               doc, full, mid, S_K, SHIFT, qk_scale, False, CAUSAL, HAS_DOCS,
+                               BLOCK_N, HEAD_DIM, UPCAST, PRECISION)  # fmt: skip
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_head, v_head, stride_ks, stride_vs, offs_m,
-                               mid, hi, S, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM, UPCAST,
-                               PRECISION)  # fmt: skip
+                               doc, mid, hi, S_K, SHIFT, qk_scale, True, CAUSAL, HAS_DOCS,
+                               BLOCK_N, HEAD_DIM, UPCAST, PRECISION)  # fmt: skip
 
     o_head = OUT + off_b * stride_ob + off_h * stride_oh
+    # a row that saw no key has acc = 0, l = 0 and m = -inf: out 0 (not 0/0) and lse -inf
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)
     _store_tile(o_head, offs_m, stride_os, S, acc / l_i[:, None], HEAD_DIM)
     # base-2 log-sum-exp of the scaled scores: all backward needs to rebuild the probabilities
-    tl.store(LSE + pid_bh * S + offs_m, m_i + tl.log2(l_i), mask=offs_m < S)
+    tl.store(LSE + pid_bh * S + offs_m, m_i + tl.log2(l_i), mask=rows)
 
 
 @triton.jit
@@ -156,13 +277,52 @@ def _bwd_preprocess(OUT, DO, DELTA, stride_ob, stride_os, stride_oh, stride_dob,
     tl.store(DELTA + pid_bh * S + offs_m, tl.sum(o * do, axis=1), mask=offs_m < S)
 
 
+@triton.jit
+def _row_lse(lse_head, offs_m, rows):
+    """The rows' base-2 LSE, with -inf (a row that sees no key at all) turned into +inf, so
+    that exp2(score - lse) is 0 for it instead of inf."""
+    lse = tl.load(lse_head + offs_m, mask=rows, other=0.0)
+    return tl.where(lse == float("-inf"), float("inf"), lse)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_head, do_head, lse_head, delta_head, doc_batch, stride_qs,
+                stride_dos, offs_n, lo, hi, S, SHIFT, K_OFF, qk_scale, MASKED: tl.constexpr,
+                CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr,
+                HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+                PRECISION: tl.constexpr):  # fmt: skip
+    """dK, dV terms of query blocks [lo, hi) of one query head; only MASKED blocks pay."""
+    DTYPE: tl.constexpr = q_head.dtype.element_ty
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        rows = offs_m < S
+        q = _load_tile(q_head, offs_m, stride_qs, S, HEAD_DIM, DTYPE, UPCAST)  # (BLOCK_M, D)
+        do = _load_tile(do_head, offs_m, stride_dos, S, HEAD_DIM, DTYPE, UPCAST)
+        lse = _row_lse(lse_head, offs_m, rows)
+        delta = tl.load(delta_head + offs_m, mask=rows, other=0.0)
+        # scores transposed, (BLOCK_N, BLOCK_M), so dK and dV come out as (BLOCK_N, D)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+        p_t = tl.exp2(qk_t - lse[None, :])
+        if MASKED:
+            doc = _doc_starts(doc_batch, offs_m, S, K_OFF, HAS_DOCS)
+            valid = _visible(rows[None, :], offs_m[None, :], offs_n[:, None], doc[None, :], SHIFT,
+                             CAUSAL, HAS_DOCS)  # fmt: skip
+            p_t = tl.where(valid, p_t, 0.0)
+        dv += tl.dot(_cast(p_t, DTYPE, UPCAST), do, input_precision=PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])  # softmax backward, transposed
+        dk += tl.dot(_cast(ds_t, DTYPE, UPCAST), q, input_precision=PRECISION)
+    return dk, dv
+
+
 @autotune(*DKDV_TILES)
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qs, stride_qh,
-                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DOC, QRANGE, stride_qb, stride_qs,
+                     stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                      stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh,
-                     H, H_KV, GROUP, S, sm_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                     H, H_KV, GROUP, S, S_K, SHIFT, K_OFF, sm_scale, HEAD_DIM: tl.constexpr,
+                     CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr):  # fmt: skip
     """dK, dV of key rows [start_n, start_n + BLOCK_N) of one kv head, summed over its group."""
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -170,49 +330,70 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qs, stri
     start_n = tl.program_id(0) * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     DTYPE: tl.constexpr = Q.dtype.element_ty
-    k = _load_tile(K + off_b * stride_kb + off_kh * stride_kh, offs_n, stride_ks, S, HEAD_DIM,
+    k = _load_tile(K + off_b * stride_kb + off_kh * stride_kh, offs_n, stride_ks, S_K, HEAD_DIM,
                    DTYPE, UPCAST)  # fmt: skip
-    v = _load_tile(V + off_b * stride_vb + off_kh * stride_vh, offs_n, stride_vs, S, HEAD_DIM,
+    v = _load_tile(V + off_b * stride_vb + off_kh * stride_vh, offs_n, stride_vs, S_K, HEAD_DIM,
                    DTYPE, UPCAST)  # fmt: skip
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
-    lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0  # earlier queries cannot see these keys
+    lo, mid, end, hi = _query_blocks(QRANGE, off_b, start_n, S, S_K, SHIFT, CAUSAL, HAS_DOCS,
+                                     BLOCK_M, BLOCK_N)  # fmt: skip
+    doc_batch = DOC + off_b * S
     for g in range(GROUP):
         off_h = off_kh * GROUP + g
         q_head = Q + off_b * stride_qb + off_h * stride_qh
         do_head = DO + off_b * stride_dob + off_h * stride_doh
         stats_offset = (off_b * H + off_h) * S
-        for start_m in range(lo, S, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            rows = offs_m < S
-            q = _load_tile(q_head, offs_m, stride_qs, S, HEAD_DIM, DTYPE, UPCAST)  # (BLOCK_M, D)
-            do = _load_tile(do_head, offs_m, stride_dos, S, HEAD_DIM, DTYPE, UPCAST)
-            lse = tl.load(LSE + stats_offset + offs_m, mask=rows, other=0.0)
-            delta = tl.load(DELTA + stats_offset + offs_m, mask=rows, other=0.0)
-            # scores transposed, (BLOCK_N, BLOCK_M), so dK and dV come out as (BLOCK_N, D)
-            qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
-            valid = rows[None, :]
-            if CAUSAL:
-                valid = valid & (offs_m[None, :] >= offs_n[:, None])
-            p_t = tl.where(valid, tl.exp2(qk_t - lse[None, :]), 0.0)
-            dv += tl.dot(_cast(p_t, DTYPE, UPCAST), do, input_precision=PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])  # softmax backward, transposed
-            dk += tl.dot(_cast(ds_t, DTYPE, UPCAST), q, input_precision=PRECISION)
+        lse_head, delta_head = LSE + stats_offset, DELTA + stats_offset
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_head, do_head, lse_head, delta_head, doc_batch,
+                             stride_qs, stride_dos, offs_n, lo, mid, S, SHIFT, K_OFF, qk_scale,
+                             True, CAUSAL, HAS_DOCS, BLOCK_M, HEAD_DIM, UPCAST,
+                             PRECISION)  # fmt: skip
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_head, do_head, lse_head, delta_head, doc_batch,
+                             stride_qs, stride_dos, offs_n, mid, end, S, SHIFT, K_OFF, qk_scale,
+                             False, CAUSAL, HAS_DOCS, BLOCK_M, HEAD_DIM, UPCAST,
+                             PRECISION)  # fmt: skip
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_head, do_head, lse_head, delta_head, doc_batch,
+                             stride_qs, stride_dos, offs_n, end, hi, S, SHIFT, K_OFF, qk_scale,
+                             True, CAUSAL, HAS_DOCS, BLOCK_M, HEAD_DIM, UPCAST,
+                             PRECISION)  # fmt: skip
     dkv_head = off_b * stride_dkb + off_kh * stride_dkh  # dk and dv share one layout
-    _store_tile(DK + dkv_head, offs_n, stride_dks, S, dk * sm_scale, HEAD_DIM)
-    _store_tile(DV + dkv_head, offs_n, stride_dks, S, dv, HEAD_DIM)
+    _store_tile(DK + dkv_head, offs_n, stride_dks, S_K, dk * sm_scale, HEAD_DIM)
+    _store_tile(DV + dkv_head, offs_n, stride_dks, S_K, dv, HEAD_DIM)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, k_head, v_head, stride_ks, stride_vs, offs_m, doc, lo, hi,
+              S_K, SHIFT, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_DOCS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """dQ terms of key blocks [lo, hi); only MASKED blocks pay for the mask."""
+    DTYPE: tl.constexpr = k_head.dtype.element_ty
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_head, offs_n, stride_ks, S_K, HEAD_DIM, DTYPE, UPCAST)  # (BLOCK_N, D)
+        v = _load_tile(v_head, offs_n, stride_vs, S_K, HEAD_DIM, DTYPE, UPCAST)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        p = tl.exp2(qk - lse[:, None])
+        if MASKED:
+            valid = _visible(offs_n[None, :] < S_K, offs_m[:, None], offs_n[None, :],
+                             doc[:, None], SHIFT, CAUSAL, HAS_DOCS)  # fmt: skip
+            p = tl.where(valid, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(_cast(ds, DTYPE, UPCAST), k, input_precision=PRECISION)
+    return dq
 
 
 @autotune(*DQ_TILES)
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, stride_qb, stride_qs, stride_qh, stride_kb,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DOC, stride_qb, stride_qs, stride_qh, stride_kb,
                    stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos,
-                   stride_doh, stride_dqb, stride_dqs, stride_dqh, H, GROUP, S, sm_scale,
-                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):  # fmt: skip
+                   stride_doh, stride_dqb, stride_dqs, stride_dqh, H, GROUP, S, S_K, SHIFT, K_OFF,
+                   sm_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                   HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """dQ of query rows [start_m, start_m + BLOCK_M) of one head: loop over visible keys."""
     pid_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = pid_bh // H, pid_bh % H
@@ -225,25 +406,25 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, stride_qb, stride_qs, stride_qh,
                    DTYPE, UPCAST)  # fmt: skip
     do = _load_tile(DO + off_b * stride_dob + off_h * stride_doh, offs_m, stride_dos, S, HEAD_DIM,
                     DTYPE, UPCAST)  # fmt: skip
-    lse = tl.load(LSE + pid_bh * S + offs_m, mask=rows, other=0.0)
+    lse = _row_lse(LSE + pid_bh * S, offs_m, rows)
     delta = tl.load(DELTA + pid_bh * S + offs_m, mask=rows, other=0.0)
+    doc = _doc_starts(DOC + off_b * S, offs_m, S, K_OFF, HAS_DOCS)
     k_head = K + off_b * stride_kb + off_kh * stride_kh
     v_head = V + off_b * stride_vb + off_kh * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
-    hi = tl.minimum(start_m + BLOCK_M, S) if CAUSAL else S
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_head, offs_n, stride_ks, S, HEAD_DIM, DTYPE, UPCAST)  # (BLOCK_N, D)
-        v = _load_tile(v_head, offs_n, stride_vs, S, HEAD_DIM, DTYPE, UPCAST)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
-        valid = offs_n[None, :] < S
-        if CAUSAL:
-            valid = valid & (offs_m[:, None] >= offs_n[None, :])
-        p = tl.where(valid, tl.exp2(qk - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(_cast(ds, DTYPE, UPCAST), k, input_precision=PRECISION)
+    lo, full, mid, hi = _key_blocks(start_m, rows, doc, S, S_K, SHIFT, CAUSAL, HAS_DOCS, BLOCK_M,
+                                    BLOCK_N)  # fmt: skip
+    if HAS_DOCS:
+        dq = _dq_inner(dq, q, do, lse, delta, k_head, v_head, stride_ks, stride_vs, offs_m, doc,
+                       lo, full, S_K, SHIFT, qk_scale, True, CAUSAL, HAS_DOCS, BLOCK_N, HEAD_DIM,
+                       UPCAST, PRECISION)  # fmt: skip
+    dq = _dq_inner(dq, q, do, lse, delta, k_head, v_head, stride_ks, stride_vs, offs_m, doc, full,
+                   mid, S_K, SHIFT, qk_scale, False, CAUSAL, HAS_DOCS, BLOCK_N, HEAD_DIM, UPCAST,
+                   PRECISION)  # fmt: skip
+    dq = _dq_inner(dq, q, do, lse, delta, k_head, v_head, stride_ks, stride_vs, offs_m, doc, mid,
+                   hi, S_K, SHIFT, qk_scale, True, CAUSAL, HAS_DOCS, BLOCK_N, HEAD_DIM, UPCAST,
+                   PRECISION)  # fmt: skip
     dq_head = DQ + off_b * stride_dqb + off_h * stride_dqh
     _store_tile(dq_head, offs_m, stride_dqs, S, dq * sm_scale, HEAD_DIM)
 
@@ -263,60 +444,99 @@ def _grid(seq: int, heads: int, block: str):
     return lambda meta: (triton.cdiv(seq, meta[block]), heads)
 
 
-def _flash_forward(q, k, v, causal: bool, sm_scale: float):
+def _query_ranges(doc_start: torch.Tensor, seq_k: int, k_offset: int) -> torch.Tensor:
+    """(batch, 2, seq_k) int32: per key, bounds on the query rows for the dK/dV kernel's
+    document masking (key j is at position k_offset + j).
+
+    [b, 0, j]: the length of the longest prefix of rows whose documents all start at or before
+    key j (a searchsorted in the running max of doc_start): those rows see j and every later
+    key, so a key block starting at j needs no document mask for them.
+    [b, 1, j]: one past the last row that may see key j (a searchsorted in the running min of
+    doc_start from the end): every later row starts its document after j.
+    Both hold for any doc_start, monotone or not; for the usual non-decreasing one they are
+    tight. (The kernel's tiles are only known once the autotuner picks them, so the bounds are
+    per key, and the kernel reads them at its block's first and last key.)"""
+    starts = doc_start.long()
+    keys = (torch.arange(seq_k, device=starts.device) + k_offset).expand(starts.shape[0], -1)
+    keys = keys.contiguous()
+    running_max = starts.cummax(dim=1).values
+    min_after = starts.flip(1).cummin(dim=1).values.flip(1)
+    full = torch.searchsorted(running_max, keys, right=True)
+    reach = torch.searchsorted(min_after.contiguous(), keys, right=True)
+    return torch.stack((full, reach), dim=1).to(torch.int32).contiguous()
+
+
+def _flash_forward(q, k, v, causal: bool, sm_scale: float, shift: int = 0, k_offset: int = 0,
+                   doc_start: torch.Tensor | None = None):  # fmt: skip
+    """(out, base-2 lse (b, h, sq) fp32). shift = q_offset - k_offset; doc_start (b, sq) int32
+    contiguous or None."""
     b, s, h, d = q.shape
+    s_k = k.shape[1]
     out = torch.empty((b, s, h, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((b, h, s), device=q.device, dtype=torch.float32)
+    docs = doc_start if doc_start is not None else lse  # a placeholder the kernel never reads
     _fwd_kernel[_grid(s, b * h, "BLOCK_M")](
-        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        h, h // k.shape[2], s, sm_scale, HEAD_DIM=d, CAUSAL=causal,
-        UPCAST=INTERPRETED_AT_IMPORT, PRECISION=_precision(q),
+        q, k, v, out, lse, docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *out.stride()[:3], h, h // k.shape[2], s, s_k, shift, k_offset, sm_scale, HEAD_DIM=d,
+        CAUSAL=causal, HAS_DOCS=doc_start is not None, UPCAST=INTERPRETED_AT_IMPORT,
+        PRECISION=_precision(q),
     )  # fmt: skip
     return out, lse
 
 
-def _flash_backward(dout, q, k, v, out, lse, causal: bool, sm_scale: float):
+def _flash_backward(dout, q, k, v, out, lse, causal: bool, sm_scale: float, shift: int = 0,
+                    k_offset: int = 0, doc_start: torch.Tensor | None = None,
+                    delta: torch.Tensor | None = None,
+                    grad_dtype: torch.dtype | None = None):  # fmt: skip
+    """(dq, dk, dv) in grad_dtype (default: the inputs'). lse is base 2; delta (b, h, sq) fp32
+    contiguous, computed here when None."""
     b, s, h, d = q.shape
-    h_kv = k.shape[2]
-    delta = torch.empty_like(lse)  # (b, h, s)
-    _bwd_preprocess[(triton.cdiv(s, 64), b * h)](
-        out, dout, delta, *out.stride()[:3], *dout.stride()[:3], h, s, HEAD_DIM=d, BLOCK_M=64
-    )
-    dq = torch.empty((b, s, h, d), device=q.device, dtype=q.dtype)
-    dk = torch.empty((b, s, h_kv, d), device=q.device, dtype=k.dtype)
+    s_k, h_kv = k.shape[1], k.shape[2]
+    if delta is None:
+        delta = torch.empty_like(lse)  # (b, h, s)
+        _bwd_preprocess[(triton.cdiv(s, 64), b * h)](
+            out, dout, delta, *out.stride()[:3], *dout.stride()[:3], h, s, HEAD_DIM=d, BLOCK_M=64
+        )
+    dq = torch.empty((b, s, h, d), device=q.device, dtype=grad_dtype or q.dtype)
+    dk = torch.empty((b, s_k, h_kv, d), device=q.device, dtype=grad_dtype or k.dtype)
     dv = torch.empty_like(dk)
-    common = {"HEAD_DIM": d, "CAUSAL": causal, "UPCAST": INTERPRETED_AT_IMPORT}
-    common["PRECISION"] = _precision(q)
+    has_docs = doc_start is not None
+    docs = doc_start if has_docs else lse  # placeholders the kernels never read
+    ranges = _query_ranges(doc_start, s_k, k_offset) if has_docs else lse
+    common = {"HEAD_DIM": d, "CAUSAL": causal, "HAS_DOCS": has_docs}
+    common.update(UPCAST=INTERPRETED_AT_IMPORT, PRECISION=_precision(q))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
-    _bwd_dkdv_kernel[_grid(s, b * h_kv, "BLOCK_N")](
-        q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride()[:3],
-        h, h_kv, h // h_kv, s, sm_scale, **common,
+    _bwd_dkdv_kernel[_grid(s_k, b * h_kv, "BLOCK_N")](
+        q, k, v, dout, lse, delta, dk, dv, docs, ranges, *strides, *dk.stride()[:3],
+        h, h_kv, h // h_kv, s, s_k, shift, k_offset, sm_scale, **common,
     )  # fmt: skip
     _bwd_dq_kernel[_grid(s, b * h, "BLOCK_M")](
-        q, k, v, dout, lse, delta, dq, *strides, *dq.stride()[:3], h, h // h_kv, s, sm_scale,
-        **common,
+        q, k, v, dout, lse, delta, dq, docs, *strides, *dq.stride()[:3], h, h // h_kv, s, s_k,
+        shift, k_offset, sm_scale, **common,
     )  # fmt: skip
     return dq, dk, dv
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """Triton forward/backward; saves q, k, v, out and the (batch, heads, seq) fp32 LSE."""
+    """Triton forward/backward; saves q, k, v, out and the (batch, heads, seq) fp32 LSE (and
+    the (batch, seq) int32 doc_start when documents mask the attention)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, softmax_scale: float):
+    def forward(ctx, q, k, v, causal: bool, softmax_scale: float, doc_start=None):
         q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
-        out, lse = _flash_forward(q, k, v, causal, softmax_scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = _flash_forward(q, k, v, causal, softmax_scale, doc_start=doc_start)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if doc_start is None else (doc_start,)))
         ctx.causal, ctx.softmax_scale = causal, softmax_scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *docs = ctx.saved_tensors
         grads = _flash_backward(
-            _unit_stride(dout), q, k, v, out, lse, ctx.causal, ctx.softmax_scale
-        )
-        return *grads, None, None
+            _unit_stride(dout), q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+            doc_start=docs[0] if docs else None,
+        )  # fmt: skip
+        return *grads, None, None, None
 
 
 def attention_reference(
@@ -338,20 +558,97 @@ def attention_reference(
     return out.transpose(1, 2)  # (batch, seq, heads, head_dim)
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _visible_reference(seq_q: int, seq_k: int, q_offset: int, k_offset: int, causal: bool,
+                       doc_start: torch.Tensor | None, device) -> torch.Tensor | None:  # fmt: skip
+    """(1 or batch, seq_q, seq_k) bool: which keys each row may see; None when all."""
+    keys = torch.arange(seq_k, device=device) + k_offset
+    visible = None
+    if causal:
+        rows = torch.arange(seq_q, device=device) + q_offset
+        visible = (keys[None, :] <= rows[:, None])[None]
+    if doc_start is not None:
+        in_doc = keys[None, None, :] >= doc_start[:, :, None]
+        visible = in_doc if visible is None else visible & in_doc
+    return visible
+
+
+def _grouped(t: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """(b, s, h, d) -> (b, s, kv_heads, group, d) in dtype: query head i is kv head
+    i // group, member i % group."""
+    b, s, h, d = t.shape
+    return t.to(dtype).reshape(b, s, kv_heads, h // kv_heads, d)
+
+
+def _block_forward_reference(q, k, v, q_offset: int, k_offset: int, causal: bool,
+                             doc_start: torch.Tensor | None, scale: float):  # fmt: skip
+    """attention_block_forward in plain torch, fp32 math (fp64 for fp64 inputs). Materialises
+    one (batch, heads, seq_q, seq_k) score tensor; differentiable by autograd."""
+    b, sq, h, d = q.shape
+    sk, h_kv = k.shape[1], k.shape[2]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.einsum("bqngd,bknd->bngqk", _grouped(q, h_kv, dtype), k.to(dtype)) * scale
+    visible = _visible_reference(sq, sk, q_offset, k_offset, causal, doc_start, q.device)
+    if visible is not None:
+        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (b, h_kv, group, sq); -inf where no key is visible
+    p = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])
+    out = torch.einsum("bngqk,bknd->bqngd", p, v.to(dtype)).reshape(b, sq, h, d)
+    return out.to(q.dtype), lse.reshape(b, h, sq)
+
+
+def _block_backward_reference(dout, q, k, v, out, lse, q_offset: int, k_offset: int,
+                              causal: bool, doc_start: torch.Tensor | None, scale: float,
+                              delta: torch.Tensor | None):  # fmt: skip
+    """attention_block_backward in plain torch; two (batch, heads, seq_q, seq_k) tensors live."""
+    b, sq, h, d = q.shape
+    sk, h_kv = k.shape[1], k.shape[2]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    if delta is None:
+        delta = (dout.to(dtype) * out.to(dtype)).sum(-1).transpose(1, 2)  # (b, h, sq)
+    q_g, do_g = _grouped(q, h_kv, dtype), _grouped(dout, h_kv, dtype)
+    k, v = k.to(dtype), v.to(dtype)
+    stats = (b, h_kv, h // h_kv, sq, 1)
+    lse = lse.to(dtype).reshape(stats)
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # rows seeing no key: p = 0
+    p = torch.einsum("bqngd,bknd->bngqk", q_g, k).mul_(scale).sub_(lse).exp_()
+    visible = _visible_reference(sq, sk, q_offset, k_offset, causal, doc_start, q.device)
+    if visible is not None:
+        p.masked_fill_(~visible[:, None, None], 0.0)
+    dv = torch.einsum("bngqk,bqngd->bknd", p, do_g)
+    ds = torch.einsum("bqngd,bknd->bngqk", do_g, v).sub_(delta.to(dtype).reshape(stats)).mul_(p)
+    dq = torch.einsum("bngqk,bknd->bqngd", ds, k).mul_(scale).reshape(b, sq, h, d)
+    dk = torch.einsum("bngqk,bqngd->bknd", ds, q_g).mul_(scale)
+    return dq, dk, dv
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, same_seq: bool = True):
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(
             "expected q (batch, seq, heads, head_dim) and k, v (batch, seq, kv_heads, head_dim); "
             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     b, s, h, d = q.shape
-    if (k.shape[0], k.shape[1], k.shape[3]) != (b, s, d) or h % k.shape[2] != 0:
+    s_k = s if same_seq else k.shape[1]
+    if (k.shape[0], k.shape[1], k.shape[3]) != (b, s_k, d) or h % k.shape[2] != 0:
+        what = "batch, seq and head_dim" if same_seq else "batch and head_dim"
         raise ValueError(
-            f"k/v {tuple(k.shape)} do not fit q {tuple(q.shape)}: batch, seq and head_dim must "
-            "match and kv_heads must divide heads"
+            f"k/v {tuple(k.shape)} do not fit q {tuple(q.shape)}: {what} must match and kv_heads "
+            "must divide heads"
         )
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _check_doc_start(doc_start: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """doc_start as the kernels read it: (batch, seq_q) int32, contiguous, on q's device."""
+    if doc_start is None:
+        return None
+    if doc_start.shape != q.shape[:2] or doc_start.is_floating_point() or doc_start.is_complex():
+        raise ValueError(
+            f"doc_start must be an integer tensor of shape (batch, seq_q) = {tuple(q.shape[:2])}; "
+            f"got {doc_start.dtype} {tuple(doc_start.shape)}"
+        )
+    return doc_start.to(device=q.device, dtype=torch.int32).contiguous()
 
 
 def _unsupported(q: torch.Tensor) -> str | None:
@@ -362,21 +659,170 @@ def _unsupported(q: torch.Tensor) -> str | None:
     return None
 
 
+def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+def _block_forward_triton(q, k, v, q_offset, k_offset, causal, doc_start, scale):
+    b, sq, h, _ = q.shape
+    if sq == 0 or k.shape[1] == 0:  # nothing to launch: every row sees no key
+        lse = torch.full((b, h, sq), float("-inf"), device=q.device)
+        return torch.zeros_like(q), lse
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    out, lse = _flash_forward(q, k, v, causal, scale, q_offset - k_offset, k_offset, doc_start)
+    return out, lse.mul_(LN2)
+
+
+def _block_backward_triton(dout, q, k, v, out, lse, q_offset, k_offset, causal, doc_start,
+                           scale, delta):  # fmt: skip
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        return tuple(torch.zeros(t.shape, device=t.device) for t in (q, k, v))
+    q, k, v, out, dout = (_unit_stride(t) for t in (q, k, v, out, dout))
+    lse = (lse.float() * INV_LN2).contiguous()  # base 2, as the kernels keep it
+    if delta is not None:
+        delta = delta.float().contiguous()
+    return _flash_backward(dout, q, k, v, out, lse, causal, scale, q_offset - k_offset,
+                           k_offset, doc_start, delta, grad_dtype=torch.float32)  # fmt: skip
+
+
+def attention_block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    causal: bool = True,
+    doc_start: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a query chunk against one key/value chunk: (out, lse).
+
+    q: (batch, seq_q, n_heads, head_dim), k, v: (batch, seq_k, n_kv_heads, head_dim), n_kv_heads
+    dividing n_heads; row i sits at position ``q_offset + i``, key j at ``k_offset + j``.
+    ``causal``: key j is visible to row i iff ``k_offset + j <= q_offset + i``. ``doc_start``
+    (batch, seq_q) integers: row i also sees only keys at positions ``>= doc_start[b, i]``.
+    Returns out (batch, seq_q, n_heads, head_dim) in q's dtype and lse (batch, n_heads, seq_q)
+    fp32, the natural-log log-sum-exp of each row's visible scaled scores; a row that sees no
+    key gets out 0 and lse -inf. Not differentiable by autograd: pair it with
+    `attention_block_backward` (the module docstring says how blocks merge).
+    """
+    _check_inputs(q, k, v, same_seq=False)
+    doc_start = _check_doc_start(doc_start, q)
+    scale = _scale(q, softmax_scale)
+    args = (q, k, v, int(q_offset), int(k_offset), causal, doc_start, scale)
+    if use_triton(q, k, v, unsupported=_unsupported(q)):
+        return opaque(_block_forward_triton)(*args)
+    with torch.no_grad():
+        out, lse = _block_forward_reference(*args)
+    return out, lse.float()
+
+
+def attention_block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    causal: bool = True,
+    doc_start: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    delta: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This block's share of the attention gradient: (dq, dk, dv) in fp32.
+
+    ``out`` (batch, seq_q, n_heads, head_dim) and ``lse`` (batch, n_heads, seq_q) are the rows'
+    FINAL output and natural-log LSE, merged over every key block they attend to (for a single
+    block, what `attention_block_forward` returned); the probabilities are rebuilt as
+    ``exp(scale * q.k - lse)``. ``delta`` (batch, n_heads, seq_q) fp32 is ``rowsum(dout *
+    out)``, computed here when not given. Rows with lse -inf get no gradient. Summed over the
+    key blocks (dq) and over the query chunks (dk, dv), the results are the gradient of the
+    whole attention. Other arguments as for `attention_block_forward`.
+    """
+    _check_inputs(q, k, v, same_seq=False)
+    if dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must be q's shape")
+    stats = (q.shape[0], q.shape[2], q.shape[1])
+    for name, t in (("lse", lse), ("delta", delta)):
+        if t is not None and tuple(t.shape) != stats:
+            raise ValueError(f"{name} must be (batch, heads, seq_q) = {stats}; got {t.shape}")
+    doc_start = _check_doc_start(doc_start, q)
+    scale = _scale(q, softmax_scale)
+    args = (dout, q, k, v, out, lse, int(q_offset), int(k_offset), causal, doc_start, scale)
+    if use_triton(q, k, v, unsupported=_unsupported(q)):
+        return opaque(_block_backward_triton)(*args, delta)
+    with torch.no_grad():
+        return _block_backward_reference(*args, delta)
+
+
+def doc_start_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """(batch, seq) int32: where, within its window, each token's document starts.
+
+    ``cu_seqlens`` is flash-attn's varlen convention over the flattened (batch * seq) tokens:
+    a 1-D integer tensor of document boundaries, starting at 0, ending at batch * seq, never
+    decreasing (a repeated value is an empty document), holding every window start (the
+    multiples of seq), since a document cannot span two windows. Raises ValueError otherwise.
+    For example batch 1, seq 8, cu_seqlens [0, 3, 8] gives [[0, 0, 0, 3, 3, 3, 3, 3]].
+    """
+    if cu_seqlens.ndim != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+        raise ValueError(
+            "cu_seqlens must be a 1-D integer tensor of document boundaries; got "
+            f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
+    total = batch * seq
+    bounds = cu_seqlens.tolist()  # one host sync, to name what is wrong
+    if not bounds or bounds[0] != 0 or bounds[-1] != total:
+        ends = f"{bounds[0]} ... {bounds[-1]}" if bounds else "nothing"
+        raise ValueError(f"cu_seqlens must start at 0 and end at batch * seq = {total}; got {ends}")
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if b < a:
+            raise ValueError(
+                f"cu_seqlens must be non-decreasing: cu_seqlens[{i}] = {a} > "
+                f"cu_seqlens[{i + 1}] = {b}"
+            )
+    missing = sorted(set(range(0, total, seq)) - set(bounds)) if seq > 0 else []
+    if missing:
+        raise ValueError(
+            f"every window start (a multiple of seq = {seq}) must be a document boundary in "
+            f"cu_seqlens, since a document cannot span two windows; missing {missing[:8]}"
+        )
+    cu = cu_seqlens.to(torch.int64)
+    tokens = torch.arange(total, device=cu.device)
+    doc = torch.searchsorted(cu, tokens, right=True) - 1  # each token's document
+    return (cu[doc] - tokens // seq * seq).view(batch, seq).to(torch.int32)
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     causal: bool = True,
     softmax_scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with GQA; memory O(seq) on the Triton path.
 
     q: (batch, seq, n_heads, head_dim); k, v: (batch, seq, n_kv_heads, head_dim) with
     n_kv_heads dividing n_heads. ``softmax_scale`` defaults to ``1/sqrt(head_dim)``.
-    Returns (batch, seq, n_heads, head_dim) in q's dtype.
+    ``cu_seqlens``: packed documents, flash-attn's varlen boundaries over the flattened
+    (batch * seq) tokens (see `doc_start_from_cu_seqlens`); a token then attends only within
+    its document (causal only). Returns (batch, seq, n_heads, head_dim) in q's dtype.
     """
     _check_inputs(q, k, v)
-    if use_triton(q, k, v, unsupported=_unsupported(q)):
-        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        return opaque(FlashAttentionFunction.apply)(q, k, v, causal, scale)
-    return attention_reference(q, k, v, causal, softmax_scale)
+    triton_path = use_triton(q, k, v, unsupported=_unsupported(q))
+    if cu_seqlens is None:
+        if triton_path:
+            return opaque(FlashAttentionFunction.apply)(q, k, v, causal, _scale(q, softmax_scale))
+        return attention_reference(q, k, v, causal, softmax_scale)
+    if not causal:  # doc_start bounds the keys from below only: later documents would show
+        raise ValueError("cu_seqlens needs causal=True (documents are masked causally)")
+    doc_start = doc_start_from_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1]).to(q.device)
+    if triton_path:
+        apply = opaque(FlashAttentionFunction.apply)
+        return apply(q, k, v, causal, _scale(q, softmax_scale), doc_start)
+    # plain autograd through the masked reference (one (seq x seq) score tensor per head)
+    return _block_forward_reference(q, k, v, 0, 0, causal, doc_start, _scale(q, softmax_scale))[0]

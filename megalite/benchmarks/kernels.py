@@ -6,6 +6,13 @@ it accepts the inputs, else torch's own pick), over sequence lengths at a fixed 
 tokens per step. FLOPs: 4*b*h*s*s*d forward, half of that when causal; backward 2.5x forward.
 Peak memory is the most allocated above the inputs during one forward+backward.
 
+Attention blocks (ring attention, packed documents): `attention_block_forward` and
+`attention_block_backward` of a query chunk of ``s`` rows against one key chunk of ``s`` keys,
+beside the plain kernel doing the same work at the same size: the diagonal chunk (equal
+offsets, causal) against causal flash attention, an earlier chunk (every key visible) against
+non-causal, and ``flash_attention(cu_seqlens=...)`` over documents of ``--doc-len`` tokens
+against plain causal (its FLOPs are those of its documents, 2*h*d*sum(len^2) per window).
+
 MLP activations, norms and rotary: GB/s of the fused bias-GELU, SwiGLU, residual add +
 LayerNorm / RMSNorm and rotary q/k against their eager PyTorch references. Both columns count
 the bytes a fused kernel must move (read inputs, write outputs), so eager's extra temporaries
@@ -44,6 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no GQA)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--block-seqlens", type=int, nargs="+", default=[32768],
+                   help="chunk lengths of the attention-block (ring) table")  # fmt: skip
+    p.add_argument("--doc-len", type=int, default=2048, help="document length of its varlen row")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--mlp-tokens", type=int, default=8192)
     p.add_argument("--ffn", type=int, default=16384, help="MLP hidden size for GELU / SwiGLU")
@@ -52,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.cpu_smoke:
         args.seqlens, args.tokens, args.heads, args.head_dim = [48], 96, 2, 32
+        args.block_seqlens, args.doc_len = [48], 20
         args.mlp_tokens, args.ffn, args.hidden = 40, 200, 100
     args.kv_heads = args.kv_heads or args.heads
     return args
@@ -128,6 +139,62 @@ def attention_row(args: argparse.Namespace, seq: int, device: torch.device) -> s
     )
 
 
+def attention_block_rows(args: argparse.Namespace, seq: int, device: torch.device) -> list[str]:
+    """Rows of the attention-block table at chunk length `seq` (see the module docstring)."""
+    from megalite.kernels import attention_block_backward, attention_block_forward, flash_attention
+
+    batch = max(1, args.tokens // seq)
+    dtype = DTYPES[args.dtype]
+
+    def rand(heads):
+        shape = (batch, seq, heads, args.head_dim)
+        return torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+
+    q, k, v = rand(args.heads), rand(args.kv_heads), rand(args.kv_heads)
+    dout = torch.randn_like(q)
+
+    def block(q_offset: int, k_offset: int):  # the query chunk at q_offset, keys at k_offset
+        offsets = {"q_offset": q_offset, "k_offset": k_offset}
+
+        def both():
+            out, lse = attention_block_forward(q, k, v, **offsets)
+            return attention_block_backward(dout, q, k, v, out, lse, **offsets)
+
+        return lambda: attention_block_forward(q, k, v, **offsets), both
+
+    def plain(**kwargs):
+        def fwd():
+            return flash_attention(q, k, v, **kwargs)
+
+        return fwd, lambda: torch.autograd.grad(fwd(), (q, k, v), dout)
+
+    starts = list(range(0, seq, args.doc_len))
+    windows = [w * seq + start for w in range(batch) for start in starts]
+    cu_seqlens = torch.tensor([*windows, batch * seq], dtype=torch.int32, device=device)
+    doc_lens = [min(args.doc_len, seq - start) for start in starts]
+    full = 4 * batch * args.heads * args.head_dim * seq * seq  # forward FLOPs, every key seen
+    doc_flops = full * sum(n * n for n in doc_lens) / (2 * seq * seq)  # causal in each document
+    cases = [  # name, (block fwd, fwd+bwd), forward FLOPs, (plain fwd, fwd+bwd), forward FLOPs
+        ("diagonal", block(seq, seq), full / 2, plain(causal=True), full / 2),
+        ("earlier", block(seq, 0), full, plain(causal=False), full),
+        (f"docs {args.doc_len}", plain(cu_seqlens=cu_seqlens), doc_flops, plain(), full / 2),
+    ]
+    rows = []
+    for name, *contenders in cases:
+        cells = []
+        for (fwd, both), flops in zip(contenders[::2], contenders[1::2]):
+            with torch.no_grad():
+                fwd_ms, _ = measure(fwd, device)
+            both_ms, _ = measure(both, device)
+            cells.append((flops / fwd_ms / 1e9, 3.5 * flops / both_ms / 1e9, both_ms))
+        (bf, bb, bms), (pf, pb, pms) = cells
+        rows.append(
+            f"{seq:<6} {batch:>5} {name:<10} | {bf:17.1f} {pf:6.1f} | {bb:21.1f} {pb:6.1f}"
+            f" | {bms:14.2f} {pms:6.2f}"
+        )
+    return rows
+
+
 def activation_row(
     name: str,
     fused: Callable[..., Any],
@@ -169,6 +236,23 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> None:
     print(header + " | peak MiB triton    sdpa | sdpa backend")
     for seq in args.seqlens:
         print(attention_row(args, seq, device))
+
+
+def bench_attention_blocks(args: argparse.Namespace, device: torch.device) -> None:
+    """Print the attention-block table: ring-attention chunks and packed documents against the
+    plain kernel, one group of rows per chunk length."""
+    print(
+        f"\nattention blocks (ring attention, packed documents): {args.dtype}, heads "
+        f"{args.heads}/{args.kv_heads} (q/kv), head_dim {args.head_dim}; a chunk of seq queries "
+        "against seq keys"
+    )
+    print(
+        "seq    batch block      | fwd TFLOP/s block  plain | fwd+bwd TFLOP/s block  plain"
+        " | fwd+bwd ms block  plain"
+    )
+    for seq in args.block_seqlens:
+        for row in attention_block_rows(args, seq, device):
+            print(row)
 
 
 def _rand(device: torch.device, dtype: torch.dtype, *shape: int) -> torch.Tensor:
@@ -271,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
     print(f"device: {name}, torch {torch.__version__}")
     bench_attention(args, device)
+    bench_attention_blocks(args, device)
     bench_activations(args, device)
     bench_norms_and_rotary(args, device)
     return 0
