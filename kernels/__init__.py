@@ -5,7 +5,6 @@ it, the PyTorch reference, and a public function that picks between the two at e
 (see :mod:`megalite.kernels.dispatch` for the ``MEGALITE_KERNELS`` switch).
 """
 
-from ._shim_blocks import attention_block_backward, attention_block_forward
 from .dispatch import kernel_backend
 from .flash_attention import (
     attention_block_backward,
