@@ -813,16 +813,15 @@ def flash_attention(
     its document (causal only). Returns (batch, seq, n_heads, head_dim) in q's dtype.
     """
     _check_inputs(q, k, v)
-    triton_path = use_triton(q, k, v, unsupported=_unsupported(q))
+    scale = _scale(q, softmax_scale)
     if cu_seqlens is None:
-        if triton_path:
-            return opaque(FlashAttentionFunction.apply)(q, k, v, causal, _scale(q, softmax_scale))
+        if use_triton(q, k, v, unsupported=_unsupported(q)):
+            return opaque(FlashAttentionFunction.apply)(q, k, v, causal, scale)
         return attention_reference(q, k, v, causal, softmax_scale)
     if not causal:  # doc_start bounds the keys from below only: later documents would show
         raise ValueError("cu_seqlens needs causal=True (documents are masked causally)")
     doc_start = doc_start_from_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1]).to(q.device)
-    if triton_path:
-        apply = opaque(FlashAttentionFunction.apply)
-        return apply(q, k, v, causal, _scale(q, softmax_scale), doc_start)
+    if use_triton(q, k, v, unsupported=_unsupported(q)):
+        return opaque(FlashAttentionFunction.apply)(q, k, v, causal, scale, doc_start)
     # plain autograd through the masked reference (one (seq x seq) score tensor per head)
-    return _block_forward_reference(q, k, v, 0, 0, causal, doc_start, _scale(q, softmax_scale))[0]
+    return _block_forward_reference(q, k, v, 0, 0, causal, doc_start, scale)[0]

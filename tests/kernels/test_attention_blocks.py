@@ -22,11 +22,11 @@ def float64_block(q, k, v, q_offset=0, k_offset=0, causal=True, doc_start=None, 
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    rows = torch.arange(q.shape[1])[:, None] + q_offset
-    keys = torch.arange(k.shape[1])[None, :] + k_offset
+    rows = torch.arange(q.shape[1], device=q.device)[:, None] + q_offset
+    keys = torch.arange(k.shape[1], device=q.device)[None, :] + k_offset
     visible = (keys <= rows if causal else torch.ones_like(keys <= rows))[None, None]
     if doc_start is not None:
-        visible = visible & (keys[None, None] >= doc_start[:, None, :, None])
+        visible = visible & (keys[None, None] >= doc_start.to(q.device)[:, None, :, None])
     row_max = scores.masked_fill(~visible, float("-inf")).amax(-1, keepdim=True)
     row_max = row_max.masked_fill(row_max == float("-inf"), 0.0).detach()
     weights = torch.where(visible, scores - row_max, float("-inf")).exp()
@@ -113,7 +113,7 @@ def test_rows_with_lse_minus_inf_get_no_gradient(backend, randn, monkeypatch):
     use(backend, monkeypatch)
     q, k, v = randn(1, 64, 2, 16), randn(1, 64, 2, 16), randn(1, 64, 2, 16)
     dout = randn(1, 64, 2, 16).detach()
-    dead = torch.zeros(64, dtype=torch.bool)
+    dead = torch.zeros(64, dtype=torch.bool, device=q.device)
     dead[40:50] = True  # rows of the second, unmasked-at-the-start query block
     out, lse = attention_block_forward(q, k, v, q_offset=64)  # all keys visible
     out, lse = out.masked_fill(dead[None, :, None, None], 0.0), lse.masked_fill(dead, -inf)
@@ -170,7 +170,7 @@ def test_blocks_merge_into_one_call(backend, randn, monkeypatch):
     assert rel(merged_out, out) < TOL and lse_err(merged_lse, lse) < TOL
 
     delta = (dout * merged_out).sum(-1).transpose(1, 2)  # the ring computes it once
-    dq, dk, dv = torch.zeros(q.shape), [], []
+    dq, dk, dv = torch.zeros(q.shape, device=q.device), [], []
     for a, n in chunks:
         grads = attention_block_backward(
             dout, q, k.narrow(1, a, n), v.narrow(1, a, n), merged_out, merged_lse,
@@ -257,14 +257,14 @@ def test_varlen_matches_float64_and_separate_documents(backend, randn, monkeypat
         ([5, 63, 126], "start at 0"),
     ],
 )
-def test_bad_cu_seqlens_are_named(bounds, problem):
-    q = torch.zeros(2, 63, 2, 16)
+def test_bad_cu_seqlens_are_named(bounds, problem, device):
+    q = torch.zeros(2, 63, 2, 16, device=device)
     with pytest.raises(ValueError, match=problem):
         flash_attention(q, q, q, cu_seqlens=torch.tensor(bounds, dtype=torch.int32))
 
 
-def test_cu_seqlens_must_be_integers_and_causal():
-    q = torch.zeros(1, 8, 2, 16)
+def test_cu_seqlens_must_be_integers_and_causal(device):
+    q = torch.zeros(1, 8, 2, 16, device=device)
     with pytest.raises(ValueError, match="integer"):
         flash_attention(q, q, q, cu_seqlens=torch.tensor([0.0, 8.0]))
     with pytest.raises(ValueError, match="causal"):
