@@ -20,12 +20,22 @@ megalite's layers differ in ways that matter once the estimate is held against m
   SP the sequence shard (gathered again in backward, as Megatron does);
 - attention: with dropout 0 a flash kernel (Triton on GPU, SDPA on CPU) keeps q, k, v (k and v
   with the local kv heads: n_kv/tp, or the one head a rank computes when n_kv < tp), its output
-  and a per-row fp32 log-sum-exp; with dropout the math path keeps contiguous copies of q and of
+  and a per-row fp32 log-sum-exp; so does the block attention of context parallelism and
+  document masks (`context_parallel.attention`, ring or all-gather: only the local rows'); with
+  dropout the math path keeps contiguous copies of q and of
   k, v repeated to every head, the scores' softmax, dropout mask and dropped probabilities
   (b * heads * s^2 each) and the s^2 causal mask; selective recompute keeps only q, k, v and
   the output;
+- rotary embeddings at a chunk layout's positions (context parallelism, document masks) index
+  the cos / sin tables by position: the two gathered (b * s, head_dim) copies are kept for
+  backward (at positions 0..s-1 the tables themselves, module buffers, are);
 - dropout masks are 1 byte on CUDA and the activation dtype on CPU; LayerNorm statistics fp32
   on CUDA and the activation dtype on CPU.
+
+Context parallelism (`parallel.cp`) gives each rank 2 of the 2*cp chunks of every window,
+seq_len / cp tokens: every activation above is that of seq_len / cp tokens (`Shapes.seq`);
+flash and ring attention keep no s x s term, and dropout, the one path with one, is refused
+with cp (`Config` validation).
 """
 
 from __future__ import annotations
@@ -51,9 +61,23 @@ class Shapes:
     """"cuda" (Triton kernels, 1-byte dropout masks) or "cpu" (PyTorch references)."""
 
     @property
+    def seq(self) -> int:
+        """Tokens of one window on this rank: seq_len, or its 2 of the 2*cp chunks (seq_len / cp)
+        under context parallelism."""
+        return self.cfg.model.seq_len // self.cfg.parallel.cp
+
+    @property
     def tokens(self) -> int:
-        """Tokens of a micro-batch: what attention and the MLP see (the full sequence)."""
-        return self.cfg.train.micro_batch_size * self.cfg.model.seq_len
+        """Tokens of a micro-batch on this rank: what attention and the MLP see (the whole
+        sequence, or this rank's seq_len / cp of it)."""
+        return self.cfg.train.micro_batch_size * self.seq
+
+    @property
+    def chunked(self) -> bool:
+        """Whether attention runs over a chunk layout (`context_parallel.layout`): context
+        parallelism or document masks, which take the block attention and rotary at gathered
+        positions instead of the flash kernel over positions 0..s-1."""
+        return self.cfg.parallel.cp > 1 or self.cfg.data.document_mask
 
     @property
     def stream_tokens(self) -> int:
@@ -143,12 +167,18 @@ def attention_saved(x: Shapes) -> list[int]:
     t, e, b = x.tokens, x.element, x.cfg.train.micro_batch_size
     q = t * x.local_heads * m.head_dim * e
     kv = t * x.local_kv_heads * m.head_dim * e
-    if not x.dropout:  # flash kernel
-        return [q, kv, kv, q, b * x.local_heads * m.seq_len * 4]
+    if not x.dropout:  # flash kernel, or the block attention (the same tensors)
+        return [q, kv, kv, q, b * x.local_heads * x.seq * 4]
     if x.cfg.train.recompute == "selective":  # recompute keeps the inputs of the core attention
         return [q, kv, kv, q]
     probs = b * x.local_heads * m.seq_len**2
     return [q, q, q, q, probs * e, probs * x.mask, probs * e, m.seq_len**2]
+
+
+def rotary_saved(x: Shapes) -> list[int]:
+    """What rotary embeddings keep besides q and k: nothing at positions 0..s-1 (the tables are
+    module buffers); over a chunk layout the cos and sin rows gathered at its positions."""
+    return [x.tokens * x.cfg.model.head_dim * x.element] * 2 if x.chunked else []
 
 
 def residual_masks(x: Shapes, branches: int) -> list[int]:
@@ -207,14 +237,16 @@ LAYER_NORM = LayerNormFormulas()
 RMS_NORM = RMSNormFormulas()
 
 
-def pre_norm_block_saved(x: Shapes, norm: Norm, mlp: list[int]) -> list[int]:
+def pre_norm_block_saved(x: Shapes, norm: Norm, mlp: list[int], rotary: bool = False) -> list[int]:
     """What a pre-norm block x + attn(norm(x)), then + mlp(norm(...)), keeps without its input:
     the MLP's norm takes the attention's residual add with it, and keeps the sum when the norm
-    keeps its input. `mlp`: the MLP's saved tensors after its input."""
+    keeps its input. `mlp`: the MLP's saved tensors after its input; `rotary`: whether its
+    attention rotates q and k."""
     middle = [x.stream_tokens * x.cfg.model.hidden * x.element] if norm.keeps_input(x) else []
     return (
         norm.saved(x, keeps_input=False)
         + linear_input_saved(x)  # q, k, v
+        + (rotary_saved(x) if rotary else [])
         + attention_saved(x)
         + residual_masks(x, 1)
         + middle
@@ -271,10 +303,10 @@ class Formulas(ABC):
         return self.norm.keeps_input(x)
 
     def embedding_saved(self, x: Shapes) -> list[int]:
-        """The embedding's saved tensors: token ids (shifted to the rank's vocabulary piece,
-        with a mask of the ids outside it, under tp) and its dropout mask."""
-        p, m, b = x.cfg.parallel, x.cfg.model, x.cfg.train.micro_batch_size
-        ids = [b * m.seq_len * INDEX_BYTES] + [b * m.seq_len] * (p.tp > 1)
+        """The embedding's saved tensors: token ids (this rank's chunks under cp; shifted to the
+        rank's vocabulary piece, with a mask of the ids outside it, under tp) and its dropout
+        mask."""
+        ids = [x.tokens * INDEX_BYTES] + [x.tokens] * (x.cfg.parallel.tp > 1)
         return ids + residual_masks(x, 1)
 
     def final_norm_saved(self, x: Shapes) -> list[int]:

@@ -2,6 +2,10 @@
 
     megalite estimate --config configs/llama-7b.yaml --world-size 64
     megalite estimate --config configs/gpt2-1.3b.yaml --world-size 8 train.recompute=none --json
+    megalite estimate --config configs/llama-7b.yaml --world-size 64 model.seq_len=131072 \
+        parallel.cp=8 parallel.pp=1 parallel.vpp=1 parallel.schedule=1f1b
+
+The world is tp x cp x dp x pp ranks: dp is what the world leaves.
 
 The numbers come from `megalite.profiling.estimate` (its docstring says what each part counts);
 this module only lays them out.
@@ -45,8 +49,11 @@ def layout_lines(est: LayoutEstimate) -> list[str]:
     recompute = t.recompute
     if recompute == "full" and t.recompute_layers is not None:
         recompute += f" ({t.recompute_layers} layers per chunk)"
+    cp = f"cp={p.cp}" + (
+        f" ({p.cp_comm}, {est.cfg.model.seq_len // p.cp} tokens per rank)" if p.cp > 1 else ""
+    )
     lines = [
-        f"layout: tp={p.tp} pp={p.pp} vpp={p.vpp} dp={est.dp} sp={p.sp} zero={p.zero} "
+        f"layout: tp={p.tp} {cp} pp={p.pp} vpp={p.vpp} dp={est.dp} sp={p.sp} zero={p.zero} "
         f"schedule={p.schedule} recompute={recompute} precision={est.precision} "
         f"({est.device} kernels); micro-batches: {est.microbatches} of {t.micro_batch_size}"
     ]
@@ -99,14 +106,23 @@ def notes(est: LayoutEstimate) -> list[str]:
         from megalite.profiling.estimate import zero_paper_bytes
 
         fullest = max(est.stages, key=lambda s: s.total_bytes)
-        paper = zero_paper_bytes(fullest.parameters, est.dp, est.cfg.parallel.zero)
+        paper = zero_paper_bytes(fullest.parameters, est.replicas, est.cfg.parallel.zero)
         ours = sum(fullest.part(n) for n in ("parameters", "gradients", "optimizer"))
+        dp = "dp" if est.cfg.parallel.cp == 1 else "(dp x cp)"
         out.append(
             "note: per parameter megalite keeps 2 B (16-bit param) + 4 B (fp32 main grad) + "
-            "12 B (fp32 master, Adam m, v; / dp under ZeRO-1, which adds a 4 B / dp reduced-"
+            f"12 B (fp32 master, Adam m, v; / {dp} under ZeRO-1, which adds a 4 B / {dp} reduced-"
             "gradient shard; ZeRO-2 keeps only that shard, plus bucket staging); the ZeRO "
             f"paper counts 2 + 2 + 12 (P_os: 12 / dp; P_os+g: 14 / dp): {format_bytes(paper)} of "
             f"model state on pp rank {fullest.pp_rank}, against {format_bytes(ours)} here"
+        )
+    p = est.cfg.parallel
+    if p.cp > 1:
+        out.append(
+            f"note: cp={p.cp} keeps seq_len / cp = {est.cfg.model.seq_len // p.cp} tokens of each "
+            "window per rank (activations / cp); parameters and gradients are replicated over "
+            f"cp as over dp, ZeRO shards over dp x cp = {est.replicas}; the ring's K/V blocks "
+            "and fp32 accumulators are a transient of each layer's attention"
         )
     o = est.cfg.optim
     if o.offload == "cpu" or o.state_dtype != "fp32":
@@ -128,6 +144,8 @@ def as_dict(est: LayoutEstimate) -> dict[str, Any]:
     return {
         "world_size": est.world_size,
         "tp": p.tp,
+        "cp": p.cp,
+        "cp_comm": p.cp_comm,
         "pp": p.pp,
         "vpp": p.vpp,
         "dp": est.dp,

@@ -103,12 +103,13 @@ def print_plan(proposals: list[Proposal], machine: Machine) -> None:
         f"{where} on {machine.nodes} node(s), {machine.memory_bytes / GIB:.1f} GiB each, "
         f"{machine.peak_flops / 1e12:.2f} TFLOP/s peak at {machine.mfu_fraction:.0%}"
     )
-    header = f"{'#':>2}  {'layout':<34} {'recompute':<9} {'step s':>8} {'tokens/s':>10}  why"
+    shown = [p.layout.describe(p.dp) + f" m {p.microbatches}" for p in proposals]
+    width = max(34, *map(len, shown))
+    header = f"{'#':>2}  {'layout':<{width}} {'recompute':<9} {'step s':>8} {'tokens/s':>10}  why"
     print(header + "\n" + "-" * len(header))
-    for i, p in enumerate(proposals, 1):
-        layout = p.layout.describe(p.dp) + f" m {p.microbatches}"
+    for i, (p, layout) in enumerate(zip(proposals, shown, strict=True), 1):
         print(
-            f"{i:>2}  {layout:<34} {p.layout.recompute:<9} {p.prediction.step_s:>8.3f} "
+            f"{i:>2}  {layout:<{width}} {p.layout.recompute:<9} {p.prediction.step_s:>8.3f} "
             f"{p.prediction.tokens_per_s:>10,.0f}  {'; '.join(p.reasons)}"
         )
     for i, p in enumerate(proposals, 1):

@@ -9,7 +9,10 @@ architecture:
 - the fused LM head + loss keeps the gradient of its input and of its weight (so the weight
   gradient is held once per micro-batch in flight), in forward works on a chunk of fp32 logits
   at a time (`tensor_parallel.cross_entropy.chunk_tokens`), and in backward scales both kept
-  gradients into new tensors.
+  gradients into new tensors;
+- attention over a chunk layout (context parallelism, document masks) allocates, while a
+  layer's attention runs, the K/V blocks it computes against and passes on and the fp32
+  accumulators of its output or of dQ and dK/dV (`attention_working_sets`).
 """
 
 from __future__ import annotations
@@ -76,6 +79,44 @@ def head_backward_working_set(x: Shapes) -> int:
         head_rows(x.cfg) * x.cfg.model.hidden * x.element
         + x.tokens * x.cfg.model.hidden * x.element
     )
+
+
+def attention_working_sets(x: Shapes) -> tuple[tuple[str, int], tuple[str, int]]:
+    """(name, bytes) of what one layer's block attention (`context_parallel.attention`)
+    allocates beyond what it keeps, in its forward and in its backward; 0 bytes for the flash
+    kernel (its own working memory is not counted, as no kernel's is). With b s_l the local
+    tokens and a K/V block the stacked (2, b, s_l, local kv heads, head_dim) in the compute
+    dtype:
+
+    - ring (`parallel.cp_comm=p2p`): forward holds the block it computes against and the one it
+      receives meanwhile (one at cp 1: no ring), and under 16-bit precision the fp32 output
+      accumulator (in fp32 it becomes the kept output); backward the same two K/V blocks and
+      three fp32 dK/dV blocks (the one being summed, the previous one still being sent on, the
+      one received from the previous rank; one at cp 1), the fp32 dQ accumulator and the fp32
+      per-row delta;
+    - all-gather: forward the local block, the gathered blocks and the whole window
+      reassembled from them (2 x the whole window's K/V), plus the fp32 output accumulator
+      under 16-bit precision; backward gathers again, and adds the whole window's fp32 dK/dV,
+      its copy cut back into holders' pieces, this rank's reduced piece, dQ and delta in fp32.
+    """
+    if not x.chunked:
+        return ("", 0), ("", 0)
+    m, b, cp, e = x.cfg.model, x.cfg.train.micro_batch_size, x.cfg.parallel.cp, x.element
+    kv_block = 2 * x.tokens * x.local_kv_heads * m.head_dim * e
+    grad_block = kv_block // e * 4
+    fp32_rows = x.tokens * x.local_heads * m.head_dim * 4  # the output or dQ accumulator
+    out_accumulator = fp32_rows if e != 4 else 0
+    delta = b * x.local_heads * x.seq * 4
+    if cp > 1 and x.cfg.parallel.cp_comm == "allgather":
+        gathered = kv_block + 2 * cp * kv_block  # local stack, gathered pieces, whole window
+        backward = gathered + 2 * cp * grad_block + grad_block + fp32_rows + delta
+        name = "all-gathered K/V"
+        return (name, gathered + out_accumulator), (name, backward)
+    name = "ring attention buffers" if cp > 1 else "block attention buffers"
+    blocks = 2 if cp > 1 else 1
+    forward = blocks * kv_block + out_accumulator
+    backward = blocks * kv_block + (3 if cp > 1 else 1) * grad_block + fp32_rows + delta
+    return (name, forward), (name, backward)
 
 
 def deferred_weight_inputs(x: Shapes) -> list[int]:

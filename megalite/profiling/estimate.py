@@ -7,8 +7,10 @@ optim.offload=cpu):
 
 - parameters, module buffers (rotary tables), fp32 gradients and optimizer state, counted as
   megalite lays them out: one flat buffer per chunk, cut into buckets padded to a multiple of
-  dp, with ZeRO-1 owning 1/dp of each bucket (fp32 master where params are 16-bit, Adam m and
-  v, the reduced-gradient shard, the update's scratch); ZeRO-2 keeps only the shard, and its
+  the replicas, dp x cp (the ranks that hold the same weights, over which gradients are
+  reduced and ZeRO shards: `ParallelState.dp_cp_group`; "dp" in the rest of this list), with
+  ZeRO-1 owning 1/dp of each bucket (fp32 master where params are 16-bit, Adam m and v, the
+  reduced-gradient shard, the update's scratch); ZeRO-2 keeps only the shard, and its
   backward stages two consecutive buckets at most (`GradBuffer`: the bucket just completed and
   the one whose reduce-scatter is in flight, each with its received piece);
 - activations saved for backward (`profiling.activations`) summed over the (micro-batch,
@@ -21,7 +23,15 @@ optim.offload=cpu):
   linears' inputs and output gradients stay until its W (`deferred weight-grad inputs`), and so
   do the gradients B computed for the other parameters, in their `.grad` (`gradients awaiting
   W`: the embedding and head weigh most; in fp32 without ZeRO-2 only until the chunk's first W,
-  after which `.grad` is the fp32 main grad itself).
+  after which `.grad` is the fp32 main grad itself). Attention over a chunk layout (context
+  parallelism, document masks) adds a transient of its own, in forward and in backward (a
+  recomputed layer's beside its rerun activations): the K/V blocks it computes against and
+  passes on and its fp32 accumulators (`ring attention buffers`, `all-gathered K/V`, `block
+  attention buffers` at cp 1: `activations.attention_working_sets`).
+
+Context parallelism (cp ranks) leaves each rank seq_len / cp tokens of every window, so every
+activation term is that of seq_len / cp tokens (`models.formulas.Shapes`); parameters and
+gradients are replicated over cp as over dp, the optimizer's state sharded over dp x cp.
 
 Beside the bytes, what `nvidia-smi` would show: each tensor rounded the way PyTorch's CUDA
 caching allocator rounds it (512-byte blocks; requests up to 1 MiB from 2 MiB segments, up to
@@ -96,6 +106,12 @@ class LayoutEstimate:
     cuda_context: int
 
     @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights, dp x cp: gradients are reduced and ZeRO shards over
+        them."""
+        return self.dp * self.cfg.parallel.cp
+
+    @property
     def peak_bytes(self) -> int:
         """The fullest rank's bytes (what must fit in one GPU's memory, context aside)."""
         return max(stage.total_bytes for stage in self.stages)
@@ -143,7 +159,8 @@ def resolve_precision(precision: str, device: str) -> str:
 
 
 def _static_parts(cfg: Config, pp_rank: int, dp: int, element: int, device: str) -> list[Part]:
-    """Parameters, buffers, gradients and optimizer state of one rank's chunks."""
+    """Parameters, buffers, gradients and optimizer state of one rank's chunks; `dp`: the
+    replicas (dp x cp)."""
     buffers = layout_buffers(cfg, pp_rank, dp)
     sharded = cfg.parallel.zero >= 1 and dp > 1
     grads_sharded = cfg.parallel.zero == 2 and dp > 1  # ZeRO-2: no full-size gradient buffer
@@ -181,15 +198,30 @@ def _optimizer_part(o: OptimConfig, owned: list[int], element: int, device: str)
     return Part("optimizer", sum(tensors), tuple(tensors), "host" if offload else "gpu")
 
 
+Transient = tuple[tuple[str, int], ...]
+"""What a compute step allocates beyond what is kept, as named pieces (a line each in the
+table): the largest such set at the rank's peak is added to it."""
+
+
+def _bytes(transient: Transient) -> int:
+    return sum(n for _, n in transient)
+
+
+def _largest(*options: Transient) -> Transient:
+    """The option that allocates most, its pieces of 0 bytes left out."""
+    return tuple((name, n) for name, n in max(options, key=_bytes) if n)
+
+
 @dataclass
 class _Chunk:
     """What one micro-batch of one local chunk keeps, and the transients it runs with."""
 
     kept: list[int]
     head_grad: int
-    forward_working: int
-    backward_working: tuple[int, str]
-    """The larger transient of the chunk's backward, and its name."""
+    forward_working: Transient
+    """The largest transient of the chunk's forward."""
+    backward_working: Transient
+    """The largest transient of the chunk's backward."""
     deferred: list[int]
     """Under a split backward: what its linears hold from B until W."""
     deferred_in_backward: int
@@ -198,6 +230,9 @@ class _Chunk:
     awaiting: int
     """Under a split backward: the gradients B leaves in `.grad` until W (every parameter but
     the linears', whose gradients W computes)."""
+
+
+RECOMPUTE_WORKING_SET = "recompute working set"
 
 
 DEFERRED_PARAMS = ("wqkv.weight", "wqkv.bias", "wo.weight", "fc.weight", "fc.bias")
@@ -236,13 +271,20 @@ def _chunk_activations(
             kept += [layer_input] * held + (body if i >= recomputed else [])
     if last:
         kept += act.head_kept(x)
+    # a layer's attention over a chunk layout runs with its K/V blocks and accumulators; in
+    # backward a recomputed layer's does too, beside the layer's rerun activations
+    attention_forward, attention_backward = act.attention_working_sets(x) if n else (("", 0),) * 2
     return _Chunk(
         kept=kept,
         head_grad=act.head_weight_grad(x) if last else 0,
-        forward_working=act.logits_working_set(x) if last else 0,
-        backward_working=max(
-            (working, "recompute working set"),
-            (act.head_backward_working_set(x) if last else 0, "head backward"),
+        forward_working=_largest(
+            (("logits chunk", act.logits_working_set(x) if last else 0),),
+            (attention_forward,),
+        ),
+        backward_working=_largest(
+            ((RECOMPUTE_WORKING_SET, working), attention_backward) if working else (),
+            (("head backward", act.head_backward_working_set(x) if last else 0),),
+            (attention_backward,),
         ),
         deferred=act.deferred_weight_inputs(x) * n,
         deferred_in_backward=sum(act.deferred_weight_inputs(x)) * (n - region),
@@ -260,8 +302,7 @@ class _Peak:
     alive: tuple[int, ...] = ()
     waiting: tuple[int, ...] = ()
     awaiting: tuple[bool, ...] = ()
-    transient: int = 0
-    what: str = ""
+    transient: Transient = ()
 
 
 def _activation_parts(
@@ -269,7 +310,7 @@ def _activation_parts(
 ) -> tuple[int, list[Part]]:
     """Walk the rank's schedule: each forward adds its chunk's kept tensors, each backward
     frees them (keeping what W needs under a split backward, until W); the peak counts the
-    transient of the compute running at that moment too."""
+    transient of the compute running at that moment too. `dp`: the replicas (dp x cp)."""
     p = cfg.parallel
     n_stages = p.pp * p.vpp
     params = [chunk_parameters(cfg, layers, s == 0, s == n_stages - 1) for s, layers in chunks]
@@ -286,23 +327,31 @@ def _activation_parts(
     held = 0
     peak = _Peak()
 
-    def observe(transient: int = 0, what: str = "") -> None:
+    def under_split(working: Transient, extra: int) -> Transient:
+        """A backward's transient under a split backward: the layers done before recompute's
+        rerun region hold their deferred inputs meanwhile."""
+        return tuple((name, n + extra * (name == RECOMPUTE_WORKING_SET)) for name, n in working)
+
+    forward_working = [(_bytes(c.forward_working), c.forward_working) for c in per_chunk]
+    backward_working = [
+        under_split(c.backward_working, c.deferred_in_backward if split else 0) for c in per_chunk
+    ]
+    backward_working = [(_bytes(w), w) for w in backward_working]
+
+    def observe(transient: tuple[int, Transient] = (0, ())) -> None:
         nonlocal peak
-        if held + transient > peak.total:
+        if held + transient[0] > peak.total:
             state = (tuple(alive), tuple(waiting), tuple(awaiting))
-            peak = _Peak(held + transient, *state, transient, what)
+            peak = _Peak(held + transient[0], *state, transient[1])
 
     for action in actions:
         k, c = action.chunk, per_chunk[action.chunk]
         if action.op is Op.FORWARD:
             alive[k] += 1
             held += chunk_bytes[k]
-            observe(c.forward_working, "logits chunk")
+            observe(forward_working[k])
         elif action.op is Op.BACKWARD:
-            working, what = c.backward_working
-            if split and what == "recompute working set":
-                working += c.deferred_in_backward
-            observe(working, what)
+            observe(backward_working[k])
             alive[k] -= 1
             held -= chunk_bytes[k]
             if split:
@@ -329,8 +378,7 @@ def _activation_parts(
     if split:
         parts.append(Part("deferred weight-grad inputs", sum(deferred), deferred))
         parts.append(Part("gradients awaiting W", sum(grads), grads))
-    if peak.transient:
-        parts.append(Part(peak.what, peak.transient))
+    parts += [Part(name, n) for name, n in peak.transient]
     return sum(peak.alive), parts
 
 
@@ -341,14 +389,15 @@ def estimate_layout(
     (Triton kernels, bf16 for precision=auto) or "cpu" (what a CPU run keeps: the PyTorch
     reference kernels, fp32 for auto). Raises ConfigError for a layout that cannot run."""
     dp, m = cfg.layout_for_world(world_size)
+    replicas = dp * cfg.parallel.cp  # gradients reduced, optimizer sharded over dp x cp
     precision = resolve_precision(cfg.train.precision, device)
     element = ELEMENT_BYTES[precision]
     x = act.Shapes(cfg, element, device)
     stages = []
     for pp_rank in range(cfg.parallel.pp):
         chunks = chunk_layers(cfg, pp_rank)
-        in_flight, activation = _activation_parts(cfg, x, pp_rank, chunks, m, dp)
-        static = _static_parts(cfg, pp_rank, dp, element, device)
+        in_flight, activation = _activation_parts(cfg, x, pp_rank, chunks, m, replicas)
+        static = _static_parts(cfg, pp_rank, replicas, element, device)
         params = stage_parameters(cfg, pp_rank)
         stages.append(StageEstimate(pp_rank, chunks, params, in_flight, static + activation))
     return LayoutEstimate(cfg, world_size, dp, m, precision, device, stages, cuda_context)

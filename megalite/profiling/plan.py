@@ -1,13 +1,19 @@
 """`megalite plan`: which layout to run a config in, on N devices of a given memory.
 
-Every (tp, pp, vpp, schedule, dp, zero, micro-batch size, recompute) layout of the world size
-(the schedules: 1f1b or zb-h1 with one chunk per rank, interleaved or zb-v with two, interleaved
-with more) is built as
-the config with those overrides and kept only if config validation accepts it, world size
-included (`Config.layout_for_world`): the planner never proposes what `megalite train` would
-reject. Layouts whose estimated peak memory (`profiling.estimate`) exceeds the device's are
-dropped, and the rest are ranked by the throughput model of `profiling.throughput`. Each
-proposal comes with the terms that decide it and the exact command line that runs it.
+Every (tp, cp, pp, vpp, schedule, dp, zero, micro-batch size, recompute) layout of the world
+size (the schedules: 1f1b or zb-h1 with one chunk per rank, interleaved or zb-v with two,
+interleaved with more; cp where the sequence cuts into 2*cp chunks) is built as the config with
+those overrides and kept only if config validation accepts it, world size included
+(`Config.layout_for_world`): the planner never proposes what `megalite train` would reject.
+Layouts whose estimated peak memory (`profiling.estimate`) exceeds the device's are dropped,
+and the rest are ranked by the throughput model of `profiling.throughput`. Each proposal comes
+with the terms that decide it and the exact command line that runs it.
+
+Context parallelism divides a rank's activations by cp at the price of the ring's transfers
+(hidden behind the attention's compute where the sequence is long) and of smaller per-rank
+work: it wins where the sequence makes activations dominate memory, so that without it only
+recompute (a third more compute), a deeper pipeline (more bubble) or nothing fits; with a
+short sequence its transfers are exposed and it loses to dp.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ if TYPE_CHECKING:  # the estimator and the model import torch: loaded once the c
 RECOMPUTE = ("none", "selective", "full")
 MAX_VPP = 8
 MAX_MICRO_BATCH = 64
+MIN_CP_CHUNK = 256
+"""Tokens of the shortest chunk context parallelism is planned with (seq_len / (2 * cp))."""
 GIB = 2**30
 
 
@@ -42,9 +50,10 @@ class PlanError(MegaliteError):
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to lay a config out over the world; dp is what tp and pp leave."""
+    """One way to lay a config out over the world; dp is what tp, cp and pp leave."""
 
     tp: int
+    cp: int
     pp: int
     vpp: int
     schedule: str
@@ -57,6 +66,7 @@ class Layout:
         """The config keys (`section.key`) and values that select this layout."""
         values = {
             "parallel.tp": self.tp,
+            "parallel.cp": self.cp,
             "parallel.pp": self.pp,
             "parallel.vpp": self.vpp,
             "parallel.schedule": self.schedule,
@@ -80,7 +90,9 @@ class Layout:
         ]
 
     def describe(self, dp: int) -> str:
-        text = f"tp {self.tp}{'+sp' if self.sp else ''} pp {self.pp}"
+        text = f"tp {self.tp}{'+sp' if self.sp else ''}"
+        text += f" cp {self.cp}" if self.cp > 1 else ""
+        text += f" pp {self.pp}"
         text += f"x{self.vpp}" if self.vpp > 1 else ""
         text += f" {self.schedule}" if self.schedule.startswith("zb") else ""
         zero = f" zero{self.zero}" if self.zero else ""
@@ -114,22 +126,41 @@ def schedules(pp: int, vpp: int) -> tuple[str, ...]:
     return {1: ("1f1b", "zb-h1"), 2: ("interleaved", "zb-v")}.get(vpp, ("interleaved",))
 
 
+def context_parallel_sizes(base: Config, world_size: int) -> list[int]:
+    """The cp sizes that divide the world and cut the sequence into 2*cp chunks of at least
+    MIN_CP_CHUNK tokens (shorter ones leave the attention kernel's tiles mostly empty and each
+    ring step too little compute to hide its transfer); 1 alone where dropout is on (cp never
+    materialises the attention probabilities it would drop)."""
+    seq = base.model.seq_len
+    if base.model.dropout > 0:
+        return [1]
+    return [
+        cp
+        for cp in _divisors(world_size)
+        if cp == 1 or (seq % (2 * cp) == 0 and seq // (2 * cp) >= MIN_CP_CHUNK)
+    ]
+
+
 def layouts(base: Config, world_size: int) -> Iterator[Layout]:
-    """Every layout worth building: tp and pp dividing the world, vpp splitting the layers
-    evenly, each schedule for it, ZeRO only with dp > 1, micro-batches dividing a replica's
-    batch, each recompute mode; sp whenever tp > 1 (the same traffic as without, less
-    memory)."""
+    """Every layout worth building: tp, cp and pp dividing the world (cp: see
+    `context_parallel_sizes`), vpp splitting the layers evenly, each schedule for it, ZeRO only
+    with more than one replica (dp x cp), micro-batches dividing a replica's batch, each
+    recompute mode; sp whenever tp > 1 (the same traffic as without, less memory)."""
     n_layers, batch = base.model.n_layers, base.train.global_batch_size
+    cps = context_parallel_sizes(base, world_size)
     for tp in _divisors(world_size):
-        for pp in _divisors(world_size // tp):
-            dp = ParallelDims.for_world(world_size, tp=tp, pp=pp).sizes["dp"]
-            vpps = [v for v in range(2, MAX_VPP + 1) if pp > 1 and n_layers % (pp * v) == 0]
-            micro = [b for b in _divisors(max(batch // dp, 1)) if b <= MAX_MICRO_BATCH]
-            for vpp, schedule in [(v, s) for v in (1, *vpps) for s in schedules(pp, v)]:
-                for zero in (0, 1, 2) if dp > 1 else (0,):
-                    for mbs in micro:
-                        for recompute in RECOMPUTE:
-                            yield Layout(tp, pp, vpp, schedule, tp > 1, zero, mbs, recompute)
+        for cp in [c for c in cps if (world_size // tp) % c == 0]:
+            for pp in _divisors(world_size // (tp * cp)):
+                dp = ParallelDims.for_world(world_size, tp=tp, cp=cp, pp=pp).sizes["dp"]
+                vpps = [v for v in range(2, MAX_VPP + 1) if pp > 1 and n_layers % (pp * v) == 0]
+                micro = [b for b in _divisors(max(batch // dp, 1)) if b <= MAX_MICRO_BATCH]
+                for vpp, schedule in [(v, s) for v in (1, *vpps) for s in schedules(pp, v)]:
+                    for zero in (0, 1, 2) if dp * cp > 1 else (0,):
+                        for mbs in micro:
+                            for recompute in RECOMPUTE:
+                                yield Layout(
+                                    tp, cp, pp, vpp, schedule, tp > 1, zero, mbs, recompute
+                                )
 
 
 def with_values(base: dict[str, dict[str, Any]], values: dict[str, Any]) -> Config:
@@ -272,6 +303,13 @@ def _reasons(layout: Layout, prediction: Prediction, need: float, machine: Machi
     else:
         link = "intra-node" if layout.tp <= machine.ranks_per_node else "inter-node"
         reasons.append(f"tp traffic {p.tp_comm_s / p.step_s:.0%} of the step ({link})")
+    if layout.cp > 1:
+        span = layout.tp * layout.cp  # the cp ring's ranks lie within tp x cp consecutive ones
+        link = "intra-node" if span <= machine.ranks_per_node else "inter-node"
+        exposed = p.cp_comm_s / p.step_s
+        reasons.append(
+            f"cp {layout.cp}: activations / {layout.cp}, ring {exposed:.0%} exposed ({link})"
+        )
     if p.dp_comm_s > 0.01 * p.step_s:
         reasons.append(f"dp traffic exposed {p.dp_comm_s / p.step_s:.0%}")
     if layout.recompute != "none":

@@ -130,7 +130,8 @@ def plot_profile(report_path: Path, out_dir: Path, name: str) -> list[Path]:
         raise PlotError(
             f"{report_path} is not a profile report: write one with `megalite profile`"
         ) from None
-    ticks = [_rank_tick(rank) for rank in ranks]
+    axes = ("tp", "cp", "pp", "dp") if any(r.get("cp_rank") for r in ranks) else ("tp", "pp", "dp")
+    ticks = [_rank_tick(rank, axes) for rank in ranks]
     largest = max((sum(parts.values()) for parts in memory), default=0)
     memory_unit = ("GiB", 1 / GIB) if largest >= GIB else ("MiB", 1 / 2**20)
     written = []
@@ -139,15 +140,16 @@ def plot_profile(report_path: Path, out_dir: Path, name: str) -> list[Path]:
         ("time", "Step time per rank", times, ("ms", 1e3)),
     ):
         if any(parts):
-            fig, ax = _figure(f"{title} ({name})", "rank (tp, pp, dp)", unit)
+            fig, ax = _figure(f"{title} ({name})", f"rank ({', '.join(axes)})", unit)
             scaled = [{part: v * scale for part, v in rank.items()} for rank in parts]
             _stacked_bars(ax, ticks, scaled)
             written.append(_save(fig, out_dir / f"profile_{name}_{kind}.png"))
     return written
 
 
-def _rank_tick(rank: dict[str, Any]) -> str:
-    coords = [rank.get(axis) for axis in ("tp_rank", "pp_rank", "dp_rank")]
+def _rank_tick(rank: dict[str, Any], axes: tuple[str, ...]) -> str:
+    """The rank and its coordinates on `axes` (cp where the report has context parallelism)."""
+    coords = [rank.get(f"{axis}_rank") for axis in axes]
     label = str(rank.get("rank", "?"))
     return label if None in coords else f"{label}\n({', '.join(map(str, coords))})"
 

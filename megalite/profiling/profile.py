@@ -51,7 +51,7 @@ def profile(
     cost = StepCost.of(cfg, ps)
     torch.manual_seed(t.seed)  # dropout on tp-replicated activations: same on all ranks
     data = open_data(cfg)
-    run = build_run(cfg, ps)
+    run = build_run(cfg, ps, eos_id=data.train.eos_id)  # documents, where masked
     sampler = GlobalBatchSampler(data.train.sizes, t.global_batch_size, t.seed, data.train.weights)
 
     def next_tokens() -> TokenBatch:

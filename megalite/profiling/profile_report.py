@@ -1,14 +1,16 @@
 """The report of `megalite profile`: every rank's measurements gathered, the rates and the
 simulated bubble derived from them, and where it goes (console table, JSON, trackers).
 
-JSON layout (what `megalite plot` reads): top-level `config`, `world_size`, `layout`, `total`
-and `ranks`, a list with per rank `rank`, `tp_rank`, `pp_rank`, `dp_rank`, `tokens_per_sec`,
+JSON layout (what `megalite plot` reads): top-level `config`, `world_size`, `layout` (tp, cp,
+cp_comm, pp, dp, ...), `total` and `ranks`, a list with per rank `rank`, `tp_rank`, `cp_rank`,
+`pp_rank`, `dp_rank`, `tokens_per_sec`,
 `tflops` (model TFLOP/s per device), `mfu`, `step_time_s` (the rank's median measured step),
 `step_time_min_s` and `step_time_max_s` (its fastest and slowest measured step),
 `traced_step_time_s` (the median step under `--trace`'s profiler, null without it: never in the
 rates), `time_s` (the disjoint parts of the median step, which add up to `step_time_s`;
-communication exposed by axis: `tp_comm_exposed`, `dp_comm_exposed`, `other_comm_exposed`),
-`comm_overlapped_s` (by axis: `tp`, `dp`, `other`; beside compute, so not a part of the step),
+communication exposed by axis: `tp_comm_exposed`, `cp_comm_exposed`, `dp_comm_exposed`,
+`other_comm_exposed`; `step_timing` says what each axis counts), `comm_overlapped_s` (by axis:
+`tp`, `cp`, `dp`, `other`; beside compute, so not a part of the step),
 `weight_s` (the part of `time_s.backward` a split backward's W steps took; 0 without one),
 `bubble` and `memory_bytes` (the parts a rank holds, which add up to `memory_total_bytes`).
 
@@ -38,7 +40,7 @@ from megalite.training.metrics import StepCost
 from megalite.training.setup import Run
 from megalite.training.trackers import new_tracker_id, start_trackers
 
-COORDS = ("rank", "tp_rank", "pp_rank", "dp_rank")
+COORDS = ("rank", "tp_rank", "cp_rank", "pp_rank", "dp_rank")
 GPU_PEAKS = ("peak_allocated", "peak_reserved")
 """Allocator figures of a GPU: totals, not parts, so kept beside `memory_bytes`."""
 
@@ -58,6 +60,8 @@ def layout_of(cfg: Config, world_size: int) -> dict[str, Any]:
     dp, microbatches = cfg.layout_for_world(world_size)
     return {
         "tp": p.tp,
+        "cp": p.cp,
+        "cp_comm": p.cp_comm,
         "pp": p.pp,
         "dp": dp,
         "vpp": p.vpp,
@@ -140,7 +144,7 @@ def build_report(
 ) -> dict[str, Any]:
     """The report from this rank's mean step times and memory parts. Collective."""
     ps, cfg = run.ps, run.cfg
-    coords = {"rank": ps.rank, "tp_rank": ps.tp_rank, "pp_rank": ps.pp_rank, "dp_rank": ps.dp_rank}
+    coords = {axis: getattr(ps, axis) for axis in COORDS}
     row = {**coords, **times, **{f"mem.{k}": v for k, v in memory.items()}}
     ranks = [rank_entry(r, cost) for r in gather_ranks(run, row)]
     add_estimates(ranks, estimate_layout(cfg, ps.world_size, device=ps.device.type))
@@ -179,21 +183,38 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f}"
 
 
-SHOWN_OVERLAP = ("tp", "dp")
+SHOWN_OVERLAP = ("tp", "cp", "dp")
 """Overlapped communication in the table (the other axes' collectives are blocking)."""
 
 
+def layout_line(report: dict[str, Any]) -> str:
+    """`layout: tp=.. cp=.. pp=.. ...` of the profiled run."""
+    x = report["layout"]
+    cp = f"cp={x.get('cp', 1)}" + (f" ({x['cp_comm']})" if x.get("cp", 1) > 1 else "")
+    return (
+        f"layout: tp={x['tp']} {cp} pp={x['pp']} vpp={x['vpp']} dp={x['dp']} sp={x['sp']} "
+        f"zero={x['zero']} schedule={x['schedule']} on {report['world_size']} ranks; "
+        f"micro-batches: {x['microbatches']} of {x['micro_batch_size']}"
+    )
+
+
 def format_table(report: dict[str, Any]) -> str:
-    """The console table: one row per rank, then the total (rates at the slowest rank's step
-    time, the largest memory), then the bubble measured against the simulator's."""
-    names = [p.removesuffix("_comm_exposed") + (" exp" if "comm" in p else "") for p in TIME_PARTS]
-    names += [f"{axis} ovl" for axis in SHOWN_OVERLAP]
+    """The layout, then the console table: one row per rank, then the total (rates at the
+    slowest rank's step time, the largest memory), then the bubble measured against the
+    simulator's. The cp columns only where there is context parallelism."""
+    with_cp = report["layout"].get("cp", 1) > 1
+    parts = [p for p in TIME_PARTS if with_cp or p != "cp_comm_exposed"]
+    overlaps = [axis for axis in SHOWN_OVERLAP if with_cp or axis != "cp"]
+    names = [p.removesuffix("_comm_exposed") + (" exp" if "comm" in p else "") for p in parts]
+    names += [f"{axis} ovl" for axis in overlaps]
+    axes = ("tp", "cp", "pp", "dp") if with_cp else ("tp", "pp", "dp")
+    coords_head = " ".join(f"{axis:>2}" for axis in axes)
     head = (
-        f"{'rank':>4} {'tp':>2} {'pp':>2} {'dp':>2} {'step ms':>8} {'tok/s':>9} {'TFLOP/s':>8} "
+        f"{'rank':>4} {coords_head} {'step ms':>8} {'tok/s':>9} {'TFLOP/s':>8} "
         f"{'MFU':>6} | " + " ".join(f"{n[:9]:>9}" for n in names) + " | "
         f"{'mem MiB':>8} {'est MiB':>8}"
     )
-    lines = [head, "-" * len(head)]
+    lines = [layout_line(report), head, "-" * len(head)]
 
     def row(label: str, coords: str, entry: dict[str, Any], parts: str, mem: str) -> str:
         mfu = "n/a" if entry["mfu"] is None else f"{entry['mfu']:.1%}"
@@ -203,17 +224,17 @@ def format_table(report: dict[str, Any]) -> str:
         )
 
     for r in report["ranks"]:
-        seconds = [r["time_s"][p] for p in TIME_PARTS]
-        seconds += [r["comm_overlapped_s"][axis] for axis in SHOWN_OVERLAP]
-        parts = " ".join(f"{s * 1e3:9.1f}" for s in seconds)
-        coords = f"{r['tp_rank']:>2} {r['pp_rank']:>2} {r['dp_rank']:>2}"
+        seconds = [r["time_s"][p] for p in parts]
+        seconds += [r["comm_overlapped_s"][axis] for axis in overlaps]
+        cells = " ".join(f"{s * 1e3:9.1f}" for s in seconds)
+        coords = " ".join(f"{r[f'{axis}_rank']:>2}" for axis in axes)
         mem = f"{_mib(r['memory_total_bytes']):>8} {_mib(r['estimate_total_bytes']):>8}"
-        lines.append(row(str(r["rank"]), coords, r, parts, mem))
+        lines.append(row(str(r["rank"]), coords, r, cells, mem))
     total = report["total"]
     blank = " ".join(f"{'':>9}" for _ in names)
     lines.append("-" * len(head))
     worst_memory = f"{_mib(total['memory_total_bytes_max']):>8}"
-    lines.append(row("all", "  worst ", total, blank, worst_memory))
+    lines.append(row("all", f"{'worst':^{len(coords_head)}}", total, blank, worst_memory))
     fastest = min(r["step_time_min_s"] for r in report["ranks"])
     slowest = max(r["step_time_max_s"] for r in report["ranks"])
     lines.append(

@@ -3,12 +3,19 @@
 Each measured step's time is cut into parts that do not overlap and add up to the step:
 forward, backward (the executor's own intervals), optimizer (gradient finalize, norm, clipping,
 update and the ZeRO parameter all-gather, less their collectives), communication exposed by
-axis (tp, dp, other: the time the rank is blocked in a collective, in waiting for an
-asynchronous one, or in posting pipeline messages), bubble (waiting for a pipeline receive) and
-other (the executor's bookkeeping). Communication overlapped, by axis, is the time an
-asynchronous collective was in flight before the rank began to wait for it: it runs beside
-compute (the tp input-gradient reduction beside the weight-gradient GEMMs, the dp buckets
-beside the backward) and is reported apart. The bubble is receive waits only: a rank that
+axis (tp, cp, dp, other: the time the rank is blocked in a collective, in waiting for an
+asynchronous one or for the context-parallel ring's messages, or in posting pipeline
+messages), bubble (waiting for a pipeline receive) and other (the executor's bookkeeping).
+Communication overlapped, by axis, is the time an asynchronous collective or a ring message was
+in flight before the rank began to wait for it: it runs beside compute (the tp input-gradient
+reduction beside the weight-gradient GEMMs, the ring's K/V blocks beside each block of
+attention, the dp buckets beside the backward) and is reported apart.
+
+The axes are the groups' (`CommTimer.of`): tp; cp, the context-parallel ring's p2p messages
+(told from the pipeline's by their peer) and the collectives over the cp group of
+`parallel.cp_comm=allgather`; dp, the collectives over the ranks that hold the same weights, dp
+x cp, where gradients are reduced and ZeRO shards (with cp 1 the dp group; with dp 1 the cp
+group, whose all-gather attention then reads as dp). The bubble is receive waits only: a rank that
 finishes its last backward before the others (the pipeline's flush) idles in the step's next
 collective, which reads as exposed communication.
 
@@ -20,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,9 +42,10 @@ from megalite.profiling.memory import SavedActivationTracker, live_bytes, live_d
 from megalite.training.setup import Run
 from megalite.training.step import train_step
 
-AXES = ("tp", "dp", "other")
-"""Communication by the axis of its group: tensor parallel, data parallel, and the rest (the
-pipeline's messages, and collectives over the world, model-parallel or pipeline groups)."""
+AXES = ("tp", "cp", "dp", "other")
+"""Communication by the axis of its group: tensor parallel, context parallel, data parallel
+(the replicas, dp x cp), and the rest (the pipeline's messages, and collectives over the world,
+model-parallel or pipeline groups)."""
 TIME_PARTS = (
     "forward",
     "backward",
@@ -66,12 +74,22 @@ class CommTimer(comm.CommObserver):
     rank is blocked in each collective (exposed) runs as a `comm` interval of the step's timer
     (`step_timer`, set for each measured step), and is summed by axis; an asynchronous
     collective's time in flight before its wait began (overlapped: the rank computed
-    meanwhile) is summed by axis too. Pipeline messages
-    are the executor's to time (its `p2p` and `wait` intervals) and are left alone here."""
+    meanwhile) is summed by axis too. Messages to and from `ring_peers` (the cp ring's) are
+    timed the same way, each batch from its posting to its wait; the pipeline's messages are
+    the executor's to time (its `p2p` and `wait` intervals) and are left alone here."""
 
-    def __init__(self, groups: dict[str, Any], device: torch.device) -> None:
+    def __init__(
+        self,
+        groups: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        device: torch.device,
+        ring_peers: frozenset[int] = frozenset(),
+    ) -> None:
+        """`groups`: axis -> group, or (axis, group) pairs where two axes may name one group (a
+        later pair takes it: with dp 1 the dp x cp group is the cp group)."""
         self.on_cuda = device.type == "cuda"
-        self.axis_of = {id(group): axis for axis, group in groups.items() if group is not None}
+        pairs = groups.items() if isinstance(groups, Mapping) else groups
+        self.axis_of = {id(group): axis for axis, group in pairs if group is not None}
+        self.ring_peers = ring_peers
         self.blocked: list[tuple[str, Any, Any]] = []
         """(axis, start, end) of every time the rank was blocked, this step."""
         self.in_flight: dict[int, _InFlight] = {}
@@ -85,7 +103,18 @@ class CommTimer(comm.CommObserver):
 
     @classmethod
     def of(cls, ps: Any) -> CommTimer:
-        return cls({"tp": ps.tp_group, "dp": ps.dp_group}, ps.device)
+        """The observer of `ps`'s groups: tp, cp (the ring's peers), and dp, the replicas of the
+        weights (dp x cp: gradients, ZeRO's gather) as well as the dp group itself."""
+        groups = [("tp", ps.tp_group), ("cp", ps.cp_group), ("dp", ps.dp_group)]
+        groups.append(("dp", ps.dp_cp_group))
+        peers = frozenset(ps.cp_ranks) - {ps.rank} if ps.cp_size > 1 else frozenset()
+        return cls(groups, ps.device, peers)
+
+    def _axis(self, call: comm_trace.Call) -> str | None:
+        """The axis of a call; None for a pipeline message (the executor times those)."""
+        if call.peer is not None:
+            return "cp" if call.peer in self.ring_peers else None
+        return self.axis_of.get(id(call.group), "other")
 
     def mark(self) -> Any:
         if not self.on_cuda:
@@ -99,10 +128,10 @@ class CommTimer(comm.CommObserver):
 
     @contextlib.contextmanager
     def blocking(self, call: comm_trace.Call) -> Iterator[None]:
-        if call.peer is not None:
+        axis = self._axis(call)
+        if axis is None:
             yield
             return
-        axis = self.axis_of.get(id(call.group), "other")
         in_step = self.step_timer.interval("comm") if self.step_timer else contextlib.nullcontext()
         with in_step:
             start = self.mark()
@@ -116,11 +145,13 @@ class CommTimer(comm.CommObserver):
         if waited is not None:
             waited.wait_started = start
             self.waited.append(waited)
+        elif call.peer is not None:  # a ring batch posted: in flight until its wait (same call)
+            self.in_flight[call.number] = _InFlight(axis, end)
 
     def started(self, call: comm_trace.Call, work: Any) -> None:
         number, _, issue_ended = self.last_issue
         assert number == call.number, "an asynchronous collective is issued inside `blocking`"
-        record = _InFlight(self.axis_of.get(id(call.group), "other"), issue_ended)
+        record = _InFlight(self._axis(call) or "other", issue_ended)
         self.in_flight[call.number] = record
         if not self.on_cuda:
             # completion as the backend reports it, from its own thread; without a future (gloo's

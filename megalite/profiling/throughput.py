@@ -10,6 +10,18 @@ ZeRO-2 each micro-batch's with its own), and ZeRO's parameter all-gather, overla
 next step's first forward; every message also costs the link's latency. The pipeline's
 makespan, bubble included, comes from the schedule simulator with the actual stage costs.
 
+Context parallelism (cp ranks) leaves each rank seq_len / cp tokens of every window, and as
+much of the causal attention's work (the chunks are balanced): a rank's FLOPs, tp and pp
+messages are those of its tokens. Its gradients are reduced, and ZeRO shards, over dp x cp. Its
+attention reaches the other chunks' keys and values (`cp_transfers`): the ring (p2p) passes a
+K/V block of 2 x b x (s/cp) x kv heads x head_dim elements on at each of cp - 1 steps of a
+layer's forward, and in backward the K/V blocks again plus an fp32 dK/dV block at each of cp
+steps; each step's transfer runs beside that step's share (1/cp) of the layer's attention
+FLOPs, both directions of the link at once, so only what a transfer takes beyond its step's
+compute is exposed, and the last dK/dV block's trip home in full. All-gather sends the whole
+window's K/V in one collective forward, again backward with a reduce-scatter of the fp32 dK/dV,
+none of it overlapped.
+
 On GPUs each rank owns its device, so the step takes as long as its critical path. CPU ranks on
 one machine share its cores (one thread each): the machine's measured peak is divided among the
 ranks that are busy, and a rank that waits in a bubble frees its core for another (in part:
@@ -104,6 +116,9 @@ class Prediction:
     """Idle share of the pipeline's makespan (1 - busy / (pp * makespan))."""
     tp_comm_s: float
     """Tensor-parallel collectives of the busiest pipeline rank (inside pipeline_s)."""
+    cp_comm_s: float
+    """Context-parallel transfers of the busiest pipeline rank left exposed by its attention's
+    compute (inside pipeline_s)."""
     p2p_s: float
     dp_comm_s: float
     optimizer_s: float
@@ -113,9 +128,50 @@ class Prediction:
     """CPU only: the shared cores, not the critical path, set the step time."""
 
 
+@dataclass(frozen=True)
+class _Partition:
+    """What the model's cut into stages gives every layout that shares it (the planner predicts
+    thousands of layouts, which differ in far fewer cuts)."""
+
+    costs: list
+    """`stage_costs`: FLOPs per token of each virtual stage."""
+    ranges: list[range]
+    rank_stages: list[list[int]]
+    rerun: list[int]
+    """`_recomputed_layers`."""
+    parameters: int
+    """The most parameters a pipeline rank holds (one tp rank's)."""
+
+
+_PARTITIONS: dict[tuple, _Partition] = {}
+
+
+def _partition(cfg: Config) -> _Partition:
+    """`cfg`'s `_Partition`, computed once per model and what cuts it: tp (the parameters of a
+    rank), the pipeline's stages and their order (pp, vpp, a V or not), the embedding's and
+    head's weights in layers and recompute."""
+    p, t = cfg.parallel, cfg.train
+    key = (repr(cfg.model), p.tp, p.pp, p.vpp, v_shaped(p.schedule), p.embedding_layer_weight)
+    key += (p.head_layer_weight, t.recompute, t.recompute_layers)
+    found = _PARTITIONS.get(key)
+    if found is None:
+        if len(_PARTITIONS) > 4096:
+            _PARTITIONS.clear()
+        params = max(stage_parameters(cfg, r) for r in range(p.pp))
+        found = _Partition(
+            stage_costs(cfg), stage_ranges(cfg), rank_stages(cfg), _recomputed_layers(cfg), params
+        )
+        _PARTITIONS[key] = found
+    return found
+
+
 def per_rank(cfg: Config, per_stage: list[float]) -> list[float]:
     """Sums of a per-virtual-stage quantity over each pipeline rank's chunks."""
-    return [sum(per_stage[s] for s in stages) for stages in rank_stages(cfg)]
+    return _per_rank(_partition(cfg), per_stage)
+
+
+def _per_rank(partition: _Partition, per_stage: list[float]) -> list[float]:
+    return [sum(per_stage[s] for s in stages) for stages in partition.rank_stages]
 
 
 def predict(cfg: Config, machine: Machine) -> Prediction:
@@ -124,11 +180,19 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
     dp, m = cfg.layout_for_world(machine.world_size)
     dims = p.dims(machine.world_size)
     element = ELEMENT_BYTES[resolve_precision(t.precision, machine.device)]
-    act = t.micro_batch_size * cfg.model.seq_len * cfg.model.hidden * element  # one mb's x
-    forward, backward, tp_s, tp_calls = _stage_times(cfg, machine, dims, act)
+    seq = cfg.model.seq_len // p.cp  # this rank's tokens of a window
+    act = t.micro_batch_size * seq * cfg.model.hidden * element  # one mb's x on this rank
+    partition = _partition(cfg)
+
+    def per_rank(per_stage: list[float]) -> list[float]:
+        return _per_rank(partition, per_stage)
+
+    times = _stage_times(cfg, machine, dims, act, element)
+    forward, backward = times.forward, times.backward
     makespan, bubble = pipeline_makespan(cfg, m, forward, backward)
-    tp_per_rank = [m * s for s in per_rank(cfg, tp_s)]
-    calls = max(m * c for c in per_rank(cfg, tp_calls))
+    tp_per_rank = [m * s for s in per_rank(times.tp_s)]
+    cp_per_rank = [m * s for s in per_rank(times.cp_s)]
+    calls = max(m * c for c in per_rank(times.calls))
 
     # pp: an activation forward and a gradient back per boundary, exposed along fill and drain
     message = act / (p.tp if p.sp else 1) / machine.bandwidth(dims.span("pp"))
@@ -136,28 +200,30 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
     p2p = 2 * boundaries * message
     calls += 2 * (boundaries + m) if p.pp > 1 else 0
 
-    params = max(stage_parameters(cfg, r) for r in range(p.pp))
-    dp_bw = machine.bandwidth(dims.span("dp"))
+    params = partition.parameters
+    replicas = dp * p.cp  # gradients reduced, ZeRO sharded over dp x cp
+    dp_bw = machine.bandwidth(dims.span("dp"))  # the dp x cp group: cp varies faster than dp
     split = machine.split_collective_cost
-    grads = (dp - 1) / dp * params * 4 / dp_bw  # fp32 main grads, reduce-scattered
-    gather = split * (dp - 1) / dp * params * element / dp_bw if p.zero else 0.0
+    grads = (replicas - 1) / replicas * params * 4 / dp_bw  # fp32 main grads, reduce-scattered
+    gather = split * (replicas - 1) / replicas * params * element / dp_bw if p.zero else 0.0
     # reduce-scattered under the last micro-batch's backward (ZeRO-2: under each one's), an
     # all-reduce without ZeRO; the parameter all-gather under the next step's first forward
     rounds = m if p.zero == 2 else 1
     reduce = rounds * grads * (split if p.zero else 2)
-    window = rounds * max(per_rank(cfg, backward))
-    first_forward = min(per_rank(cfg, forward))
+    window = rounds * max(per_rank(backward))
+    first_forward = min(per_rank(forward))
     dp_s = max(0.0, reduce - window) + max(0.0, gather - first_forward)
     buckets = math.ceil(params * 4 / (p.bucket_mb * 2**20))
-    calls += buckets * (rounds + (p.zero > 0)) if dp > 1 else 0
-    optimizer = params / (dp if p.zero else 1) * OPTIMIZER_BYTES_PER_PARAM
+    calls += buckets * (rounds + (p.zero > 0)) if replicas > 1 else 0
+    optimizer = params / (replicas if p.zero else 1) * OPTIMIZER_BYTES_PER_PARAM
     optimizer /= machine.memory_bandwidth
 
     step, cpu_bound = makespan + p2p + dp_s + optimizer, False
     if machine.device == "cpu":  # the ranks' work over the shared cores, if that is longer
         compute = m * (sum(forward) + sum(backward))  # the pp ranks together
         p2p_work = 4 * m * boundaries * message  # both ends copy every message
-        work = p.tp * dp * (compute + p2p_work + p.pp * (reduce + gather + optimizer))
+        p2p_work += 2 * m * sum(times.cp_moved_s)  # the ring's, whole, by both ends
+        work = p.tp * p.cp * dp * (compute + p2p_work + p.pp * (reduce + gather + optimizer))
         shared = work / min(machine.cores, machine.world_size)
         shared *= 1 + (1 - machine.bubble_lent) * bubble  # the bubble time not lent is lost
         cpu_bound, step = shared > step, max(step, shared)
@@ -168,6 +234,7 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
         pipeline_s=makespan,
         bubble=bubble,
         tp_comm_s=max(tp_per_rank),
+        cp_comm_s=max(cp_per_rank),
         p2p_s=p2p,
         dp_comm_s=dp_s,
         optimizer_s=optimizer,
@@ -176,26 +243,103 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
     )
 
 
+@dataclass(frozen=True)
+class _StageTimes:
+    """Per virtual stage, for one micro-batch."""
+
+    forward: list[float]
+    """Seconds of its forward: FLOPs, tp transfers, exposed cp transfers, per-layer overhead."""
+    backward: list[float]
+    tp_s: list[float]
+    """The tp transfers among them."""
+    cp_s: list[float]
+    """The cp transfers among them (exposed)."""
+    cp_moved_s: list[float]
+    """Seconds the cp transfers take in all, overlapped or not."""
+    calls: list[int]
+    """tp collectives and cp messages."""
+
+
 def _stage_times(
-    cfg: Config, machine: Machine, dims: ParallelDims, act: float
-) -> tuple[list[float], list[float], list[float], list[int]]:
+    cfg: Config, machine: Machine, dims: ParallelDims, act: float, element: int
+) -> _StageTimes:
     """Per virtual stage and micro-batch: forward and backward seconds (FLOPs, tp transfers,
-    per-layer overhead), the tp transfer seconds among them, and the tp collectives called."""
-    p, tokens = cfg.parallel, cfg.train.micro_batch_size * cfg.model.seq_len
+    exposed cp transfers, per-layer overhead), the tp and cp seconds among them, and the tp
+    collectives and cp messages called."""
+    p = cfg.parallel
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_len // p.cp  # on this rank
     # per layer pass: two all-reduces, or two all-gathers and two reduce-scatters under sp
     per_pass = 0 if p.tp == 1 else 4 if p.sp else 2
     # all-reduces or sp's all-gathers and reduce-scatters: the same bytes either way
     transfer = 4 * (p.tp - 1) / p.tp * act / machine.bandwidth(dims.span("tp"))
     transfer *= machine.split_collective_cost if p.sp else 1.0
-    forward, backward, tp_s, tp_calls = [], [], [], []
-    for cost, layers, rerun in zip(stage_costs(cfg), stage_ranges(cfg), _recomputed_layers(cfg)):
-        tp_f, tp_b = len(layers) * transfer, (len(layers) + rerun) * transfer
-        fixed = len(layers) * machine.layer_overhead_s / 3  # a third forward, two backward
-        forward.append(cost.forward * tokens / p.tp / machine.rank_flops + tp_f + fixed)
-        backward.append(cost.backward * tokens / p.tp / machine.rank_flops + tp_b + 2 * fixed)
-        tp_s.append(tp_f + tp_b)
-        tp_calls.append((2 * len(layers) + rerun) * per_pass)
-    return forward, backward, tp_s, tp_calls
+    ring = cp_transfers(cfg, machine, dims, element)
+    times = _StageTimes([], [], [], [], [], [])
+    partition = _partition(cfg)
+    for cost, layers, rerun in zip(partition.costs, partition.ranges, partition.rerun):
+        n = len(layers)
+        tp_f, tp_b = n * transfer, (n + rerun) * transfer
+        cp_f, cp_b = n * ring.forward_exposed, n * ring.backward_exposed
+        cp_b += rerun * ring.forward_exposed  # recompute runs the forward's ring again
+        fixed = n * machine.layer_overhead_s / 3  # a third forward, two backward
+        compute_f, compute_b = (c * tokens / p.tp / machine.rank_flops for c in cost[:2])
+        times.forward.append(compute_f + tp_f + cp_f + fixed)
+        times.backward.append(compute_b + tp_b + cp_b + 2 * fixed)
+        times.tp_s.append(tp_f + tp_b)
+        times.cp_s.append(cp_f + cp_b)
+        times.cp_moved_s.append((n + rerun) * ring.forward_moved + n * ring.backward_moved)
+        times.calls.append(
+            (2 * n + rerun) * per_pass
+            + (n + rerun) * ring.forward_messages
+            + n * ring.backward_messages
+        )
+    return times
+
+
+@dataclass(frozen=True)
+class CpTransfers:
+    """One layer's context-parallel traffic for one micro-batch on one rank (0 at cp 1)."""
+
+    forward_exposed: float
+    """Seconds of the forward's transfers not hidden by its attention's compute."""
+    backward_exposed: float
+    forward_moved: float
+    """Seconds the forward's transfers take in all."""
+    backward_moved: float
+    forward_messages: int
+    """p2p batches or collectives: each costs the link's latency."""
+    backward_messages: int
+
+
+def cp_transfers(cfg: Config, machine: Machine, dims: ParallelDims, element: int) -> CpTransfers:
+    """A layer's cp transfers (see the module docstring): K/V blocks of this rank's kv heads
+    over the cp group's link, beside the attention FLOPs of each ring step."""
+    p, m = cfg.parallel, cfg.model
+    cp = p.cp
+    if cp == 1:
+        return CpTransfers(0.0, 0.0, 0.0, 0.0, 0, 0)
+    tokens = cfg.train.micro_batch_size * m.seq_len // cp
+    kv_heads = m.n_kv_heads // p.tp if m.n_kv_heads >= p.tp else 1
+    kv = 2 * tokens * kv_heads * m.head_dim * element  # the stacked K and V of this rank
+    dkv = kv // element * 4  # their gradients, accumulated in fp32
+    bandwidth = machine.bandwidth(dims.span("cp"))
+    if p.cp_comm == "allgather":  # one collective each way, nothing to overlap with
+        split = machine.split_collective_cost
+        gather = split * (cp - 1) * kv / bandwidth
+        scatter = split * (cp - 1) * dkv / bandwidth
+        return CpTransfers(gather, gather + scatter, gather, gather + scatter, 1, 2)
+    # the layer's causal attention scores and weighted sum (fwd 1/3, bwd 2/3 of
+    # `stage_costs`' 12 h s / 2 per token), this rank's heads, one ring step's share
+    attention = 12 * m.hidden * m.seq_len / 2 * tokens / p.tp / machine.rank_flops / cp
+    step_f, step_b = attention / 3, 2 * attention / 3
+    kv_s, dkv_s = kv / bandwidth, dkv / bandwidth
+    forward = (cp - 1) * max(0.0, kv_s - step_f)  # the last step sends nothing
+    # backward step t: K/V on (t < cp - 1) beside the dK/dV of step t - 1 (t >= 1); then the
+    # last dK/dV goes home with nothing left to hide it
+    backward = max(0.0, kv_s - step_b) + max(0.0, dkv_s - step_b)
+    backward += (cp - 2) * max(0.0, kv_s + dkv_s - step_b) + dkv_s
+    moved_f, moved_b = (cp - 1) * kv_s, (cp - 1) * kv_s + cp * dkv_s
+    return CpTransfers(forward, backward, moved_f, moved_b, cp - 1, 2 * cp - 1)
 
 
 def _recomputed_layers(cfg: Config) -> list[int]:
@@ -219,8 +363,12 @@ def pipeline_makespan(
     p = cfg.parallel
     if p.pp == 1:
         return m * (forward[0] + backward[0]), 0.0
-    rank_cost = [f + b for f, b in zip(per_rank(cfg, forward), per_rank(cfg, backward))]
-    flops = stage_costs(cfg)
+    partition = _partition(cfg)
+    rank_cost = [
+        f + b
+        for f, b in zip(_per_rank(partition, forward), _per_rank(partition, backward), strict=True)
+    ]
+    flops = partition.costs
     unit = max(max(c.forward, c.backward) for c in flops)
     seconds_per_unit = sum(forward + backward) / sum(c.forward + c.backward for c in flops) * unit
     shorter = _simulated_microbatches(cfg, m)

@@ -46,8 +46,12 @@ class GPTFormulas(Formulas):
         return pre_norm_block_saved(x, LAYER_NORM, mlp=[x.ffn_activation] * 2)
 
     def embedding_saved(self, x: Shapes) -> list[int]:
-        """Also the positions: a slice (the rank's shard under SP) of one arange."""
-        return super().embedding_saved(x) + [x.cfg.model.seq_len * INDEX_BYTES]
+        """Also the positions: a slice (the rank's shard under SP) of one arange, or of this
+        rank's chunks of it under cp; with document masks restarting positions
+        (`data.reset_positions`), a row per window."""
+        d = x.cfg.data
+        rows = x.cfg.train.micro_batch_size if d.document_mask and d.reset_positions else 1
+        return super().embedding_saved(x) + [rows * x.seq * INDEX_BYTES]
 
 
 FORMULAS = GPTFormulas()

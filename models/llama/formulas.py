@@ -43,9 +43,9 @@ class LlamaFormulas(Formulas):
 
     def layer_saved(self, x: Shapes) -> list[int]:
         """The MLP keeps gate, up and their product besides its input (Triton's SwiGLU), and
-        silu(gate) too with PyTorch's reference."""
+        silu(gate) too with PyTorch's reference; attention rotates q and k."""
         mlp = [x.ffn_activation] * (3 if x.device == "cuda" else 4)
-        return pre_norm_block_saved(x, RMS_NORM, mlp)
+        return pre_norm_block_saved(x, RMS_NORM, mlp, rotary=True)
 
 
 FORMULAS = LlamaFormulas()

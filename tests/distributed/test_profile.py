@@ -2,7 +2,9 @@
 parts that add up to the independently timed step, a pipeline shows a bubble (measured and
 simulated), tp and dp communication split into exposed and overlapped, the CPU memory parts are
 the live tensors' bytes, --trace writes one Chrome trace per rank of steps timed apart from the
-measured ones, and the profile's throughput is the one training logs for the same config."""
+measured ones, the profile's throughput is the one training logs for the same config, and
+under context parallelism each rank reports its cp coordinate and the ring's messages as cp
+communication."""
 
 import contextlib
 import json
@@ -32,6 +34,7 @@ from megalite.training.step import train_step
 RANK_KEYS = {
     "rank",
     "tp_rank",
+    "cp_rank",
     "pp_rank",
     "dp_rank",
     "step_time_s",
@@ -71,7 +74,8 @@ def _profile(overrides: tuple[str, ...], out_dir: str, trace: bool) -> tuple[dic
     cfg = load_config(None, [*TINY, *overrides, f"train.out_dir={out_dir}"])
     trace_dir = f"{out_dir}/trace" if trace else None
     report = profile(cfg, warmup_steps=1, steps=2, trace_dir=trace_dir and Path(trace_dir))
-    ps = build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, torch.device("cpu"))
+    p = cfg.parallel
+    ps = build_parallel_state(p.tp, p.pp, torch.device("cpu"), cp=p.cp)
     return report, live_bytes(build_run(cfg, ps))
 
 
@@ -170,6 +174,30 @@ def test_data_parallel_gradient_reduction_is_communication(builtin_corpus, tmp_p
         assert entry["time_s"]["bubble"] == 0
         assert entry["comm_overlapped_s"]["dp"] > 0  # buckets reduced while the backward went on
         assert entry["comm_overlapped_s"]["tp"] == 0
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_context_parallel_ring_is_cp_communication(builtin_corpus, tmp_path, dp):
+    """cp 2 (with dp 1 and 2): every rank reports its cp coordinate; the ring's K/V and dK/dV
+    messages are cp communication, in flight beside the blocks of attention and waited for;
+    the gradients, reduced over dp x cp (the cp group itself at dp 1), are dp's; the layout
+    line and the table show cp."""
+    layout = ("parallel.cp=2", "train.micro_batch_size=1", "parallel.zero=1")
+    results = run_ranks(2 * dp, _profile, layout, str(tmp_path), False)
+    report = results[0][0]
+    _check_report(report, 2 * dp, [live for _, live in results])
+    assert report["layout"]["cp"] == 2 and report["layout"]["dp"] == dp
+    assert [(r["cp_rank"], r["dp_rank"]) for r in report["ranks"]] == [
+        (c, d) for d in range(dp) for c in range(2)
+    ]
+    for entry in report["ranks"]:
+        cp_total = entry["time_s"]["cp_comm_exposed"] + entry["comm_overlapped_s"]["cp"]
+        assert cp_total > 0 and entry["comm_overlapped_s"]["cp"] > 0
+        assert entry["time_s"]["dp_comm_exposed"] + entry["comm_overlapped_s"]["dp"] > 0
+        assert entry["time_s"]["tp_comm_exposed"] == entry["comm_overlapped_s"]["tp"] == 0
+    table = format_table(report)
+    assert table.startswith("layout: tp=1 cp=2 (p2p) pp=1 vpp=1 dp=")
+    assert " tp cp pp dp " in table and "cp exp" in table and "cp ovl" in table
 
 
 class _IssueToCompletion(comm.CommObserver):
