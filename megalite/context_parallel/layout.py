@@ -113,6 +113,8 @@ class SequenceCut:
     eos_id: int | None = None
     """The end-of-document token when documents are masked; None when they are not."""
     reset_positions: bool = True
+    device: torch.device = torch.device("cpu")
+    """Where the layouts live: the rank's device, also on a stage that read no tokens."""
 
     @property
     def plain(self) -> bool:
@@ -130,10 +132,16 @@ class SequenceCut:
             return None
         return shard_sequence(windows, local_chunks(self.seq_len, self.cp, self.cp_rank))
 
-    def layout(self, inputs: torch.Tensor | None, device: torch.device) -> SequenceLayout | None:
+    def layout(self, inputs: torch.Tensor | None) -> SequenceLayout | None:
         """The layout of the windows whose whole inputs are `inputs` (None when plain)."""
         if self.plain:
             return None
         return SequenceLayout.build(
-            self.seq_len, self.cp, self.cp_rank, device, inputs, self.eos_id, self.reset_positions
+            self.seq_len,
+            self.cp,
+            self.cp_rank,
+            self.device,
+            inputs,
+            self.eos_id,
+            self.reset_positions,
         )

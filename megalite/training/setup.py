@@ -72,6 +72,7 @@ class Run:
             self.ps.cp_rank,
             self.eos_id if masked else None,
             self.cfg.data.reset_positions,
+            self.ps.device,
         )
 
     def train(self, mode: bool = True) -> None:

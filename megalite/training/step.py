@@ -51,8 +51,7 @@ def micro_batches(
         batch = TokenBatch.of_windows(batch)
     layout = None
     if cut is not None and not cut.plain:
-        device = next(t for t in (batch.inputs, batch.targets, torch.empty(0)) if t is not None)
-        layout = cut.layout(batch.inputs, device.device)
+        layout = cut.layout(batch.inputs)
         batch = TokenBatch(batch.size, cut.shard(batch.inputs), cut.shard(batch.targets))
 
     def rows(half: torch.Tensor | None, start: int) -> torch.Tensor | None:

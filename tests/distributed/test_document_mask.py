@@ -67,7 +67,7 @@ def _losses_and_grads(cfg, ps):
     packed = eval_loss(run, TokenBatch.of_windows(windows))
     (model,) = build_chunks(cfg, ps, TPRandom(cfg.train.seed, ps))  # plain .grad, same weights
     cut = run.sequence_cut
-    layout = cut.layout(windows[:, :-1], ps.device)
+    layout = cut.layout(windows[:, :-1])
     model(cut.shard(windows[:, :-1]), cut.shard(windows[:, 1:]), layout).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     for grad in grads.values():  # each cp rank took the loss of its own chunks

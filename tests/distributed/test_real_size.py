@@ -20,6 +20,10 @@ Grid (world size, what it covers), and one resume across layouts at these sizes:
     2  gpt   pp 2 zb-v       the V: rank 0 holds the first and last chunk (tied embeddings)
     2  llama zero 2 dp 2, offload, segments recompute, 1 MB buckets (a bucket per tensor or less)
     4  gpt   pp 2 zero 2 (dp 2), 1 MB buckets: the tied embedding's own bucket over both stages
+    4  gpt   cp 2 tp 2 sp    chunks of 64 tokens, each split over tp: 32-token SP shards
+    4  llama cp 2 pp 2, document masks: the data path of masking (the last stage reads the
+                             tokens too, both stages carry the layout; few windows hold a book's
+                             end, so the boundaries themselves are test_document_mask's)
     8  gpt   tp 2 sp pp 2 zero 1 (dp 2)   the README's 8-rank example
 """
 
@@ -84,6 +88,18 @@ CASES = {
         GPT,
         _batch(4, 16),
         ("parallel.pp=2", "parallel.zero=2", "parallel.bucket_mb=1"),
+    ),
+    "gpt-cp2-tp2-sp": (
+        4,
+        GPT,
+        _batch(8, 16),
+        ("parallel.cp=2", "parallel.tp=2", "parallel.sp=true"),
+    ),
+    "llama-docmask-cp2-pp2": (
+        4,
+        LLAMA,
+        _batch(4, 16) + ("data.document_mask=true",),
+        ("parallel.cp=2", "parallel.pp=2"),
     ),
     "gpt-3d-readme": (
         8,
