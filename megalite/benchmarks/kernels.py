@@ -18,6 +18,14 @@ LayerNorm / RMSNorm and rotary q/k against their eager PyTorch references. Both 
 the bytes a fused kernel must move (read inputs, write outputs), so eager's extra temporaries
 show up as lower GB/s.
 
+Weight-gradient accumulation (Megatron's gradient-accumulation fusion): ``main_grad += dy^T x``
+into an fp32 main grad from 16-bit dy and x, for the shapes of one block's linears. Contenders:
+the Triton kernel (`wgrad_accumulate`); what runs without fusion, a 16-bit GEMM whose result is
+added into the main grad (``main_grad.add_(dy.t() @ x)``); and, where torch has it, cuBLAS's
+fp32-output GEMM accumulating in place (``torch.addmm(..., out_dtype=torch.float32)``). TFLOP/s
+counts 2*tokens*out*in; GB/s the bytes a fused kernel must move (dy, x, and the main grad read
+and written).
+
     python tools/bench_kernels.py                  # needs CUDA
     python tools/bench_kernels.py --cpu-smoke      # tiny sizes under the Triton interpreter:
                                                    # checks that it runs, the times mean nothing
@@ -335,6 +343,52 @@ def bench_norms_and_rotary(args: argparse.Namespace, device: torch.device) -> No
     print(activation_row("rotary q/k", *rotary_row, 2 * size, 4 * size, device))
 
 
+def wgrad_contenders(device: torch.device) -> dict[str, Callable[..., Any]]:
+    """The ways to compute ``main_grad += dy^T x``, by name (see the module docstring)."""
+    from megalite.kernels.wgrad import wgrad_accumulate
+
+    def unfused(main_grad, dy, x):
+        main_grad.add_(dy.t() @ x)
+
+    def cublas_fp32_out(main_grad, dy, x):
+        torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
+
+    contenders = {"triton": wgrad_accumulate, "16-bit mm + add_": unfused}
+    if device.type == "cuda":
+        try:  # torch >= 2.8 on CUDA: addmm with an fp32 output from 16-bit inputs
+            probe = torch.zeros(8, 8, device=device)
+            cublas_fp32_out(probe, *(torch.ones(8, 8, device=device, dtype=torch.bfloat16),) * 2)
+            contenders["addmm out_dtype fp32"] = cublas_fp32_out
+        except (RuntimeError, TypeError):
+            pass
+    return contenders
+
+
+def bench_wgrad(args: argparse.Namespace, device: torch.device) -> None:
+    """Print the weight-gradient accumulation table: one row per (out, in) linear shape."""
+    dtype, tokens, hidden, ffn = DTYPES[args.dtype], args.mlp_tokens, args.hidden, args.ffn
+    contenders = wgrad_contenders(device)
+    print(f"\nweight-gradient accumulation: main_grad (fp32) += dy^T x, {args.dtype} inputs,")
+    print(f"{tokens} tokens; TFLOP/s and GB/s (dy, x, main grad read and written) per contender")
+    print(f"{'(out, in)':<14} | " + " | ".join(f"{name:>21}" for name in contenders))
+    for out_features, in_features in (
+        (3 * hidden, hidden),
+        (hidden, hidden),
+        (ffn, hidden),
+        (hidden, ffn),
+    ):
+        dy = torch.randn(tokens, out_features, device=device, dtype=dtype)
+        x = torch.randn(tokens, in_features, device=device, dtype=dtype)
+        main_grad = torch.zeros(out_features, in_features, device=device)
+        flops = 2 * tokens * out_features * in_features
+        moved = (dy.numel() + x.numel()) * dy.element_size() + 2 * main_grad.numel() * 4
+        cells = []
+        for fn in contenders.values():
+            ms, _ = measure(lambda f=fn, g=main_grad, a=dy, b=x: f(g, a, b), device)
+            cells.append(f"{flops / ms / 1e9:7.1f} TF {moved / ms / 1e6:7.0f} GB/s")
+        print(f"{str((out_features, in_features)):<14} | " + " | ".join(cells))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the tables on CUDA (or the interpreter with --cpu-smoke); 1 without a device."""
     args = parse_args(argv)
@@ -358,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_attention_blocks(args, device)
     bench_activations(args, device)
     bench_norms_and_rotary(args, device)
+    bench_wgrad(args, device)
     return 0
 
 

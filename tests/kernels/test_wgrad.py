@@ -1,21 +1,26 @@
 """The weight-gradient accumulation kernel (interpreted on CPU) against float64: 16-bit dy and x,
-an fp32 main grad overwritten or added to, at shapes that leave ragged tiles on every dim."""
+an fp32 main grad overwritten or added to, at shapes that leave ragged tiles on every dim. Under
+``auto`` the same checks cover what runs by default: cuBLAS's fp32-output GEMM on a GPU, the
+reference on CPU."""
 
 import pytest
 import torch
 from megalite.kernels import wgrad_accumulate
 from megalite.kernels.wgrad import wgrad_accumulate_reference
 
-# (tokens, out, in): BLOCK 64 x 64 x 32 tiles; ragged everywhere, one token, exact multiples
-SHAPES = [(37, 70, 100), (1, 3, 5), (64, 64, 128), (100, 130, 33)]
+# (tokens, out, in): ragged against every tile (64 x 64 x 32 interpreted, 64 to 256 rows and
+# columns, 32 or 64 tokens compiled), one token, exact multiples, several tiles of the largest
+SHAPES = [(37, 70, 100), (1, 3, 5), (64, 64, 128), (100, 130, 33), (300, 520, 260)]
 TOL = {torch.float16: 1e-5, torch.bfloat16: 1e-5}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("overwrite", [True, False], ids=["first", "accumulate"])
-def test_wgrad_matches_float64(shape, dtype, overwrite, randn, rel_err):
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_wgrad_matches_float64(shape, dtype, overwrite, backend, randn, rel_err, monkeypatch):
     """fp32 accumulation of exact 16-bit products: as close to float64 as fp32 sums get."""
+    monkeypatch.setenv("MEGALITE_KERNELS", backend)
     tokens, out, inp = shape
     dy, x = randn(tokens, out, dtype=dtype).detach(), randn(tokens, inp, dtype=dtype).detach()
     main_grad = randn(out, inp).detach()
