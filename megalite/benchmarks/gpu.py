@@ -299,7 +299,7 @@ def notes(args: argparse.Namespace) -> list[str]:
         "state in host memory meanwhile.",
         "ratio m/t = step time / transformers compile's (<= 1.00: no slower). transformers: "
         "fp32 weights under bf16 autocast on a GPU, vocabulary unpadded; megalite pads it to "
-        "a multiple of 128 rows (the padded rows' logits are never computed).",
+        "a multiple of 128 rows (padded rows' logits are masked out of the loss).",
     ]
 
 

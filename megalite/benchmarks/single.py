@@ -239,7 +239,7 @@ def notes(args: argparse.Namespace, tokens_per_step: int) -> list[str]:
         "batch (robust to load that drifts during the run on a shared machine).",
         f"megalite pads the vocabulary to a multiple of {round_to} rows "
         f"({args.vocab} -> {padded_vocab_size(args.vocab, 1, round_to)}; the padded rows' logits "
-        "are never computed), so its params include the extra rows.",
+        "are masked out of the loss), so its params include the extra rows.",
         "transformers: attn_implementation='sdpa' (its fastest CPU path), dropout 0, train mode, "
         f"torch.optim.AdamW ({args.hf_adamw}); loss = F.cross_entropy, the mean over all tokens "
         "(megalite: the same mean, from its LM head fused with the loss).",

@@ -62,5 +62,5 @@ def common_notes(args: argparse.Namespace, world_size: int, tokens: int) -> list
         "ratio m/t = megalite step time / torch step time (<= 1.00: megalite no slower). "
         "loss: the last timed step's (both sides start from different random weights).",
         f"torch side: torch.optim.AdamW ({args.torch_adamw}), clip 1.0, same batches; megalite "
-        "pads the vocabulary to a multiple of 128*tp (padded rows' logits are never computed).",
+        "pads the vocabulary to a multiple of 128*tp (padded rows' logits masked out of the loss).",
     ]

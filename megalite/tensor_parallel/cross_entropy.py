@@ -4,8 +4,11 @@ Each tp rank holds rows [vocab_start, vocab_start + V/tp) of the (padded) output
 computes the logits of its piece of the vocabulary. The softmax over the whole vocabulary needs,
 per token, the global max and the global sum of exponentials, and the loss needs the target's
 logit, which lives on exactly one rank: two all-reduces of per-token values (Megatron-LM's
-vocab-parallel cross-entropy). Padded vocabulary columns are never computed, so the loss equals
-the unpadded tp = 1 loss (a known Megatron-LM pitfall).
+vocab-parallel cross-entropy). Padded vocabulary columns take part in the GEMMs (so that every
+matrix has an aligned leading dimension: at GPT-2's 50,257 rows cuBLAS falls back to slow
+kernels, 3-5x slower on an H100) but their logits are set to -inf before the softmax, so they
+add nothing to the loss, and their rows get a zero gradient: the loss equals the unpadded tp = 1
+loss (a known Megatron-LM pitfall).
 
 Fused: d(loss sum)/d logits = softmax - one_hot(target) is known as soon as the softmax is, so
 the forward turns each chunk's logits into that gradient in place and multiplies it straight
@@ -56,8 +59,6 @@ def _head_loss(
     x: (tokens, h); weight: (V/tp, h) including padded rows; targets: (tokens,).
     """
     real_rows = max(0, min(weight.shape[0], vocab_size - vocab_start))
-    # A rank whose piece is all padding still takes part in the collectives with one row, masked.
-    rows = weight[: max(real_rows, 1)]
     local = targets - vocab_start
     here = (local >= 0) & (local < real_rows)  # this rank holds the target's logit
     local = local.masked_fill(~here, 0).unsqueeze(-1)
@@ -68,14 +69,12 @@ def _head_loss(
         grad_x = torch.empty_like(x)
         # The weight gradient, summed over chunks in fp32; padded rows stay zero.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
-        grad_rows = grad_weight[: rows.shape[0]]
     step = chunk_tokens(weight.shape[0], x.device)
     for start in range(0, x.shape[0], step):
         piece = slice(start, start + step)
         x_c = x[piece]
-        logits = (x_c @ rows.t()).float()  # (chunk, V/tp): fp32 softmax whatever the dtype
-        if real_rows == 0:
-            logits.fill_(float("-inf"))
+        logits = (x_c @ weight.t()).float()  # (chunk, V/tp): fp32 softmax whatever the dtype
+        logits[:, real_rows:] = float("-inf")  # the padding: no probability, no gradient
         logits_max = logits.amax(dim=-1)
         comm.all_reduce_max(logits_max, group)
         logits.sub_(logits_max.unsqueeze(-1))
@@ -90,11 +89,11 @@ def _head_loss(
         grad_logits = exp.div_(sum_exp.unsqueeze(-1))  # softmax, in place
         grad_logits.scatter_add_(-1, local[piece], minus_one_hot[piece])
         grad_logits = grad_logits.to(x.dtype)
-        torch.mm(grad_logits, rows, out=grad_x[piece])
-        if grad_logits.dtype == grad_rows.dtype:
-            grad_rows.addmm_(grad_logits.t(), x_c)
+        torch.mm(grad_logits, weight, out=grad_x[piece])
+        if grad_logits.dtype == grad_weight.dtype:
+            grad_weight.addmm_(grad_logits.t(), x_c)
         else:  # a 16-bit GEMM per chunk, summed over chunks in fp32
-            grad_rows += grad_logits.t() @ x_c
+            grad_weight += grad_logits.t() @ x_c
     if not with_grads:
         return total, None, None
     # Kept until backward in the weight's dtype, except fp16: its range cannot hold a gradient
