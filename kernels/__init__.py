@@ -13,6 +13,7 @@ from .flash_attention import (
     flash_attention,
 )
 from .gelu import bias_gelu
+from .grouped_gemm import grouped_mm
 from .norms import layer_norm, rms_norm
 from .rotary import rotary_embedding
 from .swiglu import swiglu
@@ -24,6 +25,7 @@ __all__ = [
     "bias_gelu",
     "doc_start_from_cu_seqlens",
     "flash_attention",
+    "grouped_mm",
     "kernel_backend",
     "layer_norm",
     "rms_norm",

@@ -24,6 +24,7 @@ DEVICE = os.environ.get("MEGALITE_KERNEL_TEST_DEVICE", "cpu")
 _KERNEL_MODULES = [
     *("_triton", "autotune", "dispatch", "flash_attention", "gelu", "norms", "rotary", "swiglu"),
     "wgrad",
+    "grouped_gemm",
 ]
 
 

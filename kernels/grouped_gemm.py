@@ -1,0 +1,315 @@
+"""Grouped GEMM for mixture-of-experts layers, ``y[rows of g] = x[rows of g] @ weight[g]^T``, in
+Triton, with its PyTorch reference (one GEMM per group).
+
+Why a kernel: an MoE layer hands each expert its tokens, sorted by expert, and how many each
+expert gets changes every micro-batch. The loop of one GEMM per expert launches a GEMM per
+group (three with backward), each too small to fill a GPU when the tokens spread over many
+experts, and must read the counts on the host to split the rows: a synchronisation per call.
+Here each product is one launch over all groups, and the counts never leave the device.
+
+Layout: x (rows, in) with rows sorted by group, weight (groups, out, in) (nn.Linear's per
+group), counts (groups,) on x's device. Forward and dx share the row kernel: a program computes
+a (BLOCK_M rows x BLOCK_N columns) tile of one group, ``a_g @ b_g`` over the reduction in
+BLOCK_K steps, reading b_g through strides as weight[g]^T (forward) or weight[g] (dx). No tile
+straddles two groups: group g gets cdiv(counts[g], BLOCK_M) row tiles, and a tile-to-group map
+built with torch ops on the device (cumsum, searchsorted) names each program's group. The grid
+comes from the bound cdiv(rows, BLOCK_M) + groups on the tiles, so no count is read on the
+host; programs past the last tile exit. dweight has its own kernel: one program per (group,
+BLOCK_N x BLOCK_K tile of weight[g]), looping over the group's rows, so a group with no rows
+gets exact zeros. Every edge is masked: no dim needs to be a multiple of a block.
+
+Tiles: BLOCK_M is the map's granularity, so the host picks it per call (`_block_m`) before the
+map is built; the other blocks are autotuned, keyed on the features and the dtype (never on
+rows, which change every micro-batch). 16-bit inputs sweep tensor-core tiles; fp32 inputs get
+true fp32 products (``input_precision="ieee"``, FMAs on the CUDA cores, see
+:mod:`megalite.kernels.autotune`) and sweep only small two-stage tiles within its FMA budget.
+Neither sweep has been timed on a GPU yet.
+
+``sum(counts) == rows`` is checked wherever reading the counts costs no synchronisation: on
+the reference path (which reads them to split the rows) and on CPU tensors (the interpreter).
+The CUDA kernels do not check it: rows past the sum are left unwritten, and no row past the
+end of x is read or written. Under the Triton interpreter 16-bit values are held as raw bits,
+so the kernels widen their loads to fp32 there (``UPCAST``).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import INTERPRETED_AT_IMPORT, tl, triton
+from .dispatch import opaque, use_triton
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Tiles each kernel autotunes over: tensor-core tiles for 16-bit inputs, then small two-stage
+# ones for fp32, all within autotune.IEEE_FMAS_PER_THREAD (tests/kernels/test_grouped_gemm.py).
+# Row kernel (forward and dx): (BLOCK_N, BLOCK_K, num_warps, num_stages), BLOCK_M `_block_m`'s.
+ROW_TILES = (
+    [(128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4)],
+    [(64, 32, 4, 2), (128, 32, 8, 2), (32, 32, 4, 2)],
+)
+# dweight: (BLOCK_N out, BLOCK_K in, BLOCK_M rows per step, num_warps, num_stages).
+DWEIGHT_TILES = (
+    [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 32, 4, 4),
+     (64, 128, 64, 4, 4)],
+    [(64, 64, 32, 4, 2), (32, 64, 32, 4, 2), (64, 32, 32, 4, 2)],
+)  # fmt: skip
+
+IEEE_BLOCK_M = 64
+"""The row kernel's BLOCK_M for fp32 inputs."""
+
+INTERPRETED_TILE = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}
+"""The one tile under the interpreter, which cannot autotune."""
+
+
+def _autotune(tensor_core: list[tuple], ieee: list[tuple], names: tuple[str, ...], key: list):
+    """One fixed config under the interpreter; else both sweeps (tiles named by `names`, then
+    warps and stages), each call pruned to the tensor-core one or, for fp32 (PRECISION ieee),
+    the ieee one."""
+    if INTERPRETED_AT_IMPORT:
+        fixed = {name: INTERPRETED_TILE[name] for name in names}
+        return triton.autotune(configs=[triton.Config(fixed)], key=key)
+
+    def config(tile: tuple):
+        *blocks, warps, stages = tile
+        return triton.Config(dict(zip(names, blocks)), num_warps=warps, num_stages=stages)
+
+    sweeps = {"tf32": [config(t) for t in tensor_core], "ieee": [config(t) for t in ieee]}
+
+    def prune(configs: list, named_args: dict, **kwargs) -> list:
+        keep = sweeps[{**named_args, **kwargs}["PRECISION"]]
+        return [c for c in configs if c in keep]
+
+    return triton.autotune(
+        configs=[*sweeps["tf32"], *sweeps["ieee"]],
+        key=key,
+        prune_configs_by={"early_config_prune": prune},
+    )
+
+
+@_autotune(*ROW_TILES, names=("BLOCK_N", "BLOCK_K"), key=["N", "K", "BLOCK_M"])
+@triton.jit
+def _rows_kernel(
+    A, B, OUT, TILE_GROUP, FIRST_TILE, OFFSETS, N, K, GROUPS,
+    stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_om, stride_on,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """OUT[rows] = A[rows] @ B[g] (K x N, by strides) for the row tile the map gives this
+    program: rows from the tile's first to the group's end, at most BLOCK_M of them."""
+    tile = tl.program_id(0)
+    g = tl.load(TILE_GROUP + tile)
+    if g >= GROUPS:  # past the last tile: the grid is an upper bound
+        return
+    start = tl.load(OFFSETS + g) + (tile - tl.load(FIRST_TILE + g)) * BLOCK_M
+    end = tl.load(OFFSETS + g + 1)
+    rm = start + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    b_group = B + g * stride_bg
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        a = tl.load(
+            A + rm[:, None] * stride_am + k[None, :] * stride_ak,
+            mask=(rm[:, None] < end) & (k[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            b_group + k[:, None] * stride_bk + rn[None, :] * stride_bn,
+            mask=(k[:, None] < K) & (rn[None, :] < N),
+            other=0.0,
+        )
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc += tl.dot(a, b, input_precision=PRECISION)
+    out_ptrs = OUT + rm[:, None] * stride_om + rn[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=(rm[:, None] < end) & (rn[None, :] < N))
+
+
+@_autotune(*DWEIGHT_TILES, names=("BLOCK_N", "BLOCK_K", "BLOCK_M"), key=["N", "K"])
+@triton.jit
+def _dweight_kernel(
+    DY, X, DW, OFFSETS, N, K,
+    stride_dym, stride_dyn, stride_xm, stride_xk, stride_wg, stride_wn, stride_wk,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """DW[g] = DY[rows of g]^T @ X[rows of g], one (BLOCK_N x BLOCK_K) tile per program."""
+    g = tl.program_id(0)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(2).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    end = tl.load(OFFSETS + g + 1)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for m0 in range(tl.load(OFFSETS + g), end, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        # dy^T tile (BLOCK_N, BLOCK_M): element (n, m) is dy[m, n]
+        dy_t = tl.load(
+            DY + m[None, :] * stride_dym + rn[:, None] * stride_dyn,
+            mask=(m[None, :] < end) & (rn[:, None] < N),
+            other=0.0,
+        )
+        x = tl.load(
+            X + m[:, None] * stride_xm + rk[None, :] * stride_xk,
+            mask=(m[:, None] < end) & (rk[None, :] < K),
+            other=0.0,
+        )
+        if UPCAST:
+            dy_t, x = dy_t.to(tl.float32), x.to(tl.float32)
+        acc += tl.dot(dy_t, x, input_precision=PRECISION)
+    dw_ptrs = DW + g * stride_wg + rn[:, None] * stride_wn + rk[None, :] * stride_wk
+    tl.store(dw_ptrs, acc.to(DW.dtype.element_ty), mask=(rn[:, None] < N) & (rk[None, :] < K))
+
+
+def _precision(x: torch.Tensor) -> str:
+    # fp32 inputs get true fp32 products (as torch does by default), not TF32.
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def _block_m(rows: int, groups: int, dtype: torch.dtype) -> int:
+    """Rows per row tile: 128 for 16-bit inputs when the groups average 128 rows or more, else
+    64 (fewer masked rows in each group's last tile); the interpreter's fixed tile."""
+    if INTERPRETED_AT_IMPORT:
+        return INTERPRETED_TILE["BLOCK_M"]
+    if dtype == torch.float32:
+        return IEEE_BLOCK_M
+    return 128 if rows >= 128 * groups else 64
+
+
+def _tile_map(
+    counts: torch.Tensor, rows: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tile_group, first_tile, offsets), int64 on counts' device, no host synchronisation.
+
+    offsets (groups + 1): where each group's rows begin, clamped to `rows` so a wrong sum
+    cannot send the kernels past x. first_tile (groups + 1): each group's first row tile (the
+    last entry: the total). tile_group (one per program of the row grid): the group of that
+    tile, ``groups`` for programs past the last tile."""
+    counts = counts.long()
+    offsets = F.pad(counts.cumsum(0), (1, 0)).clamp_(max=rows)
+    tile_end = torch.div(counts + block_m - 1, block_m, rounding_mode="floor").cumsum(0)
+    tiles = torch.arange(triton.cdiv(rows, block_m) + counts.numel(), device=counts.device)
+    tile_group = torch.searchsorted(tile_end, tiles, right=True)
+    return tile_group, F.pad(tile_end, (1, 0)), offsets
+
+
+def _grouped_rows(
+    a: torch.Tensor, weight: torch.Tensor, tile_map: tuple, block_m: int, transpose: bool
+) -> torch.Tensor:
+    """Per group, ``a_g @ weight[g]^T`` (forward: a is x) or, with `transpose`, ``a_g @
+    weight[g]`` (dx: a is dy)."""
+    groups, out_features, in_features = weight.shape
+    n, k = (in_features, out_features) if transpose else (out_features, in_features)
+    out = torch.empty((a.shape[0], n), device=a.device, dtype=a.dtype)
+    if out.numel() == 0:
+        return out
+    stride_bk, stride_bn = weight.stride(2), weight.stride(1)  # b[k, n] = weight[g, n, k]
+    if transpose:  # b[k, n] = weight[g, k, n]
+        stride_bk, stride_bn = stride_bn, stride_bk
+    tile_group, first_tile, offsets = tile_map
+
+    def grid(meta):
+        return tile_group.numel(), triton.cdiv(n, meta["BLOCK_N"])
+
+    _rows_kernel[grid](
+        a, weight, out, tile_group, first_tile, offsets, n, k, groups,
+        a.stride(0), a.stride(1), weight.stride(0), stride_bk, stride_bn,
+        out.stride(0), out.stride(1),
+        UPCAST=INTERPRETED_AT_IMPORT, PRECISION=_precision(a), BLOCK_M=block_m,
+    )  # fmt: skip
+    return out
+
+
+def _grouped_dweight(
+    dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """Per group, ``dy_g^T @ x_g`` in weight's dtype (zeros for a group with no rows)."""
+    if x.shape[0] == 0:
+        return torch.zeros_like(weight)
+    groups, n, k = weight.shape
+    dw = torch.empty((groups, n, k), device=weight.device, dtype=weight.dtype)
+
+    def grid(meta):
+        return groups, triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"])
+
+    _dweight_kernel[grid](
+        dy, x, dw, offsets, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+        dw.stride(0), dw.stride(1), dw.stride(2),
+        UPCAST=INTERPRETED_AT_IMPORT, PRECISION=_precision(x),
+    )  # fmt: skip
+    return dw
+
+
+class GroupedMMFunction(torch.autograd.Function):
+    """Triton grouped GEMM; saves x, weight and the tile map, never reads counts on the host."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts):
+        block_m = _block_m(x.shape[0], weight.shape[0], x.dtype)
+        tile_map = _tile_map(counts, x.shape[0], block_m)
+        ctx.save_for_backward(x, weight, *tile_map)
+        ctx.block_m = block_m
+        return _grouped_rows(x, weight, tile_map, block_m, transpose=False)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, *tile_map = ctx.saved_tensors
+        dx = dweight = None
+        if ctx.needs_input_grad[0]:
+            dx = _grouped_rows(dy, weight, tile_map, ctx.block_m, transpose=True)
+        if ctx.needs_input_grad[1]:
+            dweight = _grouped_dweight(dy, x, tile_map[2], weight)
+        return dx, dweight, None
+
+
+def grouped_mm_reference(
+    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """Eager PyTorch: one GEMM per group over ``x.split(counts.tolist())`` (which reads the
+    counts on the host), plain autograd."""
+    sizes = counts.tolist()
+    _check_counts(sizes, x.shape[0])
+    return torch.cat([x_g @ w_g.t() for x_g, w_g in zip(x.split(sizes), weight)])
+
+
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> None:
+    if x.ndim != 2 or weight.ndim != 3 or weight.shape[2] != x.shape[1]:
+        raise ValueError(
+            f"expected x (rows, in) and weight (groups, out, in); got x {tuple(x.shape)}, "
+            f"weight {tuple(weight.shape)}"
+        )
+    if counts.shape != weight.shape[:1] or counts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"counts must be an int32 or int64 tensor of shape (groups,) = ({weight.shape[0]},); "
+            f"got {counts.dtype} {tuple(counts.shape)}"
+        )
+    if counts.device != x.device or weight.device != x.device:
+        raise ValueError(
+            f"x, weight and counts must be on one device; got {x.device}, {weight.device}, "
+            f"{counts.device}"
+        )
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x and weight dtypes differ: {x.dtype}, {weight.dtype}")
+
+
+def _check_counts(sizes: list[int], rows: int) -> None:
+    if sum(sizes) != rows or min(sizes, default=0) < 0:
+        raise ValueError(f"counts must be >= 0 and sum to the rows of x, {rows}; got {sizes}")
+
+
+def _unsupported(x: torch.Tensor) -> str | None:
+    return None if x.dtype in SUPPORTED_DTYPES else f"dtype {x.dtype}"
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``y[rows of g] = x[rows of g] @ weight[g]^T`` for rows sorted by group.
+
+    x: (rows, in); weight: (groups, out, in); counts: (groups,) int32/int64 on x's device, the
+    rows of each group in order (zero allowed), summing to rows. Returns (rows, out) in x's
+    dtype, accumulated in fp32; differentiable in x and weight.
+    """
+    _check_inputs(x, weight, counts)
+    if use_triton(x, weight, counts, unsupported=_unsupported(x)):
+        if not x.is_cuda:  # the interpreter: reading the counts costs no synchronisation
+            _check_counts(counts.tolist(), x.shape[0])
+        return opaque(GroupedMMFunction.apply)(x, weight, counts)
+    return grouped_mm_reference(x, weight, counts)
