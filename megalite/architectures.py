@@ -40,9 +40,12 @@ class Architecture:
     rope_scaling: bool = False
     """Whether `model.rope_scaling` may be set: the model has rotary embeddings from
     `layers.rotary_tables`, and its Hugging Face mapping carries the scaling both ways."""
+    mixture_of_experts: bool = False
+    """Whether its MLPs are mixtures of experts: the `model.moe_*` settings apply (and
+    `model.moe_experts` must be set), and `model.ffn_hidden` is each expert's width."""
 
 
-SHIPPED = ("megalite.models.gpt", "megalite.models.llama")
+SHIPPED = ("megalite.models.gpt", "megalite.models.llama", "megalite.models.mixtral")
 """The packages of the shipped architectures, each with its `ARCHITECTURE` record."""
 
 _registered: dict[str, Architecture] = {}

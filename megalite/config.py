@@ -44,6 +44,11 @@ def _schedule_rule(check: Callable[..., Any], *args: Any) -> Any:
         raise ConfigError(str(error)) from None
 
 
+def _moe_architectures() -> list[str]:
+    """The registered architectures whose MLPs are mixtures of experts."""
+    return [n for n in architectures.names() if architectures.architecture(n).mixture_of_experts]
+
+
 def _one_of(names: list[str]) -> str:
     """'a', 'a or b', 'a, b or c'."""
     return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
@@ -120,6 +125,32 @@ class ModelConfig:
     `original_max_position_embeddings`). None: Llama 3.1's 8192."""
     init_std: float = 0.02
     """Standard deviation of the normal init; output projections use init_std/sqrt(2*n_layers)."""
+    moe_experts: int | None = None
+    """Mixture-of-experts architectures (mixtral): routed experts per layer, each a SwiGLU MLP of
+    width ffn_hidden (Mixtral 8x7B: 8). None on dense architectures."""
+    moe_top_k: int = 2
+    """Experts each token is routed to."""
+    moe_router: str = "softmax"
+    """softmax: Mixtral's top-k of softmax probabilities, gates renormalised over the k.
+    sigmoid: DeepSeek-V3's sigmoid scores, top-k chosen with a per-expert bias
+    (moe_bias_update_rate), gates the chosen scores normalised, times moe_routed_scale."""
+    moe_shared_experts: int = 0
+    """Experts every token goes through besides its routed ones (DeepSeek's shared experts), run
+    as one SwiGLU MLP of width moe_shared_experts * ffn_hidden."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch / Mixtral: E * sum_i f_i P_i per layer, over
+    each micro-batch's tokens) in the training objective; 0 turns it off."""
+    moe_z_loss_coef: float = 0.0
+    """Weight of the router z-loss (ST-MoE: mean squared log-sum-exp of the router logits)."""
+    moe_bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3, sigmoid router): after each step every
+    expert's routing bias moves this much towards balance (0.001 in DeepSeek-V3); 0: off."""
+    moe_routed_scale: float = 1.0
+    """Factor on the routed experts' gates (DeepSeek-V3's routed_scaling_factor)."""
+    moe_capacity_factor: float | None = None
+    """None: dropless (every routed token is computed). A number: each expert takes at most
+    ceil(factor * tokens * top_k / experts) of a micro-batch's tokens, first choices first;
+    the rest are dropped (their gate is zero) and counted in the metrics."""
 
     def __post_init__(self) -> None:
         _require(
@@ -155,10 +186,46 @@ class ModelConfig:
         _require(
             arch.grouped_query or self.n_kv_heads == self.n_heads,
             "model.n_kv_heads differs from n_heads, but grouped-query attention is "
-            f"{_one_of(grouped)}-only",
+            f"only in {_one_of(grouped)}",
         )
         _require(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
         self._check_rope_scaling(arch)
+        self._check_experts(arch)
+
+    def _check_experts(self, arch: architectures.Architecture) -> None:
+        """The moe_* settings are set on a mixture-of-experts architecture, and only there."""
+        if not arch.mixture_of_experts:
+            _require(
+                self.moe_experts is None,
+                f"model.moe_experts is set, but model.arch={self.arch} has dense MLPs: use a "
+                f"mixture-of-experts architecture ({_one_of(_moe_architectures())}) or leave "
+                "it out",
+            )
+            return
+        _require(
+            self.moe_experts is not None and self.moe_experts >= 1,
+            f"model.arch={self.arch} needs model.moe_experts (routed experts per layer) >= 1",
+        )
+        _require(
+            1 <= self.moe_top_k <= self.moe_experts,
+            f"model.moe_top_k must be in [1, moe_experts={self.moe_experts}], got {self.moe_top_k}",
+        )
+        routers = ["softmax", "sigmoid"]
+        _require(
+            self.moe_router in routers,
+            f"model.moe_router must be {_one_of(routers)}, got {self.moe_router!r}",
+        )
+        _require(
+            self.moe_bias_update_rate == 0.0 or self.moe_router == "sigmoid",
+            "model.moe_bias_update_rate balances the sigmoid router's choices: set "
+            "model.moe_router=sigmoid, or model.moe_bias_update_rate=0",
+        )
+        for name in ("moe_shared_experts", "moe_aux_loss_coef", "moe_z_loss_coef"):
+            _require(getattr(self, name) >= 0, f"model.{name} must be >= 0")
+        _require(
+            self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
+            "model.moe_capacity_factor must be > 0, or unset (dropless)",
+        )
 
     def _check_rope_scaling(self, arch: architectures.Architecture) -> None:
         """rope_scaling names a kind megalite implements, on an architecture that has it; the
@@ -183,8 +250,8 @@ class ModelConfig:
         ]
         _require(
             arch.rope_scaling,
-            f"model.rope_scaling={self.rope_scaling}, but rope scaling is {_one_of(scaled)}-only "
-            f"(model.arch={self.arch} has no rotary embeddings to scale): set "
+            f"model.rope_scaling={self.rope_scaling}, but rope scaling is only in "
+            f"{_one_of(scaled)} (model.arch={self.arch} has no rotary embeddings to scale): set "
             "model.rope_scaling=none",
         )
         for key, value in defaults.items():

@@ -80,6 +80,14 @@ class HFMapping(ABC):
             state[name] = full.t() if transposed[name] else full
         return state
 
+    def for_model(
+        self, state: dict[str, torch.Tensor], keys: Collection[str], m: ModelConfig
+    ) -> dict[str, torch.Tensor]:
+        """`to_hf`'s state dict (the layout of the published checkpoints) as the installed
+        transformers' model class names its tensors in memory (`keys`), where the two differ;
+        `save_pretrained` writes the published layout again."""
+        return state
+
     def from_hf(
         self, state: dict[str, torch.Tensor], m: ModelConfig, names: Collection[str] | None
     ) -> dict[str, torch.Tensor]:

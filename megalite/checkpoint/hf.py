@@ -59,11 +59,15 @@ def export_hf(checkpoint: Path, out: Path, dtype: str = "fp32") -> Path:
         for name, p in global_tensors(dict(model.named_parameters())).items()
     }
     mapping = hf_mapping(m.arch)
-    config = mapping.hf_config(m)
+    try:
+        config = mapping.hf_config(m)
+    except ValueError as error:  # a model the Hugging Face class cannot hold
+        raise CheckpointError(f"{checkpoint} cannot be exported: {error}") from None
     config.bos_token_id = tokenizer.bos_id if tokenizer.bos_id >= 0 else None
     config.eos_token_id = tokenizer.eos_id
     hf = AutoModelForCausalLM.from_config(config)
-    hf.load_state_dict(mapping.to_hf(params, m), strict=True)
+    state = mapping.for_model(mapping.to_hf(params, m), hf.state_dict().keys(), m)
+    hf.load_state_dict(state, strict=True)
     hf.to(DTYPES[dtype])
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -142,14 +142,24 @@ class TPRandom:
 
         @contextlib.contextmanager
         def replay() -> Iterator[None]:
+            global _replaying
             after = self.state
-            self.state = start
+            self.state, _replaying = start, True
             try:
                 yield
             finally:
-                self.state = after
+                self.state, _replaying = after, False
 
         return contextlib.nullcontext(), replay()
+
+
+_replaying = False
+
+
+def replaying() -> bool:
+    """Whether a recomputed forward is running (backward replaying a `recompute`d block): what a
+    layer counts once per forward (an MoE router's load) it must not count again."""
+    return _replaying
 
 
 recompute_observers: list[Callable[[tuple[torch.Tensor, ...], torch.Tensor], None]] = []

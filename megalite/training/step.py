@@ -13,6 +13,7 @@ from megalite import comm
 from megalite.context_parallel.layout import SequenceCut
 from megalite.data.dataset import TokenBatch
 from megalite.data_parallel.finalize import finalize_grads
+from megalite.expert_parallel.aux_loss import set_step_scale
 from megalite.optimizer.clip import clip_coefficient
 from megalite.pipeline.executor import IntervalTimer, MicroBatch, StepTimes, bubble_fraction
 from megalite.training.compile import eager
@@ -87,6 +88,9 @@ def train_step(
         buffer.reset()
     batches = micro_batches(tokens, cfg.train.micro_batch_size, run.sequence_cut)
     loss_weight = 1.0 / (cfg.train.global_batch_size * cfg.model.seq_len)
+    # a micro-batch's auxiliary losses (MoE routers) weigh what its token losses weigh
+    share = cfg.train.micro_batch_size / cfg.train.global_batch_size
+    set_step_scale(share * run.scaler.scale)
     local_loss, times = run.executor.run(
         run.schedule(len(batches)), batches, loss_weight, run.scaler.scale, timer
     )
@@ -99,6 +103,10 @@ def train_step(
     if not skipped and bad is None:
         coefficient = clip_coefficient(grad_norm, cfg.optim.grad_clip)
         run.optimizer.step(lr, grad_scale=coefficient / run.scaler.scale)
+    for chunk in run.chunks:  # MoE routers' bias balancing (DeepSeek-V3), from this step's load
+        for module in chunk.modules():
+            if hasattr(module, "balance_routing"):
+                module.balance_routing(run.ps.dp_group)
     wait_and_compute = torch.tensor([times.wait_s, times.compute_s], device=run.ps.device)
     comm.all_reduce(wait_and_compute, run.ps.pp_group)
     bubble = bubble_fraction(*wait_and_compute.tolist())  # of the whole pipeline

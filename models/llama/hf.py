@@ -72,7 +72,7 @@ class LlamaMapping(HFMapping):
 
     def config_from_hf(self, raw: dict[str, Any]) -> dict[str, Any]:
         hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
-        if raw.get("head_dim", hidden // heads) != hidden // heads:
+        if (raw.get("head_dim") or hidden // heads) != hidden // heads:  # null: the default
             raise ValueError(f"head_dim {raw['head_dim']} is not hidden / n_heads")
         if raw.get("hidden_act") != "silu":
             raise ValueError(f"activation {raw.get('hidden_act')!r} is not one megalite implements")

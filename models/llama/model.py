@@ -79,6 +79,9 @@ class Llama(CausalLM):
     """One pipeline chunk of Llama (the whole model when pp = 1): `tok_embeddings` on the first
     chunk, blocks `layers.<global index>`, `final_norm` + `lm_head` on the last."""
 
+    block: type[nn.Module] = Block
+    """The block class (Mixtral reuses everything else)."""
+
     def __init__(
         self, ctx: BuildContext, layer_ids: range, has_embedding: bool = True, has_head: bool = True
     ) -> None:
@@ -93,7 +96,7 @@ class Llama(CausalLM):
             self.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, ps, **vocab)
             self.drop = ResidualDropout(ctx)
         # Keyed by global index, so parameter names never depend on the pipeline layout.
-        self.layers = nn.ModuleDict({str(i): Block(ctx) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): self.block(ctx) for i in layer_ids})
         if has_head:
             self.final_norm = RMSNorm(cfg.hidden, ctx)
             self.lm_head = VocabParallelOutput(cfg.vocab_size, cfg.hidden, ps, **vocab)

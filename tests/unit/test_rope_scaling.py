@@ -130,8 +130,8 @@ def test_llama3_defaults_are_llama_3_1s():
         ),
         (
             ["model.arch=gpt", "model.rope_scaling=llama3"],
-            "model.rope_scaling=llama3, but rope scaling is llama-only (model.arch=gpt has no "
-            "rotary embeddings to scale): set model.rope_scaling=none",
+            "model.rope_scaling=llama3, but rope scaling is only in llama or mixtral "
+            "(model.arch=gpt has no rotary embeddings to scale): set model.rope_scaling=none",
         ),
         (
             ["model.arch=llama", "model.rope_scaling_factor=4"],

@@ -1,0 +1,104 @@
+"""Mixtral as Hugging Face's `MixtralForCausalLM`, in the layout of the published checkpoints:
+Llama's attention and norms, and per layer `block_sparse_moe.gate` (the router) and one
+`experts.<e>.w1` (gate), `w3` (up) and `w2` (down) per expert, which are megalite's per-expert
+global tensors one to one. (transformers 5 stacks the experts in memory and converts that layout
+when it loads and saves.) Only the softmax router without shared experts exists in Mixtral."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
+
+import torch
+from megalite.models.hugging_face import Link
+from megalite.models.llama.hf import LlamaMapping, hf_rope_scaling
+
+from megalite.config import ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+class MixtralMapping(LlamaMapping):
+    model_type = "mixtral"
+
+    def links(self, m: ModelConfig) -> list[Link]:
+        dense_mlp = ("mlp.gate.weight", "mlp.up.weight", "mlp.down.weight")
+        found = [link for link in super().links(m) if not link.ours.endswith(dense_mlp)]
+        for i in range(m.n_layers):
+            ours, theirs = f"layers.{i}.moe.", f"model.layers.{i}.block_sparse_moe."
+            found.append(Link(f"{ours}router.weight", f"{theirs}gate.weight"))
+            for e in range(m.moe_experts):
+                for mine, hf in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                    found.append(
+                        Link(f"{ours}experts.{e}.{mine}.weight", f"{theirs}experts.{e}.{hf}.weight")
+                    )
+        return found
+
+    def for_model(
+        self, state: dict[str, torch.Tensor], keys: Collection[str], m: ModelConfig
+    ) -> dict[str, torch.Tensor]:
+        """transformers 5 holds each layer's experts stacked: `mlp.gate` (the router),
+        `mlp.experts.gate_up_proj` (experts, 2 * ffn, hidden: w1 rows, then w3's) and
+        `mlp.experts.down_proj` (experts, hidden, ffn)."""
+        if "model.layers.0.mlp.experts.gate_up_proj" not in keys:
+            return state  # transformers 4: the published layout is the in-memory one
+        state = dict(state)
+        for i in range(m.n_layers):
+            old, new = f"model.layers.{i}.block_sparse_moe.", f"model.layers.{i}.mlp."
+            experts = range(m.moe_experts)
+
+            def pop(e: int, w: str, old: str = old) -> torch.Tensor:
+                return state.pop(f"{old}experts.{e}.{w}.weight")
+
+            state[f"{new}gate.weight"] = state.pop(f"{old}gate.weight")
+            gate_up = [torch.cat([pop(e, "w1"), pop(e, "w3")]) for e in experts]
+            state[f"{new}experts.gate_up_proj"] = torch.stack(gate_up)
+            state[f"{new}experts.down_proj"] = torch.stack([pop(e, "w2") for e in experts])
+        return state
+
+    def hf_config(self, m: ModelConfig) -> PretrainedConfig:
+        from transformers import MixtralConfig
+
+        if m.moe_router != "softmax" or m.moe_shared_experts or m.moe_capacity_factor:
+            raise ValueError(
+                "Hugging Face's Mixtral is top-k softmax routing, dropless, without shared "
+                "experts: set model.moe_router=softmax, moe_shared_experts=0 and leave "
+                "moe_capacity_factor unset to export"
+            )
+        return MixtralConfig(
+            vocab_size=m.vocab_size,
+            hidden_size=m.hidden,
+            intermediate_size=m.ffn_hidden,
+            num_hidden_layers=m.n_layers,
+            num_attention_heads=m.n_heads,
+            num_key_value_heads=m.n_kv_heads,
+            head_dim=m.head_dim,
+            max_position_embeddings=m.max_positions,
+            rms_norm_eps=m.norm_eps,
+            rope_theta=m.rope_theta,
+            rope_scaling=hf_rope_scaling(m),
+            attention_dropout=m.dropout,
+            num_local_experts=m.moe_experts,
+            num_experts_per_tok=m.moe_top_k,
+            router_aux_loss_coef=m.moe_aux_loss_coef,
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+
+    def config_from_hf(self, raw: dict[str, Any]) -> dict[str, Any]:
+        if raw.get("sliding_window") not in (None, 0) and raw["sliding_window"] < raw.get(
+            "max_position_embeddings", 0
+        ):
+            raise ValueError(
+                f"sliding-window attention ({raw['sliding_window']} tokens) is not supported"
+            )
+        found = super().config_from_hf(raw)
+        return found | {
+            "moe_experts": raw["num_local_experts"],
+            "moe_top_k": raw["num_experts_per_tok"],
+        }  # router_aux_loss_coef is a training setting: megalite's own config sets it
+
+
+MAPPING = MixtralMapping()

@@ -1,0 +1,198 @@
+"""The mixture-of-experts MLP (Shazeer et al. 2017; Mixtral, Jiang et al. 2024; DeepSeek-V3):
+a router sends each token to its top-k experts, each a SwiGLU MLP, and adds their outputs
+weighted by the router's gates.
+
+How it is laid out over tensor parallelism: every expert is split over tp ranks as the dense MLP
+is (gate and up by columns, down by rows), so a tp rank computes its slice of every expert for
+all the tokens of its tp group and one reduction combines the partial sums, as after a dense
+MLP. The router runs before the tokens are gathered, on the tokens this rank holds (its sequence
+shard under SP; the replicated tokens without), and its gates travel with the tokens exactly as
+the activations do (`tp_input`): the gradient of a gate is the sum of every tp rank's partial
+contribution, which is what the gather's backward computes.
+
+Dispatch: the (token, choice) pairs are sorted by expert, so each expert's tokens are
+consecutive rows, and two grouped GEMMs (`kernels.grouped_mm`) run every expert at once; the
+gated rows are added back to their tokens.
+
+Parameters: each expert's weights are global tensors of their own, named by the expert's global
+index (`experts.<e>.gate.weight` ...), held as blocks of rows of one parameter per kind (like the
+fused q/k/v), so init, checkpoints and Hugging Face conversion see per-expert tensors while the
+GEMMs see one (experts, rows, columns) weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from megalite.kernels import grouped_mm, swiglu
+from megalite.models.layers import BuildContext
+from torch import nn
+
+from megalite import comm
+from megalite.config import ModelConfig
+from megalite.expert_parallel.aux_loss import attach_aux_loss
+from megalite.expert_parallel.router import (
+    Routing,
+    balancing_loss,
+    capacity,
+    drop_over_capacity,
+    expert_counts,
+    sigmoid_top_k,
+    softmax_top_k,
+    update_bias,
+    z_loss,
+)
+from megalite.tensor_parallel import ParamMeta, make_param, normal_init
+from megalite.tensor_parallel.layers import Part, tp_input, tp_output
+from megalite.tensor_parallel.random import replaying
+
+
+class Weight(nn.Module):
+    """A module holding one parameter as `weight`, so it is named like a linear's."""
+
+    def __init__(self, param: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = param
+
+
+def expert_weight(
+    ctx: BuildContext,
+    experts: list[str],
+    kinds: list[tuple[str, tuple[int, int], int | None]],
+    init,
+) -> Weight:
+    """One parameter holding, for each expert name and each (kind, global shape, tp split dim)
+    in turn, this rank's piece of that global tensor as a block of rows."""
+    tp, parts = ctx.ps.tp_size, []
+    for expert in experts:
+        for kind, shape, split in kinds:
+            meta = ParamMeta(shape, init, tp_split_dim=split)
+            rows = shape[0] // tp if split == 0 else shape[0]
+            parts.append(Part(f"{expert}.{kind}.weight", meta, rows))
+    columns = shape[1] // tp if split == 1 else shape[1]
+    local = (sum(part.rows for part in parts), columns)
+    fused = ParamMeta(local, init, parts=tuple(parts))
+    return Weight(make_param(local, fused, ctx.ps))
+
+
+class MoE(nn.Module):
+    """Routed experts (and DeepSeek's shared ones, `moe_shared_experts`) in place of the MLP."""
+
+    def __init__(self, ctx: BuildContext) -> None:
+        super().__init__()
+        cfg, ps = ctx.cfg, ctx.ps
+        self.ctx, self.cfg = ctx, cfg
+        h, f, n = cfg.hidden, cfg.ffn_hidden, cfg.moe_experts
+        init, out_init = normal_init(cfg.init_std), ctx.out_proj_init
+        # Under SP each rank routes its own tokens: the router's gradient is partial over tp.
+        router = ParamMeta((n, h), init, tp_grad_reduce=ctx.sequence_parallel)
+        self.router = Weight(make_param((n, h), router, ps))
+        # DeepSeek-V3's routing bias, and the step's load that moves it (`balance_routing`)
+        self.register_buffer("expert_bias", torch.zeros(n, device=ps.device), persistent=False)
+        self.register_buffer("load", torch.zeros(n, device=ps.device), persistent=False)
+        self.local_experts = range(n)
+        names = [f"experts.{e}" for e in self.local_experts]
+        self.gate_up = expert_weight(ctx, names, [("gate", (f, h), 0), ("up", (f, h), 0)], init)
+        self.down = expert_weight(ctx, names, [("down", (h, f), 1)], out_init)
+        self.shared_gate_up = self.shared_down = None
+        if cfg.moe_shared_experts:
+            fs = cfg.moe_shared_experts * f
+            shared = [("gate", (fs, h), 0), ("up", (fs, h), 0)]
+            self.shared_gate_up = expert_weight(ctx, ["shared"], shared, init)
+            self.shared_down = expert_weight(ctx, ["shared"], [("down", (h, fs), 1)], out_init)
+
+    def route(self, tokens: torch.Tensor) -> tuple[Routing, torch.Tensor]:
+        """The router's choices and gates for `tokens` (n, h), and its logits."""
+        logits = tokens @ self.router.weight.t()
+        cfg = self.cfg
+        if cfg.moe_router == "softmax":
+            return softmax_top_k(logits, cfg.moe_top_k), logits
+        bias = self.expert_bias
+        return sigmoid_top_k(logits, cfg.moe_top_k, bias, cfg.moe_routed_scale), logits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (b, s, h), or this rank's sequence shard (b, s/tp, h) under SP; the same shape
+        back."""
+        ctx, cfg = self.ctx, self.cfg
+        b, s, h = x.shape
+        routing, logits = self.route(x.flatten(0, 1))
+        gates, experts = routing.gates, routing.experts
+        if cfg.moe_capacity_factor is not None:
+            limit = capacity(b * s, cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor)
+            keep, self.dropped = drop_over_capacity(experts, gates, limit)
+            gates = gates * keep
+        aux = self.aux_loss(routing, logits, b)
+        # the tokens of the whole tp group, and their gates and choices with them
+        tokens = tp_input(x, ctx.ps, ctx.sequence_parallel).flatten(0, 1)
+        gates = tp_input(gates.view(b, s, -1).to(x.dtype), ctx.ps, ctx.sequence_parallel)
+        experts = self.gather_choices(experts.view(b, s, -1))
+        out = self.experts(tokens, experts.flatten(0, 1), gates.flatten(0, 1))
+        if self.shared_gate_up is not None:
+            out = out + self.shared(tokens)
+        out = tp_output(out.view(b, -1, h), ctx.ps, ctx.sequence_parallel)
+        return attach_aux_loss(out, aux)
+
+    def gather_choices(self, experts: torch.Tensor) -> torch.Tensor:
+        """The expert choices of the tp group's tokens (SP: gathered; else already all here)."""
+        if not self.ctx.sequence_parallel:
+            return experts
+        return comm.all_gather(experts, self.ctx.ps.tp_group, dim=1)
+
+    def experts(
+        self, tokens: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor
+    ) -> torch.Tensor:
+        """sum_j gate_j * expert_j(token) for every token (its k choices): this rank's tp slice
+        of every expert, a partial sum over tp."""
+        n, k = experts.shape
+        f = self.gate_up.weight.shape[0] // (2 * len(self.local_experts))
+        order = torch.argsort(experts.flatten(), stable=True)  # (token, choice) pairs by expert
+        counts = expert_counts(experts, self.cfg.moe_experts)
+        token_of = order // k
+        rows = tokens[token_of]
+        gate_up = self.gate_up.weight.view(len(self.local_experts), 2 * f, -1)
+        gate, up = grouped_mm(rows, gate_up, counts).split(f, dim=-1)
+        down = self.down.weight.view(len(self.local_experts), tokens.shape[1], f)
+        y = grouped_mm(swiglu(gate, up), down, counts)
+        y = y * gates.flatten()[order].unsqueeze(-1)
+        return torch.zeros_like(tokens).index_add_(0, token_of, y)
+
+    def shared(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The shared experts, one SwiGLU MLP on every token: this rank's tp slice."""
+        gate, up = (tokens @ self.shared_gate_up.weight.t()).chunk(2, dim=-1)
+        return swiglu(gate, up) @ self.shared_down.weight.t()
+
+    def aux_loss(self, routing: Routing, logits: torch.Tensor, batch: int) -> torch.Tensor:
+        """This rank's share of the micro-batch's weighted auxiliary losses: the balancing loss
+        is defined over all the micro-batch's tokens, which SP and cp spread over ranks, so the
+        expert counts are summed over those ranks first and each rank's term is its tokens'
+        part (the shares sum to the whole; see `router.balancing_loss`)."""
+        cfg, ps = self.cfg, self.ctx.ps
+        counts = expert_counts(routing.experts, cfg.moe_experts)
+        shards = ps.tp_size if self.ctx.sequence_parallel else 1
+        if shards > 1:
+            comm.all_reduce(counts, ps.tp_group)
+        if ps.cp_size > 1:
+            comm.all_reduce(counts, ps.cp_group)
+        if self.training and not replaying():
+            self.load += counts
+        total = batch * cfg.seq_len
+        loss = torch.zeros((), device=logits.device)
+        if cfg.moe_aux_loss_coef:
+            balance = balancing_loss(routing.probs, routing.experts, cfg.moe_experts, total, counts)
+            loss = loss + cfg.moe_aux_loss_coef * balance
+        if cfg.moe_z_loss_coef:
+            loss = loss + cfg.moe_z_loss_coef * z_loss(logits, total)
+        return loss
+
+    def balance_routing(self, dp_group) -> None:
+        """After a step: move the routing bias towards balance by the step's load over the whole
+        global batch (`moe_bias_update_rate`), then start counting afresh."""
+        rate = self.cfg.moe_bias_update_rate
+        if rate:
+            comm.all_reduce(self.load, dp_group)
+            update_bias(self.expert_bias, self.load, rate)
+        self.load.zero_()
+
+
+def active_experts(cfg: ModelConfig) -> int:
+    """Expert MLPs each token runs through: its routed ones and the shared."""
+    return cfg.moe_top_k + cfg.moe_shared_experts

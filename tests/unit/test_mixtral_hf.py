@@ -1,0 +1,132 @@
+"""Hugging Face Mixtral in and out: a `MixtralForCausalLM` comes in through
+`checkpoint.init_from` computing transformers' logits (routing included), trains in a
+tensor- and pipeline-parallel layout, and `megalite export-hf` writes it back in the published
+checkpoints' layout, which transformers loads to the same logits; export, import and export
+again gives bit-identical tensors."""
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+import megalite.training.loop as loop
+from megalite.checkpoint.sharded import Checkpoint, resolve_checkpoint
+from megalite.cli import main
+from megalite.config import ConfigError, load_config
+from megalite.launch import run_ranks
+from megalite.training.loop import train
+
+MIXTRAL = [
+    "model.arch=mixtral",
+    "model.n_layers=2",
+    "model.hidden=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_hidden=96",
+    "model.moe_experts=4",
+    "model.vocab_size=500",  # the test corpus' vocabulary (tests/conftest.py)
+    "model.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.eval_interval=1000",
+    "logging.progress=false",
+]
+
+
+def hf_mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=500,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config).eval()
+    with torch.no_grad():  # every tensor random, the router's sharp enough to matter
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.5 if name.endswith("gate.weight") else 0.1)
+    return model
+
+
+def _train(overrides: list[str]) -> None:
+    train(load_config(None, overrides))
+
+
+def test_hugging_face_mixtral_in_train_and_out(builtin_corpus, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    original = hf_mixtral()
+    original.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    # One real step at learning rate 0 changes no weight: the model is the original.
+    monkeypatch.setattr(loop, "learning_rate", lambda step, optim, total: 0.0)
+    run = tmp_path / "run"
+    init = [f"checkpoint.init_from={tmp_path / 'hf'}", "train.steps=1", f"train.out_dir={run}"]
+    assert main(["train", *MIXTRAL, *init]) == 0
+    ours = Checkpoint(resolve_checkpoint(run)).model()
+    ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = original(ids).logits
+        assert (ours(ids) - expected).abs().max().item() < 1e-4
+
+    back = tmp_path / "back"
+    assert main(["export-hf", "--checkpoint", str(run), "--out", str(back)]) == 0
+    theirs = AutoModelForCausalLM.from_pretrained(back).eval()
+    with torch.no_grad():
+        assert (theirs(ids).logits - expected).abs().max().item() < 1e-4
+
+    # in again, and out again: the same bytes
+    again = tmp_path / "again"
+    assert main(["train", *MIXTRAL, f"checkpoint.init_from={back}", "train.steps=1",
+                 f"train.out_dir={again}"]) == 0  # fmt: skip
+    assert main(["export-hf", "--checkpoint", str(again), "--out", str(tmp_path / "b2")]) == 0
+    first = safetensors.torch.load_file(next(back.glob("*.safetensors")))
+    second = safetensors.torch.load_file(next((tmp_path / "b2").glob("*.safetensors")))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+    # and it trains from there in a tp 2 x pp 2 layout
+    layout = tmp_path / "layout"
+    overrides = [*MIXTRAL, f"checkpoint.init_from={back}", "train.steps=2", "parallel.tp=2",
+                 "parallel.sp=true", "parallel.pp=2", f"train.out_dir={layout}"]  # fmt: skip
+    monkeypatch.undo()
+    run_ranks(4, _train, overrides)
+    assert (layout / "checkpoints" / "latest").exists()
+
+
+def test_export_refuses_what_mixtral_cannot_hold(builtin_corpus, tmp_path, capsys):
+    run = Path(tempfile.mkdtemp(dir=tmp_path))
+    sigmoid = ["model.moe_router=sigmoid", "train.steps=1", f"train.out_dir={run}"]
+    assert main(["train", *MIXTRAL, *sigmoid]) == 0
+    assert main(["export-hf", "--checkpoint", str(run), "--out", str(tmp_path / "x")]) != 0
+    assert "set model.moe_router=softmax" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.moe_experts=4"], "model.arch=llama has dense MLPs"),
+        (["model.arch=mixtral", "model.moe_top_k=3", "model.moe_experts=2"], "moe_top_k"),
+        (["model.arch=mixtral"], "needs model.moe_experts"),
+        (["model.arch=mixtral", "model.moe_experts=4", "model.moe_bias_update_rate=0.01"],
+         "model.moe_router=sigmoid"),
+    ],
+)  # fmt: skip
+def test_moe_settings_that_do_not_fit_name_the_fix(overrides, message):
+    base = ["model.arch=llama"] if "model.arch=mixtral" not in overrides else []
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, base + overrides)
