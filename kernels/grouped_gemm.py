@@ -104,7 +104,7 @@ def _rows_kernel(
     end = tl.load(OFFSETS + g + 1)
     rm = start + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
     b_group = B + g * stride_bg
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

@@ -7,7 +7,7 @@ input checks."""
 import pytest
 import torch
 from megalite.kernels import autotune as tuning
-from megalite.kernels import grouped_mm
+from megalite.kernels import grouped_gemm, grouped_mm
 from megalite.kernels.grouped_gemm import (
     DWEIGHT_TILES,
     IEEE_BLOCK_M,
@@ -162,3 +162,19 @@ def test_fp32_tiles_fit_the_fma_budget():
     for block_m, block_n, block_k, warps, stages in row + dweight:
         fmas = tuning.ieee_fmas_per_thread((block_m, block_n, warps, stages), block_k)
         assert fmas <= tuning.IEEE_FMAS_PER_THREAD and stages <= 2
+
+
+@pytest.mark.parametrize(
+    "sweeps, names",
+    [(ROW_TILES, ("BLOCK_N", "BLOCK_K")), (DWEIGHT_TILES, ("BLOCK_N", "BLOCK_K", "BLOCK_M"))],
+    ids=["rows", "dweight"],
+)
+def test_compiled_autotune_tries_the_sweep_of_the_precision(sweeps, names, monkeypatch):
+    """As compiled (the interpreter has one config): 16-bit calls sweep the tensor-core tiles,
+    fp32 (ieee) calls only the small ones."""
+    monkeypatch.setattr(grouped_gemm, "INTERPRETED_AT_IMPORT", False)
+    jit_fn = grouped_gemm._rows_kernel.fn  # any kernel: only the pruning runs
+    tuner = grouped_gemm._autotune(*sweeps, names=names, key=["N"])(jit_fn)
+    for precision, tiles in zip(("tf32", "ieee"), sweeps):
+        kept = tuner.early_config_prune(tuner.configs, {}, PRECISION=precision)
+        assert [(*(c.kwargs[n] for n in names), c.num_warps, c.num_stages) for c in kept] == tiles
