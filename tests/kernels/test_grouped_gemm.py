@@ -100,11 +100,16 @@ def test_no_rows(randn):
 
 def test_tile_map():
     """Groups of 0, 5, 0 and 33 rows in 16-row tiles: one tile for group 1, three for group 3,
-    and programs past the fourth tile (of the bound cdiv(38, 16) + 4 = 7) get group 4, none."""
-    tile_group, first_tile, offsets = _tile_map(torch.tensor([0, 5, 0, 33]), 38, 16)
+    and programs past the fourth tile (of the bound cdiv(38, 16) + 4 = 7) get group 4, none.
+    int32 counts, as a router's bincount may give them."""
+    counts = torch.tensor([0, 5, 0, 33], dtype=torch.int32)
+    tile_group, first_tile, offsets = _tile_map(counts, 38, 16)
     assert tile_group.tolist() == [1, 3, 3, 3, 4, 4, 4]
     assert first_tile.tolist() == [0, 0, 1, 1, 4]
     assert offsets.tolist() == [0, 0, 5, 5, 38]
+    # wrong counts stay inside x: the sum clamped to the rows, negative counts read as zero
+    assert _tile_map(torch.tensor([12, 28]), 30, 16)[2].tolist() == [0, 12, 30]
+    assert _tile_map(torch.tensor([-5, 10]), 5, 16)[2].tolist() == [0, 0, 5]
 
 
 def test_counts_past_the_rows_stay_inside_x(randn, rel_err, tolerance):
