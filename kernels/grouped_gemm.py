@@ -27,9 +27,9 @@ Neither sweep has been timed on a GPU yet.
 
 ``sum(counts) == rows`` is checked wherever reading the counts costs no synchronisation: on
 the reference path (which reads them to split the rows) and on CPU tensors (the interpreter).
-The CUDA kernels do not check it: rows past the sum are left unwritten, and no row past the
-end of x is read or written. Under the Triton interpreter 16-bit values are held as raw bits,
-so the kernels widen their loads to fp32 there (``UPCAST``).
+The CUDA kernels do not check it: rows past the sum are left unwritten, and whatever the
+counts, no row outside x is read or written. Under the Triton interpreter 16-bit values are
+held as raw bits, so the kernels widen their loads to fp32 there (``UPCAST``).
 """
 
 import torch
@@ -104,7 +104,7 @@ def _rows_kernel(
     end = tl.load(OFFSETS + g + 1)
     rm = start + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
     b_group = B + g * stride_bg
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -180,11 +180,12 @@ def _tile_map(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tile_group, first_tile, offsets), int64 on counts' device, no host synchronisation.
 
-    offsets (groups + 1): where each group's rows begin, clamped to `rows` so a wrong sum
-    cannot send the kernels past x. first_tile (groups + 1): each group's first row tile (the
-    last entry: the total). tile_group (one per program of the row grid): the group of that
-    tile, ``groups`` for programs past the last tile."""
-    counts = counts.long()
+    offsets (groups + 1): where each group's rows begin; negative counts read as zero and the
+    offsets stop at `rows`, so wrong counts cannot send the kernels outside x. first_tile
+    (groups + 1): each group's first row tile (the last entry: the total). tile_group (one per
+    program of the row grid): the group of that tile, ``groups`` for programs past the last
+    tile."""
+    counts = counts.long().clamp(min=0)
     offsets = F.pad(counts.cumsum(0), (1, 0)).clamp_(max=rows)
     tile_end = torch.div(counts + block_m - 1, block_m, rounding_mode="floor").cumsum(0)
     tiles = torch.arange(triton.cdiv(rows, block_m) + counts.numel(), device=counts.device)
