@@ -286,6 +286,29 @@ def reduce_scatter(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     return reduce_scatter_start(tensor, group, dim).wait()
 
 
+def all_to_all(
+    tensor: torch.Tensor, group: Any, send_rows: list[int], receive_rows: list[int]
+) -> torch.Tensor:
+    """Send the i-th block of `send_rows[i]` rows of `tensor` (dim 0) to group rank i, and
+    return the blocks received, `receive_rows[i]` rows from rank i, in rank order (the
+    experts' token exchange). Row counts may differ per rank and be zero."""
+    if size(group) == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    output = tensor.new_empty((sum(receive_rows), *tensor.shape[1:]))
+    # Traced by one row: the row counts differ over ranks by design (they are what an equal-size
+    # exchange before it agreed on), the row's shape and dtype may not.
+    call = _enter("all_to_all", tensor.new_empty((1, *tensor.shape[1:])), group)
+
+    def issue(async_op: bool) -> Any:
+        return dist.all_to_all_single(
+            output, tensor, receive_rows, send_rows, group=group, async_op=async_op
+        )
+
+    _issue(call, issue, False)
+    return output
+
+
 def split(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     """This rank's equal piece of `tensor` along `dim` (no communication)."""
     world = size(group)

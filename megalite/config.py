@@ -293,6 +293,12 @@ class ParallelConfig:
     trained: one collective, memory of the full K/V, cheap with few kv heads)."""
     pp: int = 1
     """Pipeline-parallel size: stages the layers are cut into."""
+    ep: int = 1
+    """Expert-parallel size (mixture-of-experts models): the data-parallel ranks of each dp
+    group are cut into groups of ep, over which every layer's experts are sharded (each rank
+    holds moe_experts / ep of them) and tokens travel to their experts and back by all-to-all.
+    Must divide the data-parallel size and model.moe_experts. Expert gradients are reduced over
+    the dp x cp ranks holding the same experts."""
     vpp: int = 1
     """Virtual pipeline chunks per pipeline rank (interleaved schedule; zb-v: 2)."""
     sp: bool = False
@@ -318,7 +324,7 @@ class ParallelConfig:
     """Gradient bucket size (MB of fp32) for the overlapped data-parallel reduction."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "cp", "pp"):
+        for name in ("tp", "cp", "pp", "ep"):
             _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1")
         _require(
             self.cp_comm in ("p2p", "allgather"),
@@ -344,7 +350,7 @@ class ParallelConfig:
     def dims(self, world_size: int) -> ParallelDims:
         """This layout's rank grid on `world_size` ranks (dp takes the rest), or the error that
         names the fix."""
-        return ParallelDims.for_world(world_size, tp=self.tp, cp=self.cp, pp=self.pp)
+        return ParallelDims.for_world(world_size, ep=self.ep, tp=self.tp, cp=self.cp, pp=self.pp)
 
 
 @dataclass
@@ -611,6 +617,17 @@ class Config:
             f"parallel.tp={tp} and model.n_kv_heads={m.n_kv_heads}: one must divide the other",
         )
         _require(not p.sp or tp > 1, "parallel.sp=true needs parallel.tp > 1")
+        if p.ep > 1:
+            _require(
+                m.moe_experts is not None,
+                f"parallel.ep={p.ep} shards experts, but model.arch={m.arch} has none: use a "
+                "mixture-of-experts architecture or parallel.ep=1",
+            )
+            _require(
+                m.moe_experts % p.ep == 0,
+                f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts}: each rank "
+                "holds the same number of experts",
+            )
         _require(
             p.cp == 1 or m.seq_len % (2 * p.cp) == 0,
             f"parallel.cp={p.cp} cuts each sequence into 2*cp={2 * p.cp} chunks: model.seq_len "

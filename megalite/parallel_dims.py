@@ -4,9 +4,13 @@ any axis or combination of axes, as pure functions of the sizes (testable withou
 Ranks are laid out as Megatron-LM's `RankGenerator` lays them out: the first axis of the order
 varies fastest, each later one strides over all before it. The order is tp-cp-dp-pp, so
 `rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank` (tp inside a node, then the
-context-parallel ring); expert parallelism becomes a name inserted into `ORDER`, not a new
-formula. dp is the
-axis nobody configures: it takes what the world leaves, derived here alone (`for_world`).
+context-parallel ring). dp is the axis nobody configures: it takes what the world leaves,
+derived here alone (`for_world`).
+
+Expert parallelism (Megatron-LM's) shards the experts of mixture-of-experts layers over ep
+ranks carved out of dp: the same ranks seen as a second grid, `expert_dims`, with dp split into
+ep (fastest) times edp. The dense weights keep the grid above (replicated over all of dp); an
+expert's weights are sharded over tp, ep and pp and replicated over cp x edp.
 Nothing here imports torch, so a layout that cannot run fails before torch is loaded.
 """
 
@@ -43,18 +47,27 @@ class ParallelDims:
     """Each axis's size, the fastest-varying axis first (a run's: in `ORDER`)."""
     weight_axes: tuple[str, ...] = WEIGHT_AXES
     """The axes that shard the weights (`WEIGHT_AXES` for a run's grid)."""
+    ep: int = 1
+    """Expert-parallel ranks within each dp group (`expert_dims`)."""
 
     def __post_init__(self) -> None:
         bad = {axis: size for axis, size in self.sizes.items() if size < 1}
         if bad or not set(self.weight_axes) <= set(self.sizes):
             raise ValueError(f"bad grid: sizes {dict(self.sizes)}, weight axes {self.weight_axes}")
+        if self.ep > 1 and self.sizes.get(DERIVED, 1) % self.ep:
+            raise ConfigError(
+                f"parallel.ep={self.ep} does not divide the data-parallel size "
+                f"{self.sizes.get(DERIVED, 1)}: expert-parallel ranks are carved out of dp, so "
+                f"launch a multiple of {self.ep} data-parallel replicas or lower parallel.ep"
+            )
 
     @classmethod
     def for_world(
-        cls, world_size: int, order: tuple[str, ...] = ORDER, **sizes: int
+        cls, world_size: int, order: tuple[str, ...] = ORDER, ep: int = 1, **sizes: int
     ) -> ParallelDims:
         """The grid of `world_size` ranks with the given axis sizes (an axis not given: 1), dp
-        taking the rest; the clear error when the other axes do not divide the world."""
+        taking the rest, and `ep` expert-parallel ranks within dp; the clear error when the
+        other axes do not divide the world, or ep does not divide dp."""
         if DERIVED in sizes or DERIVED not in order or not set(sizes) <= set(order):
             raise ValueError(f"sizes {sizes} must name axes of {order} other than {DERIVED}")
         given = {axis: sizes.get(axis, 1) for axis in order if axis != DERIVED}
@@ -66,7 +79,7 @@ class ParallelDims:
                 f"{'*'.join(map(str, named.values()))}: launch a multiple of {product} processes "
                 f"or change {' / '.join(f'parallel.{axis}' for axis in named)}"
             )
-        return cls({axis: given.get(axis, world_size // product) for axis in order})
+        return cls({axis: given.get(axis, world_size // product) for axis in order}, ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -80,8 +93,22 @@ class ParallelDims:
         return (*self.weight_axes, *(a for a in named if a not in self.weight_axes))
 
     def layout(self) -> dict[str, int]:
-        """Each axis's size in naming order, as checkpoints record the layout that saved them."""
-        return {axis: self.sizes[axis] for axis in self.naming_order}
+        """Each axis's size in naming order (and ep where > 1), as checkpoints record the layout
+        that saved them."""
+        layout = {axis: self.sizes[axis] for axis in self.naming_order}
+        return layout | ({"ep": self.ep} if self.ep > 1 else {})
+
+    @functools.cached_property
+    def expert_dims(self) -> ParallelDims:
+        """The same ranks as the grid of the experts: dp split into ep (fastest) x edp, the
+        weights sharded over tp, ep and pp. A rank's dp coordinate is edp * ep + ep."""
+        sizes: dict[str, int] = {}
+        for axis, size in self.sizes.items():
+            if axis == DERIVED:
+                sizes |= {"ep": self.ep, "edp": size // self.ep}
+            else:
+                sizes[axis] = size
+        return ParallelDims(sizes, weight_axes=(*self.weight_axes[:1], "ep", *self.weight_axes[1:]))
 
     @functools.cached_property
     def strides(self) -> dict[str, int]:
@@ -140,13 +167,21 @@ class ParallelDims:
         rank creates them: each axis's (fastest first), the model-parallel groups (the weight
         axes together: one copy of the model), the replicas of one piece of the weights
         (`dp_cp`, Megatron's data-parallel group with context parallelism: the dp group when cp
-        is 1), the embedding pairs last."""
-        return {
+        is 1), the embedding pairs; with expert parallelism the ep groups and the replicas of
+        one piece of the experts (`expert_dp`: cp x edp) last."""
+        named = {
             **{axis: self.groups(axis) for axis in self.sizes},
             "model_parallel": self.groups(*self.weight_axes),
             "dp_cp": self.groups(*self.replica_axes),
             "embedding": self.embedding_groups(),
         }
+        if self.ep > 1:  # the experts' all-to-all, and the replicas of one expert's weights
+            experts = self.expert_dims
+            named |= {
+                "ep": experts.groups("ep"),
+                "expert_dp": experts.groups(*experts.replica_axes),
+            }
+        return named
 
     def label(self, rank: int, axes: tuple[str, ...]) -> str:
         """`rank`'s coordinates on `axes` as a name, `tp01_pp00`: how checkpoint files name

@@ -74,6 +74,8 @@ class ParallelState:
     dp_cp_group = _PerAxis()
     """The ranks holding the same weights (dp x cp): gradients are summed, ZeRO shards, over it."""
     embedding_group = _PerAxis()
+    ep_group = _PerAxis()
+    """The expert-parallel ranks (within dp): the experts' tokens travel over it, all-to-all."""
 
     @functools.cached_property
     def coords(self) -> dict[str, int]:
@@ -91,6 +93,30 @@ class ParallelState:
     def dp_cp_rank(self) -> int:
         """This rank's place among the replicas of its weights (cp varies fastest)."""
         return self.dp_rank * self.cp_size + self.cp_rank
+
+    @property
+    def ep_size(self) -> int:
+        return self.dims.ep
+
+    @functools.cached_property
+    def ep_rank(self) -> int:
+        """This rank's place among its ep group: which 1/ep of the experts it holds."""
+        return self.dims.expert_dims.coords(self.rank)["ep"]
+
+    @property
+    def expert_dp_group(self) -> Any:
+        """The ranks holding the same experts (cp x edp): expert gradients are summed, and ZeRO
+        shards their optimizer state, over it (dp x cp itself when ep is 1)."""
+        return self.groups.get("expert_dp") if self.ep_size > 1 else self.dp_cp_group
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.dp_cp_size // self.ep_size
+
+    @functools.cached_property
+    def expert_dp_rank(self) -> int:
+        """This rank's place among the replicas of its experts (cp varies fastest)."""
+        return self.dims.expert_dims.coords(self.rank)["edp"] * self.cp_size + self.cp_rank
 
     @functools.cached_property
     def cp_ranks(self) -> tuple[int, ...]:
@@ -257,7 +283,12 @@ def _starting(what: str, timeout_s: float | None = None) -> Iterator[None]:
 
 
 def build_parallel_state(
-    tp: int, pp: int, device: torch.device, timeout_s: float | None = None, cp: int = 1
+    tp: int,
+    pp: int,
+    device: torch.device,
+    timeout_s: float | None = None,
+    cp: int = 1,
+    ep: int = 1,
 ) -> ParallelState:
     """Create every process group of the layout; must run on all ranks in the same order.
 
@@ -267,7 +298,7 @@ def build_parallel_state(
     A single process outside torch.distributed gets the layout of one rank, or the error that
     says how many processes the layout needs."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    dims = ParallelDims.for_world(world_size, tp=tp, cp=cp, pp=pp)
+    dims = ParallelDims.for_world(world_size, ep=ep, tp=tp, cp=cp, pp=pp)
     if not dist.is_initialized():
         return ParallelState(dims, 0, device)
     rank = dist.get_rank()

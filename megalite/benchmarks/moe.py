@@ -8,6 +8,11 @@ expert busiest); for each, the expert MLP's two GEMM shapes, up (hidden -> ffn) 
 hidden). Forward and forward+backward (dx and dweight) ms and TFLOP/s: 2*rows*in*out forward,
 three times that with backward.
 
+Training step at ep 1 / 2 / 4: `configs/mixtral-tiny.yaml` (8 experts, top-2) trained for a
+few steps on `--ranks` gloo processes (dp = ranks, ep carved out of dp), the same global batch
+each time: median tokens/s and step time over the steps after the first, and the loss of the
+last step (equal across ep: every layout computes the same model).
+
     python tools/bench_moe.py                # a GPU: the kernel; CPU: the reference, modest sizes
     python tools/bench_moe.py --cpu-smoke    # tiny sizes under the Triton interpreter:
                                              # checks that it runs, the times mean nothing
@@ -20,11 +25,14 @@ before the first import of triton.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch  # does not import triton, so TRITON_INTERPRET can still be set below
@@ -53,6 +61,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=DTYPES)
     p.add_argument("--repeats", type=int, help="CPU: median of this many timed calls")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes, Triton interpreter")
+    p.add_argument("--ranks", type=int, default=4, help="gloo processes of the step table")
+    p.add_argument("--eps", type=int, nargs="*", default=[1, 2, 4],
+                   help="ep of each row of the step table (none: no step table)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=4, help="training steps per step row")
+    p.add_argument("--step-overrides", nargs="*", default=[],
+                   help="config overrides of the step table (model.n_layers=2 ...)")  # fmt: skip
     args = p.parse_args(argv)
     run = "smoke" if args.cpu_smoke else "cuda" if torch.cuda.is_available() else "cpu"
     for name, value in SIZES[run].items():  # (a GPU times with do_bench: no --repeats)
@@ -168,6 +182,52 @@ def pick_device(args: argparse.Namespace) -> torch.device:
     return torch.device("cuda" if cuda else "cpu")
 
 
+def _train(overrides: list[str]) -> None:
+    from megalite.config import load_config
+    from megalite.training.loop import train
+
+    train(load_config(STEP_CONFIG, overrides))
+
+
+STEP_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "mixtral-tiny.yaml")
+
+
+def bench_step(args: argparse.Namespace) -> None:
+    """Print the training-step table: one row per ep, on `args.ranks` CPU processes (the
+    PyTorch references: `MEGALITE_KERNELS=torch`, as `pick_device` set it)."""
+    from megalite.launch import run_ranks
+
+    rows = []
+    for ep in args.eps:
+        with tempfile.TemporaryDirectory(prefix="megalite-bench-moe-") as out:
+            overrides = [
+                *args.step_overrides,
+                f"parallel.ep={ep}",
+                f"train.steps={args.steps}",
+                f"train.global_batch_size={8 * args.ranks}",
+                "train.eval_interval=100000",
+                "checkpoint.interval=0",
+                "logging.progress=false",
+                f"train.out_dir={out}",
+            ]
+            run_ranks(args.ranks, _train, overrides)
+            metrics = [json.loads(line) for line in Path(out, "metrics.jsonl").open()]
+        timed = metrics[1:] or metrics
+        rows.append(
+            [
+                str(ep),
+                str(args.ranks // ep),
+                f"{statistics.median(m['tokens_per_sec'] for m in timed):,.0f}",
+                f"{statistics.median(m['step_time_s'] for m in timed) * 1e3:.0f}",
+                f"{metrics[-1]['loss']:.4f}",
+            ]
+        )
+    changed = f" ({' '.join(args.step_overrides)})" if args.step_overrides else ""
+    print(f"\ntraining step: mixtral-tiny{changed}, {args.ranks} ranks")
+    notes = ["tokens/s and step ms: medians over the steps after the first, of every rank's."]
+    print_table(["ep", "edp", "tokens/s", "step ms", "last loss"], rows, notes)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, pick the device, print the tables."""
     args = parse_args(argv)
@@ -176,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     interpreter = " (Triton interpreter)" if args.cpu_smoke else ""
     print(f"device: {name}{interpreter}, torch {torch.__version__}")
     bench_grouped_gemm(args, device)
+    if device.type == "cpu" and not args.cpu_smoke and args.eps:  # gloo ranks: a CPU table
+        bench_step(args)
     return 0
 
 

@@ -86,15 +86,17 @@ def owned_tensors(state: RunState) -> tuple[dict[str, dict[str, torch.Tensor]], 
         entry["segments"].append([piece, lo, lo + tensor.numel(), file, key])
         files.setdefault(file, {})[key] = tensor.detach()
 
-    if ps.dp_cp_rank == 0:  # fused parameters as their parts: the layout before fusing
-        for name, tensor in global_tensors(state.params).items():
-            if _saved_name(tensor, name, ps) is not None:
-                add(name, tensor, model_file, 0, tensor)
-    if optimizer.sharded or ps.dp_cp_rank == 0:
-        for name, tensor, lo, _, views in optimizer.owned_pieces():
-            if _saved_name(tensor, name, ps) is not None:
-                for kind, view in views.items():
-                    add(f"{state_name(name, kind)}@{lo}", tensor, optim_file, lo, view)
+    # The first replica of a piece writes it: of the dense weights over dp x cp, of the experts
+    # over cp x edp (into a file named by the experts' grid: one per (tp, ep, pp) piece).
+    first = {False: ps.dp_cp_rank == 0, True: ps.expert_dp_rank == 0}
+    weights = {False: model_file, True: weights_file(ps.dims.expert_dims, ps.rank)}
+    for name, tensor in global_tensors(state.params).items():  # fused parameters as parts
+        if first[tensor.meta.expert] and _saved_name(tensor, name, ps) is not None:
+            add(name, tensor, weights[tensor.meta.expert], 0, tensor)
+    for name, tensor, lo, _, views in optimizer.owned_pieces():
+        if (optimizer.sharded or first[tensor.meta.expert]) and _saved_name(tensor, name, ps):
+            for kind, view in views.items():
+                add(f"{state_name(name, kind)}@{lo}", tensor, optim_file, lo, view)
     return files, entries
 
 

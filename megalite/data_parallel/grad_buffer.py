@@ -94,9 +94,25 @@ class GradBuffer:
     fuse_wgrad: bool = True
     """Let tensor-parallel linears add their weight gradients straight into the fp32 main
     grads (`accumulate_main_grad`); False: they return a `.grad` like any other parameter."""
+    expert: bool = False
+    """Its parameters are MoE experts: replicated over `expert_dp` (cp x edp) rather than over
+    dp x cp, so that is the group its gradients are reduced, and its state sharded, over."""
+
+    @property
+    def replica_group(self) -> Any:
+        """The ranks holding the same parameters as this buffer's."""
+        return self.ps.expert_dp_group if self.expert else self.ps.dp_cp_group
+
+    @property
+    def replica_size(self) -> int:
+        return self.ps.expert_dp_size if self.expert else self.ps.dp_cp_size
+
+    @property
+    def replica_rank(self) -> int:
+        return self.ps.expert_dp_rank if self.expert else self.ps.dp_cp_rank
 
     def __post_init__(self) -> None:
-        dp = self.ps.dp_cp_size
+        dp = self.replica_size
         self.sharded = self.shard_optimizer and dp > 1
         self.grads_sharded = self.shard_grads and self.sharded
         self.buckets: list[Bucket] = []
@@ -167,8 +183,8 @@ class GradBuffer:
         """This rank's piece of a bucket, in buffer coordinates."""
         if not self.sharded:
             return bucket.start, bucket.end
-        piece = bucket.numel // self.ps.dp_cp_size
-        start = bucket.start + self.ps.dp_cp_rank * piece
+        piece = bucket.numel // self.replica_size
+        start = bucket.start + self.replica_rank * piece
         return start, start + piece
 
     def owned_segments(self, param: nn.Parameter) -> list[tuple[int, int, int]]:
@@ -268,15 +284,15 @@ class GradBuffer:
                 self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        if self.ps.dp_cp_size == 1:
+        if self.replica_size == 1:
             return
         grads = self.grads_flat[bucket.start : bucket.end]
         if self.sharded:
             bucket.handle = comm.reduce_scatter_flat(
-                self.owned_grads[bucket.owned], grads, self.ps.dp_cp_group, async_op=True
+                self.owned_grads[bucket.owned], grads, self.replica_group, async_op=True
             )
         else:
-            bucket.handle = comm.all_reduce(grads, self.ps.dp_cp_group, async_op=True)
+            bucket.handle = comm.all_reduce(grads, self.replica_group, async_op=True)
 
     def start_sync(self) -> None:
         """Reduce each bucket over dp as soon as it is complete, from now on: called before the
@@ -330,11 +346,11 @@ class GradBuffer:
         """Launch the bucket's reduce-scatter, then fold in every earlier one: their reductions
         overlapped the backward that filled this bucket."""
         bucket.received = torch.empty(
-            bucket.numel // self.ps.dp_cp_size, dtype=torch.float32, device=self.device
+            bucket.numel // self.replica_size, dtype=torch.float32, device=self.device
         )
         self._count_staging(bucket.received.nbytes)
         bucket.handle = comm.reduce_scatter_flat(
-            bucket.received, bucket.staging, self.ps.dp_cp_group, async_op=True
+            bucket.received, bucket.staging, self.replica_group, async_op=True
         )
         self.in_flight.append(bucket)
         while len(self.in_flight) > 1:
@@ -379,7 +395,7 @@ class GradBuffer:
         for bucket, (start, end) in reversed(list(zip(self.buckets, self.owned_ranges))):
             source = self.params_flat[start:end].clone()
             full = self.params_flat[bucket.start : bucket.end]
-            handle = comm.all_gather_flat(full, source, self.ps.dp_cp_group, async_op=True)
+            handle = comm.all_gather_flat(full, source, self.replica_group, async_op=True)
             bucket.gather = (handle, source)
 
     def wait_param_gather(self, bucket: Bucket) -> None:
@@ -433,18 +449,20 @@ def build_grad_buffers(
     own_bucket: set[nn.Parameter] = frozenset(),
     fuse_wgrad: bool = True,
 ) -> list[GradBuffer]:
-    """One buffer per (model chunk, parameter dtype), parameters in reverse (backward) order.
-    `zero`: 0 (everything replicated), 1 (optimizer state sharded), 2 (gradients too);
-    `fuse_wgrad`: see `GradBuffer.fuse_wgrad`."""
+    """One buffer per (model chunk, parameter dtype, expert or not), parameters in reverse
+    (backward) order. `zero`: 0 (everything replicated), 1 (optimizer state sharded), 2
+    (gradients too); `fuse_wgrad`: see `GradBuffer.fuse_wgrad`."""
     buffers = []
     bucket_numel = max(1, int(bucket_mb * 2**20 / 4))
     for chunk in chunks:
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        by_kind: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
         for param in reversed(list(chunk.parameters())):
-            by_dtype.setdefault(param.dtype, []).append(param)
+            by_kind.setdefault((param.dtype, param.meta.expert), []).append(param)
         chunk_buffers = [
-            GradBuffer(params, ps, bucket_numel, zero >= 1, set(own_bucket), zero == 2, fuse_wgrad)
-            for params in by_dtype.values()
+            GradBuffer(
+                params, ps, bucket_numel, zero >= 1, set(own_bucket), zero == 2, fuse_wgrad, expert
+            )
+            for (_, expert), params in by_kind.items()
         ]
         if any(buffer.sharded for buffer in chunk_buffers):
             _install_gather_waits(chunk, chunk_buffers)

@@ -120,17 +120,17 @@ class DistributedOptimizer:
     def sharded(self) -> bool:
         return any(b.sharded for b in self.buffers)
 
-    def norm_group(self):
-        """Ranks whose owned gradients together cover the model exactly once."""
-        return self.ps.world_group if self.sharded else self.ps.model_parallel_group
-
     def grad_norm(self) -> float:
-        """Global L2 norm of the (unscaled) gradient over every rank."""
+        """Global L2 norm of the (unscaled) gradient over every rank: each rank counts its
+        owned pieces (ZeRO), or where a buffer is replicated, the first replica alone counts it
+        (dense parameters and experts have different replicas), summed over the world."""
         sumsq = torch.zeros((), dtype=torch.float64, device=self.ps.device)
         for state in self.states:
+            if not state.buffer.sharded and state.buffer.replica_rank != 0:
+                continue
             for start, end in state.counted:
                 sumsq += sum_of_squares(state.grads[start:end])
-        comm.all_reduce(sumsq, self.norm_group())
+        comm.all_reduce(sumsq, self.ps.world_group)
         return sumsq.sqrt().item()
 
     def found_non_finite(self) -> bool:

@@ -67,6 +67,9 @@ class ParamMeta:
     copies' gradients are summed over the embedding group."""
     weight_decay: bool = True
     """Matrices decay; norms, biases and embeddings-as-vectors do not."""
+    expert: bool = False
+    """An MoE expert's weight: sharded over ep ranks (each holds its own experts), so its
+    gradient is summed over the ranks holding the same experts (`expert_dp`), not over dp."""
     parts: tuple[Part, ...] = ()
     """A fused parameter (q/k/v, gate/up) holds several global tensors as consecutive blocks of
     rows; each has its own meta and name, and init, gradient fix-ups, the optimizer and

@@ -188,7 +188,7 @@ def setup_topology(cfg: Config) -> ParallelState:
     device = choose_device(cfg.train.device)
     init_distributed(device, collective_timeout(cfg.fault))
     p = cfg.parallel
-    return build_parallel_state(p.tp, p.pp, device, collective_timeout(cfg.fault), cp=p.cp)
+    return build_parallel_state(p.tp, p.pp, device, collective_timeout(cfg.fault), cp=p.cp, ep=p.ep)
 
 
 def start_run(

@@ -30,6 +30,7 @@ from torch import nn
 from megalite import comm
 from megalite.config import ModelConfig
 from megalite.expert_parallel.aux_loss import attach_aux_loss
+from megalite.expert_parallel.dispatch import Dispatch
 from megalite.expert_parallel.router import (
     Routing,
     balancing_loss,
@@ -59,18 +60,20 @@ def expert_weight(
     experts: list[str],
     kinds: list[tuple[str, tuple[int, int], int | None]],
     init,
+    expert: bool = True,
 ) -> Weight:
     """One parameter holding, for each expert name and each (kind, global shape, tp split dim)
-    in turn, this rank's piece of that global tensor as a block of rows."""
+    in turn, this rank's piece of that global tensor as a block of rows. `expert`: routed
+    experts, sharded over ep (the shared ones are on every ep rank, like the dense weights)."""
     tp, parts = ctx.ps.tp_size, []
-    for expert in experts:
+    for name in experts:
         for kind, shape, split in kinds:
-            meta = ParamMeta(shape, init, tp_split_dim=split)
+            meta = ParamMeta(shape, init, tp_split_dim=split, expert=expert)
             rows = shape[0] // tp if split == 0 else shape[0]
-            parts.append(Part(f"{expert}.{kind}.weight", meta, rows))
+            parts.append(Part(f"{name}.{kind}.weight", meta, rows))
     columns = shape[1] // tp if split == 1 else shape[1]
     local = (sum(part.rows for part in parts), columns)
-    fused = ParamMeta(local, init, parts=tuple(parts))
+    fused = ParamMeta(local, init, expert=expert, parts=tuple(parts))
     return Weight(make_param(local, fused, ctx.ps))
 
 
@@ -89,7 +92,8 @@ class MoE(nn.Module):
         # DeepSeek-V3's routing bias, and the step's load that moves it (`balance_routing`)
         self.register_buffer("expert_bias", torch.zeros(n, device=ps.device), persistent=False)
         self.register_buffer("load", torch.zeros(n, device=ps.device), persistent=False)
-        self.local_experts = range(n)
+        per_rank = n // ps.ep_size  # this ep rank's experts, by global index
+        self.local_experts = range(ps.ep_rank * per_rank, (ps.ep_rank + 1) * per_rank)
         names = [f"experts.{e}" for e in self.local_experts]
         self.gate_up = expert_weight(ctx, names, [("gate", (f, h), 0), ("up", (f, h), 0)], init)
         self.down = expert_weight(ctx, names, [("down", (h, f), 1)], out_init)
@@ -97,8 +101,9 @@ class MoE(nn.Module):
         if cfg.moe_shared_experts:
             fs = cfg.moe_shared_experts * f
             shared = [("gate", (fs, h), 0), ("up", (fs, h), 0)]
-            self.shared_gate_up = expert_weight(ctx, ["shared"], shared, init)
-            self.shared_down = expert_weight(ctx, ["shared"], [("down", (h, fs), 1)], out_init)
+            self.shared_gate_up = expert_weight(ctx, ["shared"], shared, init, expert=False)
+            down = [("down", (h, fs), 1)]
+            self.shared_down = expert_weight(ctx, ["shared"], down, out_init, expert=False)
 
     def route(self, tokens: torch.Tensor) -> tuple[Routing, torch.Tensor]:
         """The router's choices and gates for `tokens` (n, h), and its logits."""
@@ -141,17 +146,25 @@ class MoE(nn.Module):
         self, tokens: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor
     ) -> torch.Tensor:
         """sum_j gate_j * expert_j(token) for every token (its k choices): this rank's tp slice
-        of every expert, a partial sum over tp."""
-        n, k = experts.shape
-        f = self.gate_up.weight.shape[0] // (2 * len(self.local_experts))
+        of every expert, a partial sum over tp. With expert parallelism the rows travel to the
+        ep rank holding their expert and back (`dispatch.Dispatch`)."""
+        k = experts.shape[1]
+        local = len(self.local_experts)
         order = torch.argsort(experts.flatten(), stable=True)  # (token, choice) pairs by expert
         counts = expert_counts(experts, self.cfg.moe_experts)
         token_of = order // k
         rows = tokens[token_of]
-        gate_up = self.gate_up.weight.view(len(self.local_experts), 2 * f, -1)
+        exchange = None
+        if self.ctx.ps.ep_size > 1:
+            exchange = Dispatch.plan(counts, self.ctx.ps.ep_group)
+            rows, counts = exchange.dispatch(rows), exchange.local_counts
+        f = self.gate_up.weight.shape[0] // (2 * local)
+        gate_up = self.gate_up.weight.view(local, 2 * f, -1)
         gate, up = grouped_mm(rows, gate_up, counts).split(f, dim=-1)
-        down = self.down.weight.view(len(self.local_experts), tokens.shape[1], f)
+        down = self.down.weight.view(local, tokens.shape[1], f)
         y = grouped_mm(swiglu(gate, up), down, counts)
+        if exchange is not None:
+            y = exchange.combine(y)
         y = y * gates.flatten()[order].unsqueeze(-1)
         return torch.zeros_like(tokens).index_add_(0, token_of, y)
 

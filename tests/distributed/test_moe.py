@@ -1,11 +1,15 @@
 """Mixture-of-experts models compute what the single process computes, in every layout that
 shards the dense parts: tensor parallelism with and without SP (experts split over tp like the
 dense MLP, routing on each rank's own tokens), pipeline stages, context parallelism, ZeRO over
-data-parallel ranks and recompute; Mixtral's softmax router and DeepSeek-V3's sigmoid router
-with shared experts, z-loss and bias balancing."""
+data-parallel ranks and recompute; expert parallelism (experts sharded over ep ranks carved
+out of dp, tokens exchanged all-to-all) alone and with each of those; Mixtral's softmax router
+and DeepSeek-V3's sigmoid router with shared experts, z-loss and bias balancing."""
+
+import json
+import shutil
 
 import pytest
-from equivalence import assert_equivalent
+from equivalence import TINY, assert_equivalent, assert_same_losses, reference, run_layout
 
 MIXTRAL = (
     "model.arch=mixtral",
@@ -39,6 +43,17 @@ token's gradient goes to another expert: the gradient norm jumps by about 1e-5 a
         (2, DEEPSEEK, ("parallel.zero=1",)),
         (2, MIXTRAL, ("parallel.cp=2",)),
         (4, DEEPSEEK, ("parallel.tp=2", "parallel.sp=true", "parallel.pp=2")),
+        (2, MIXTRAL, ("parallel.ep=2",)),
+        (4, DEEPSEEK, ("parallel.ep=4",)),
+        (4, MIXTRAL, ("parallel.ep=2", "parallel.tp=2", "parallel.sp=true")),
+        (
+            4,
+            DEEPSEEK,
+            ("parallel.ep=2", "parallel.pp=2", "parallel.schedule=interleaved", "parallel.vpp=2"),
+        ),
+        (4, MIXTRAL, ("parallel.ep=2", "parallel.zero=1")),
+        (4, DEEPSEEK, ("parallel.ep=2", "parallel.zero=2", "train.recompute=full")),
+        (4, MIXTRAL, ("parallel.ep=2", "parallel.cp=2")),
     ],
     ids=[
         "mixtral-tp2-sp",
@@ -47,7 +62,38 @@ token's gradient goes to another expert: the gradient norm jumps by about 1e-5 a
         "deepseek-dp2-zero1",
         "mixtral-cp2",
         "deepseek-tp2-sp-pp2",
+        "mixtral-ep2",
+        "deepseek-ep4",
+        "mixtral-ep2-tp2-sp",
+        "deepseek-ep2-pp2-interleaved",
+        "mixtral-ep2-dp2-zero1",
+        "deepseek-ep2-dp2-zero2-recompute",
+        "mixtral-ep2-cp2",
     ],
 )
 def test_moe_layout_equals_single_process(builtin_corpus, tmp_path, world, model, layout):
     assert_equivalent(world, model, layout, tmp_path, norm_rtol=NORM_RTOL)
+
+
+SAVE_AT_5 = ("checkpoint.interval=5", "checkpoint.keep=5", "parallel.zero=1")
+
+
+@pytest.mark.parametrize(
+    "world,ep", [(1, 1), (4, 4), (4, 2)], ids=["to-ep1", "to-ep4", "to-ep2-dp4"]
+)
+def test_resume_at_another_ep(builtin_corpus, tmp_path, world, ep):
+    """Saved at ep 2 x dp 2 with the optimizer sharded (dense state over 4 ranks, the experts'
+    over 2), resumed at ep 1, at ep 4, and at ep 2 over 4 ranks: steps 6-10 are the
+    uninterrupted single process's. The checkpoint names every expert by its global index."""
+    run_layout(4, TINY + MIXTRAL + SAVE_AT_5 + ("parallel.ep=2",), tmp_path)
+    checkpoints = tmp_path / "checkpoints"
+    manifest = json.loads((checkpoints / "step_000005" / "manifest.json").read_text())
+    assert "model_tp00_ep01_pp00.safetensors" in manifest["files"]  # ep rank 1's experts
+    shutil.rmtree(checkpoints / "step_000010")  # "crash" after step 5
+    (checkpoints / "latest").write_text("step_000005")
+    (tmp_path / "metrics.jsonl").write_text("")
+    resumed, _ = run_layout(world, TINY + MIXTRAL + SAVE_AT_5 + (f"parallel.ep={ep}",), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(6, 11))
+    ref_losses, _ = reference(TINY + MIXTRAL)
+    assert_same_losses(resumed, ref_losses[5:], norm_rtol=NORM_RTOL)

@@ -61,6 +61,8 @@ SHORT = {
     "--head-dim 16 --steps 1 --warmup 0",
     "python tools/bench_gpu.py": "--device cpu --configs configs/gpt2-124m.yaml --layers 2 "
     "--hidden 64 --heads 2 --seq 32 --vocab 512 --micro-batch 2 --steps 1 --warmup 1",
+    "python tools/bench_moe.py": "--tokens 64 --hidden 32 --ffn 48 --experts 4 --repeats 1 "
+    "--ranks 2 --eps 1 2 --steps 2",
     "python tools/estimate_memory.py --config configs/llama-7b.yaml --world-size 32": "",
     "python tools/bench_init.py": "--layout configs/gpt2-124m.yaml:tp=2,pp=2,vpp=1 --repeat 1",
     "python tools/bench_prepare.py": "--mb 0.5 --repeat 1",
@@ -118,6 +120,7 @@ EXPECTED = {
     "python tools/bench_kernels.py": "fwd",
     "python tools/bench_cp.py": "MiB sent per rank",
     "python tools/bench_gpu.py": "tokens/s",
+    "python tools/bench_moe.py": "edp",
     "python tools/estimate_memory.py": "GiB",
     "python tools/bench_init.py": "shard",
     "python tools/bench_prepare.py": "MB/s",
