@@ -118,6 +118,8 @@ class Param:
     arrives_last: bool = False
     """Its gradient comes after all others of its chunk (GPT's token embedding: the position
     table, a leaf added after the lookup, is accumulated by autograd first)."""
+    expert: bool = False
+    """An MoE expert's (`ParamMeta.expert`): in a buffer of its own, replicated over dp / ep."""
 
 
 def linear_parameters(prefix: str, rows: int, columns: int, bias: bool) -> list[Param]:

@@ -42,6 +42,8 @@ class Dispatch:
     regroup: torch.Tensor
     """Received rows in local-expert order: row i of the regrouped rows is received row
     regroup[i]."""
+    ungroup: torch.Tensor
+    """Its inverse: received row i is regrouped row ungroup[i]."""
     local_counts: torch.Tensor
     """Rows per local expert, over every source."""
 
@@ -57,7 +59,7 @@ class Dispatch:
         expert_of_row = torch.arange(local, device=counts.device).repeat(ep)
         expert_of_row = expert_of_row.repeat_interleave(received.flatten())
         regroup = torch.argsort(expert_of_row, stable=True)
-        return cls(group, send, receive, regroup, received.sum(0))
+        return cls(group, send, receive, regroup, torch.argsort(regroup), received.sum(0))
 
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's rows (sorted by expert) -> the rows of its experts (by local expert)."""
@@ -66,5 +68,5 @@ class Dispatch:
 
     def combine(self, outputs: torch.Tensor) -> torch.Tensor:
         """The experts' outputs (by local expert) -> this rank's rows, in `dispatch`'s order."""
-        by_source = torch.empty_like(outputs).index_copy(0, self.regroup, outputs)
+        by_source = outputs[self.ungroup]  # indexing keeps no rows for backward
         return _AllToAll.apply(by_source, self.group, self.receive, self.send)

@@ -109,7 +109,9 @@ def gradient_arrival(params: list[Param], bucket_numel: int) -> tuple[int, ...]:
 
 
 def layout_buffers(cfg: Config, pp_rank: int, dp: int) -> list[BufferLayout]:
-    """The gradient buffers of `pp_rank`'s chunks (one each: a chunk has one dtype)."""
+    """The gradient buffers of `pp_rank`'s chunks (one each: a chunk has one dtype; and one of
+    its MoE experts, replicated over dp / ep, where it has them). `dp`: the replicas of the
+    dense weights (dp x cp)."""
     p = cfg.parallel
     last = p.pp * p.vpp - 1
     bucket_numel = max(1, int(p.bucket_mb * 2**20 / 4))
@@ -117,7 +119,14 @@ def layout_buffers(cfg: Config, pp_rank: int, dp: int) -> list[BufferLayout]:
     layouts = []
     for stage, layers in chunk_layers(cfg, pp_rank):
         params = chunk_parameters(cfg, layers, stage == 0, stage == last)
-        buckets = buckets_of(params, bucket_numel, dp)
-        arrival = gradient_arrival(params, bucket_numel)
-        layouts.append(BufferLayout(buckets, dp, layer_buffers * len(layers), arrival))
+        module_buffers = layer_buffers * len(layers)
+        for expert in (False, True):
+            mine = [param for param in params if param.expert == expert]
+            if not mine:
+                continue
+            replicas = dp // p.ep if expert else dp
+            buckets = buckets_of(mine, bucket_numel, replicas)
+            arrival = gradient_arrival(mine, bucket_numel)
+            layouts.append(BufferLayout(buckets, replicas, module_buffers, arrival))
+            module_buffers = []  # counted once per chunk
     return layouts

@@ -112,6 +112,9 @@ def metrics_row(
     }
     if metrics.compile_s is not None:
         row |= {"compile_s": metrics.compile_s, "recompiles": metrics.recompiles}
+    if metrics.expert_imbalance is not None:
+        row |= {"expert_imbalance": metrics.expert_imbalance}
+        row |= {"dropped_tokens": metrics.dropped_tokens}
     return row
 
 

@@ -38,6 +38,31 @@ class StepMetrics:
     """With `train.compile`: seconds this rank has spent compiling so far (the first step's)."""
     recompiles: int | None = None
     """With `train.compile`: graphs this rank compiled after its first step (should be 0)."""
+    expert_imbalance: float | None = None
+    """Mixture of experts: the busiest expert's routed tokens over the mean, the largest over
+    the layers this rank holds (1.0: perfectly balanced)."""
+    dropped_tokens: int | None = None
+    """Mixture of experts with a capacity factor: (token, choice) pairs dropped this step, over
+    this rank's layers."""
+
+
+def route_balance(run: Run) -> tuple[float | None, int | None]:
+    """After the step, every MoE layer's routing statistics over the global batch (and its bias
+    update, DeepSeek-V3's balancing): (expert imbalance, dropped pairs), or Nones without
+    experts."""
+    imbalance, dropped = None, None
+    for chunk in run.chunks:
+        for module in chunk.modules():
+            if hasattr(module, "balance_routing"):
+                load, lost = module.balance_routing(run.ps.dp_group)
+                ratio = (load.max() / load.mean().clamp_min(1e-9)).item()
+                imbalance, dropped = max(imbalance or 0.0, ratio), (dropped or 0) + lost
+    if imbalance is None:
+        return None, None
+    worst, lost = (torch.tensor([value], device=run.ps.device) for value in (imbalance, dropped))
+    comm.all_reduce_max(worst, run.ps.pp_group)  # over the pipeline's stages
+    comm.all_reduce(lost, run.ps.pp_group)
+    return worst.item(), int(lost.item())
 
 
 def micro_batches(
@@ -103,14 +128,12 @@ def train_step(
     if not skipped and bad is None:
         coefficient = clip_coefficient(grad_norm, cfg.optim.grad_clip)
         run.optimizer.step(lr, grad_scale=coefficient / run.scaler.scale)
-    for chunk in run.chunks:  # MoE routers' bias balancing (DeepSeek-V3), from this step's load
-        for module in chunk.modules():
-            if hasattr(module, "balance_routing"):
-                module.balance_routing(run.ps.dp_group)
+    imbalance, dropped = route_balance(run)
     wait_and_compute = torch.tensor([times.wait_s, times.compute_s], device=run.ps.device)
     comm.all_reduce(wait_and_compute, run.ps.pp_group)
     bubble = bubble_fraction(*wait_and_compute.tolist())  # of the whole pipeline
     metrics = StepMetrics(loss, grad_norm, skipped, bubble, times, bad)
+    metrics.expert_imbalance, metrics.dropped_tokens = imbalance, dropped
     if run.compile_watch is not None:
         run.compile_watch.step_done()
         # the slowest rank's compile time, and recompiles on any rank (rank 0 logs them)

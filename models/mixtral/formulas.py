@@ -26,14 +26,15 @@ class MixtralFormulas(LlamaFormulas):
     def layer_parameters(self, cfg: Config, layer: int) -> list[Param]:
         m = cfg.model
         h, f, n = m.hidden, m.ffn_hidden // cfg.parallel.tp, m.moe_experts
+        local = n // cfg.parallel.ep  # this ep rank's experts
         pre = f"layers.{layer}."
         params = [
             *RMS_NORM.parameters(pre + "attn_norm", h),
             *attention_parameters(cfg, pre + "attn", bias=False),
             *RMS_NORM.parameters(pre + "mlp_norm", h),
             *linear_parameters(pre + "moe.router", n, h, bias=False),
-            *linear_parameters(pre + "moe.gate_up", n * 2 * f, h, bias=False),
-            *linear_parameters(pre + "moe.down", n * h, f, bias=False),
+            Param(pre + "moe.gate_up.weight", local * 2 * f * h, expert=True),
+            Param(pre + "moe.down.weight", local * h * f, expert=True),
         ]
         if m.moe_shared_experts:
             fs = m.moe_shared_experts * f
@@ -42,24 +43,36 @@ class MixtralFormulas(LlamaFormulas):
         return params
 
     def layer_buffers(self, m: ModelConfig) -> list[int]:
-        return [*rotary_buffers(m), m.moe_experts]  # and the router's bias
+        return [*rotary_buffers(m), m.moe_experts, m.moe_experts]  # the router's bias and load
 
     def layer_matmul_weights(self, m: ModelConfig) -> int:
         experts = active_experts(m) * 3 * m.hidden * m.ffn_hidden
         return attention_matmul_weights(m) + m.moe_experts * m.hidden + experts
 
     def layer_saved(self, x: Shapes) -> list[int]:
-        """The MoE keeps, per routed (token, choice) row, its gathered input, gate, up and
-        their product (and silu(gate) with PyTorch's SwiGLU), its down output for the gate
-        product, and the router's fp32 logits and probabilities."""
+        """Besides its input (the block counts it), the MoE keeps per routed (token, choice)
+        row: the gathered row, gate and up and their product (and silu(gate) with PyTorch's
+        SwiGLU), the expert output the gate multiplies, and two int64 indices (the rows'
+        tokens, the way back to token order; with ep two more, the received rows' regrouping);
+        per token its gates in the activation dtype; and per token the router saw (this rank's
+        sequence shard under SP) its fp32 probabilities, its choices (int64) and the gate
+        normalisation (fp32). Routing is assumed balanced (with expert parallelism a rank
+        receives as many rows as it sends)."""
         m, p = x.cfg.model, x.cfg.parallel
-        rows = x.tokens * m.moe_top_k
+        rows, k, e = x.tokens * m.moe_top_k, m.moe_top_k, x.element
         f = m.ffn_hidden // p.tp
         swiglu = 3 if x.device == "cuda" else 4
-        router = 2 * x.stream_tokens * m.moe_experts * 4
-        mlp = [rows * m.hidden * x.element, *[rows * f * x.element] * swiglu]
-        mlp += [rows * m.hidden * x.element, router]
-        return pre_norm_block_saved(x, RMS_NORM, mlp, rotary=True)
+        routed = [rows * m.hidden * e, *[rows * f * e] * swiglu, rows * m.hidden * e]
+        routed += [2 * rows * 8, x.tokens * k * e]
+        if p.ep > 1:  # the received rows' order by local expert, and back
+            routed += [2 * rows * 8]
+        routed_by = x.stream_tokens  # the router runs on this rank's own tokens
+        router = [routed_by * m.moe_experts * 4, routed_by * k * 8, routed_by * (k + 1) * 4]
+        shared = []
+        if m.moe_shared_experts:  # gate and up (one tensor), their product, silu on the CPU,
+            fs = m.moe_shared_experts * f  # and under SP the gathered tokens they read
+            shared = [x.tokens * fs * e] * swiglu + ([x.tokens * m.hidden * e] if p.sp else [])
+        return pre_norm_block_saved(x, RMS_NORM, routed + router + shared, rotary=True)
 
 
 FORMULAS = MixtralFormulas()

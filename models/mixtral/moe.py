@@ -92,6 +92,7 @@ class MoE(nn.Module):
         # DeepSeek-V3's routing bias, and the step's load that moves it (`balance_routing`)
         self.register_buffer("expert_bias", torch.zeros(n, device=ps.device), persistent=False)
         self.register_buffer("load", torch.zeros(n, device=ps.device), persistent=False)
+        self.register_buffer("dropped", torch.zeros((), device=ps.device), persistent=False)
         per_rank = n // ps.ep_size  # this ep rank's experts, by global index
         self.local_experts = range(ps.ep_rank * per_rank, (ps.ep_rank + 1) * per_rank)
         names = [f"experts.{e}" for e in self.local_experts]
@@ -123,8 +124,10 @@ class MoE(nn.Module):
         gates, experts = routing.gates, routing.experts
         if cfg.moe_capacity_factor is not None:
             limit = capacity(b * s, cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor)
-            keep, self.dropped = drop_over_capacity(experts, gates, limit)
+            keep, dropped = drop_over_capacity(experts, gates, limit)
             gates = gates * keep
+            if self.training and not replaying():
+                self.dropped += dropped
         aux = self.aux_loss(routing, logits, b)
         # the tokens of the whole tp group, and their gates and choices with them
         tokens = tp_input(x, ctx.ps, ctx.sequence_parallel).flatten(0, 1)
@@ -165,8 +168,10 @@ class MoE(nn.Module):
         y = grouped_mm(swiglu(gate, up), down, counts)
         if exchange is not None:
             y = exchange.combine(y)
-        y = y * gates.flatten()[order].unsqueeze(-1)
-        return torch.zeros_like(tokens).index_add_(0, token_of, y)
+        # back to (token, choice) order, weighted by the gates, summed over the k choices:
+        # indexing and sum keep no activation for backward (index_add_ would keep the rows)
+        by_token = y[torch.argsort(order)].view(*experts.shape, -1)
+        return (by_token * gates.unsqueeze(-1)).sum(dim=1)
 
     def shared(self, tokens: torch.Tensor) -> torch.Tensor:
         """The shared experts, one SwiGLU MLP on every token: this rank's tp slice."""
@@ -196,14 +201,19 @@ class MoE(nn.Module):
             loss = loss + cfg.moe_z_loss_coef * z_loss(logits, total)
         return loss
 
-    def balance_routing(self, dp_group) -> None:
-        """After a step: move the routing bias towards balance by the step's load over the whole
-        global batch (`moe_bias_update_rate`), then start counting afresh."""
+    def balance_routing(self, dp_group) -> tuple[torch.Tensor, int]:
+        """After a step: this step's routed (token, choice) pairs per expert over the whole
+        global batch, and the pairs dropped over capacity (for the metrics); the routing bias
+        moves towards balance by that load (`moe_bias_update_rate`). Then counting starts
+        afresh."""
+        load = torch.cat([self.load, self.dropped.view(1)])
+        comm.all_reduce(load, dp_group)
         rate = self.cfg.moe_bias_update_rate
         if rate:
-            comm.all_reduce(self.load, dp_group)
-            update_bias(self.expert_bias, self.load, rate)
+            update_bias(self.expert_bias, load[:-1], rate)
         self.load.zero_()
+        self.dropped.zero_()
+        return load[:-1], int(load[-1].item())
 
 
 def active_experts(cfg: ModelConfig) -> int:

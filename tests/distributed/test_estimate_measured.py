@@ -6,7 +6,8 @@ exactly, and the peak of the activations autograd keeps over a real schedule
 (`SavedActivationTracker`; under zb-h1 / zb-v with what the split backward keeps from B to W)
 is within 5 % of the estimate. Under context parallelism (cp 2 and 4, alone and with tp 2 + SP,
 and with document masks) too, where each rank's activations are those of seq_len / cp tokens:
-measured and estimated, they fall as 1/cp."""
+measured and estimated, they fall as 1/cp. Mixtral too (shared experts, both routers, and
+expert parallelism, where the estimate assumes balanced routing: top-k = experts makes it so)."""
 
 import pytest
 import torch
@@ -76,7 +77,14 @@ LAYOUTS = {
             "parallel.zero=1",
         ),
     ],
+    "mixtral": [  # with ep, every token to every expert: each rank receives a balanced share
+        ("parallel.ep=2", "parallel.zero=1", "train.precision=bf16", "model.moe_top_k=4"),
+        ("parallel.tp=2", "parallel.sp=true", "model.moe_shared_experts=1"),
+        ("parallel.pp=2", "parallel.schedule=1f1b", "model.moe_router=sigmoid"),
+        ("parallel.ep=4", "train.recompute=selective", "model.moe_top_k=4"),
+    ],
 }
+MODEL = {"mixtral": ("model.n_kv_heads=2", "model.moe_experts=4", "model.ffn_hidden=96")}
 
 
 def _config(path: str | None, overrides: tuple[str, ...]) -> Config:
@@ -96,7 +104,7 @@ def _measure(cfgs: list[Config]) -> list[tuple[int, dict[str, int], int]]:
     results = []
     for cfg in cfgs:
         p = cfg.parallel
-        ps = build_parallel_state(p.tp, p.pp, torch.device("cpu"), cp=p.cp)
+        ps = build_parallel_state(p.tp, p.pp, torch.device("cpu"), cp=p.cp, ep=p.ep)
         run = build_run(cfg, ps, eos_id=EOS_ID if cfg.data.document_mask else None)
         run.train(True)
         torch.manual_seed(ps.dp_rank)  # the cp ranks of a replica cut the same windows
@@ -140,9 +148,10 @@ def _kept(est, pp_rank: int) -> int:
     return sum(map(est.stages[pp_rank].part, ("activations", "head weight grads", DEFERRED)))
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("arch", ["gpt", "llama", "mixtral"])
 def test_estimate_equals_measurement(arch):
-    cfgs = [_config(None, (f"model.arch={arch}", *TINY, *layout)) for layout in LAYOUTS[arch]]
+    model = (f"model.arch={arch}", *TINY, *MODEL.get(arch, ()))
+    cfgs = [_config(None, (*model, *layout)) for layout in LAYOUTS[arch]]
     _check(cfgs, [f"{arch} {layout}" for layout in LAYOUTS[arch]])
 
 

@@ -97,3 +97,50 @@ def test_resume_at_another_ep(builtin_corpus, tmp_path, world, ep):
     assert [row["step"] for row in rows] == list(range(6, 11))
     ref_losses, _ = reference(TINY + MIXTRAL)
     assert_same_losses(resumed, ref_losses[5:], norm_rtol=NORM_RTOL)
+
+
+def test_routing_metrics_and_capacity_drops(builtin_corpus, tmp_path):
+    """metrics.jsonl reports the busiest expert's load over the mean (>= 1) and the pairs
+    dropped over capacity: none dropless, some at capacity factor 0.5, at ep 2 as at ep 1."""
+    for name, world, extra in [
+        ("dropless", 2, ()),
+        ("capped", 2, ("model.moe_capacity_factor=0.5",)),
+    ]:
+        out = tmp_path / name
+        run_layout(world, TINY + MIXTRAL + extra + ("parallel.ep=2",), out)
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert all(row["expert_imbalance"] >= 1.0 for row in rows)
+        dropped = [row["dropped_tokens"] for row in rows]
+        assert (sum(dropped) == 0) == (name == "dropless"), dropped
+
+
+def test_bias_balancing_moves_the_routing_bias(builtin_corpus):
+    """DeepSeek-V3's auxiliary-loss-free balancing: after a step every layer's bias moved by
+    exactly the rate, up for the experts that got fewer than the mean of the step's tokens and
+    down for those that got more."""
+    import torch
+
+    from megalite.config import load_config
+    from megalite.parallel_state import ParallelState
+    from megalite.training.setup import build_run
+    from megalite.training.step import train_step
+
+    cfg = load_config(None, [*TINY, *DEEPSEEK, "model.moe_aux_loss_coef=0"])
+    run = build_run(cfg, ParallelState.single())
+    tokens = torch.randint(0, cfg.model.vocab_size, (8, cfg.model.seq_len + 1))
+    moes = [m for m in run.chunks[0].modules() if hasattr(m, "balance_routing")]
+    loads = []
+    for moe in moes:  # record each layer's load as the step's balancing sees it
+        original = moe.balance_routing
+
+        def recorded(group, original=original, moe=moe):
+            loads.append(moe.load.clone())
+            return original(group)
+
+        moe.balance_routing = recorded
+    metrics = train_step(run, tokens, lr=1e-3)
+    assert metrics.expert_imbalance >= 1.0 and metrics.dropped_tokens == 0
+    for moe, load in zip(moes, loads, strict=True):
+        expected = 0.01 * torch.sign(load.mean() - load)
+        assert torch.allclose(moe.expert_bias, expected), (moe.expert_bias, load)
+        assert load.sum() == 8 * cfg.model.seq_len * cfg.model.moe_top_k

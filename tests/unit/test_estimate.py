@@ -45,6 +45,15 @@ def _meta_chunks(cfg, tp_rank: int, pp_rank: int, dp: int = 1):
         ],
         ["model.arch=llama", "model.n_kv_heads=1", "parallel.tp=2", "parallel.pp=2"],
         ["model.arch=llama", "model.n_kv_heads=2", "model.ffn_hidden=96"],
+        [
+            "model.arch=mixtral",
+            "model.n_kv_heads=2",
+            "model.moe_experts=4",
+            "model.moe_shared_experts=1",
+            "model.ffn_hidden=96",
+            "parallel.tp=2",
+            "parallel.ep=2",
+        ],
     ],
 )
 def test_parameters_and_buckets_match_the_built_model(overrides):
@@ -62,9 +71,14 @@ def test_parameters_and_buckets_match_the_built_model(overrides):
                     (name, t.numel()) for name, t in built
                 ]
                 tied = {t for _, t in built if t.meta.pp_tied}
-                params = list(reversed([t for _, t in built]))
-                buffer = GradBuffer(params, ps, 2560, shard_optimizer=True, own_bucket=tied)
-                assert buckets_of(predicted, 2560, dp) == [b.numel for b in buffer.buckets]
+                for expert in (False, True):  # MoE experts: a buffer of their own
+                    params = list(reversed([t for _, t in built if t.meta.expert == expert]))
+                    if not params:
+                        continue
+                    buffer = GradBuffer(params, ps, 2560, True, tied, expert=expert)
+                    mine = [q for q in predicted if q.expert == expert]
+                    replicas = buffer.replica_size
+                    assert buckets_of(mine, 2560, replicas) == [b.numel for b in buffer.buckets]
 
 
 KORTHIKANTI_TABLE_3 = {  # a heads, h hidden, L layers, t tensor parallel (s 2048, b 1)
