@@ -53,7 +53,13 @@ def layout_lines(est: LayoutEstimate) -> list[str]:
         f" ({p.cp_comm}, {est.cfg.model.seq_len // p.cp} tokens per rank)" if p.cp > 1 else ""
     )
     lines = [
-        f"layout: tp={p.tp} {cp} pp={p.pp} vpp={p.vpp} dp={est.dp} sp={p.sp} zero={p.zero} "
+        f"layout: tp={p.tp} {cp} pp={p.pp} vpp={p.vpp} dp={est.dp}"
+        + (
+            f" (ep={p.ep}: {est.cfg.model.moe_experts // p.ep} experts per rank)"
+            if p.ep > 1
+            else ""
+        )
+        + f" sp={p.sp} zero={p.zero} "
         f"schedule={p.schedule} recompute={recompute} precision={est.precision} "
         f"({est.device} kernels); micro-batches: {est.microbatches} of {t.micro_batch_size}"
     ]

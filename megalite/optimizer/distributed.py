@@ -121,17 +121,20 @@ class DistributedOptimizer:
         return any(b.sharded for b in self.buffers)
 
     def grad_norm(self) -> float:
-        """Global L2 norm of the (unscaled) gradient over every rank: each rank counts its
-        owned pieces (ZeRO), or where a buffer is replicated, the first replica alone counts it
-        (dense parameters and experts have different replicas), summed over the world."""
-        sumsq = torch.zeros((), dtype=torch.float64, device=self.ps.device)
+        """Global L2 norm of the (unscaled) gradient over every rank. Under ZeRO each rank
+        counts its owned pieces, which partition the model over the world. Otherwise each rank
+        counts all it holds, summed over the ranks holding one copy of the model: the dense
+        weights over tp x pp, the experts over tp x pp x ep."""
+        sumsq = torch.zeros(2, dtype=torch.float64, device=self.ps.device)  # dense, experts
         for state in self.states:
-            if not state.buffer.sharded and state.buffer.replica_rank != 0:
-                continue
             for start, end in state.counted:
-                sumsq += sum_of_squares(state.grads[start:end])
-        comm.all_reduce(sumsq, self.ps.world_group)
-        return sumsq.sqrt().item()
+                sumsq[int(state.buffer.expert)] += sum_of_squares(state.grads[start:end])
+        if self.sharded:
+            comm.all_reduce(sumsq, self.ps.world_group)
+        else:
+            comm.all_reduce(sumsq, self.ps.model_parallel_group)
+            comm.all_reduce(sumsq[1:], self.ps.ep_group)
+        return sumsq.sum().sqrt().item()
 
     def found_non_finite(self) -> bool:
         """Whether any rank's gradient has inf/nan (fp16 overflow), agreed over all ranks."""

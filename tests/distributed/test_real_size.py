@@ -31,6 +31,7 @@ import pytest
 from equivalence import assert_same_losses, reference, run_layout
 
 GPT, LLAMA = "configs/gpt-tiny.yaml", "configs/llama-tiny.yaml"
+MIXTRAL = "configs/mixtral-tiny.yaml"
 SHORT = (
     "train.steps=2",
     "train.log_interval=1",
@@ -101,6 +102,13 @@ CASES = {
         _batch(4, 16) + ("data.document_mask=true",),
         ("parallel.cp=2", "parallel.pp=2"),
     ),
+    "mixtral-ep2-tp2-sp": (
+        4,
+        MIXTRAL,
+        _batch(8, 16),
+        ("parallel.ep=2", "parallel.tp=2", "parallel.sp=true"),
+    ),
+    "mixtral-ep4-zero1": (4, MIXTRAL, _batch(4, 32), ("parallel.ep=4", "parallel.zero=1")),
     "gpt-3d-readme": (
         8,
         GPT,
