@@ -52,23 +52,7 @@ class LlamaMapping(HFMapping):
     def hf_config(self, m: ModelConfig) -> PretrainedConfig:
         from transformers import LlamaConfig
 
-        return LlamaConfig(
-            vocab_size=m.vocab_size,
-            hidden_size=m.hidden,
-            intermediate_size=m.ffn_hidden,
-            num_hidden_layers=m.n_layers,
-            num_attention_heads=m.n_heads,
-            num_key_value_heads=m.n_kv_heads,
-            head_dim=m.head_dim,
-            max_position_embeddings=m.max_positions,
-            rms_norm_eps=m.norm_eps,
-            rope_theta=m.rope_theta,  # transformers 5 files both under rope_parameters
-            rope_scaling=hf_rope_scaling(m),
-            attention_dropout=m.dropout,
-            tie_word_embeddings=False,
-            bos_token_id=None,
-            eos_token_id=None,
-        )
+        return LlamaConfig(**hf_settings(m))
 
     def config_from_hf(self, raw: dict[str, Any]) -> dict[str, Any]:
         hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
@@ -89,6 +73,27 @@ class LlamaMapping(HFMapping):
             "max_positions": raw.get("max_position_embeddings", 2048),  # transformers' default
             **rope_from_hf(raw),
         }
+
+
+def hf_settings(m: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face config settings of a Llama-shaped model (Mixtral's too)."""
+    return dict(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden,
+        intermediate_size=m.ffn_hidden,
+        num_hidden_layers=m.n_layers,
+        num_attention_heads=m.n_heads,
+        num_key_value_heads=m.n_kv_heads,
+        head_dim=m.head_dim,
+        max_position_embeddings=m.max_positions,
+        rms_norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta,  # transformers 5 files both under rope_parameters
+        rope_scaling=hf_rope_scaling(m),
+        attention_dropout=m.dropout,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
 
 
 HF_LLAMA3_KEYS = {

@@ -8,6 +8,8 @@ residual stream between blocks is a sequence shard (b, s/tp, h) instead of (b, s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from megalite.kernels import swiglu
 from megalite.models.causal_lm import CausalLM
@@ -58,14 +60,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(rmsnorm(x)), then x + mlp(rmsnorm(x))."""
+    """Pre-norm residual block: x + attn(rmsnorm(x)), then x + mlp(rmsnorm(x)). `mlp`: the
+    feed-forward's class (Mixtral's is a mixture of experts)."""
 
-    def __init__(self, ctx: BuildContext) -> None:
+    def __init__(self, ctx: BuildContext, mlp: type[nn.Module] = MLP) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(ctx.cfg.hidden, ctx)
         self.attn = Attention(ctx, bias=False, rotary=True)
         self.mlp_norm = RMSNorm(ctx.cfg.hidden, ctx)
-        self.mlp = MLP(ctx)
+        self.mlp = mlp(ctx)
         self.drop = ResidualDropout(ctx)
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout | None = None) -> torch.Tensor:
@@ -79,8 +82,8 @@ class Llama(CausalLM):
     """One pipeline chunk of Llama (the whole model when pp = 1): `tok_embeddings` on the first
     chunk, blocks `layers.<global index>`, `final_norm` + `lm_head` on the last."""
 
-    block: type[nn.Module] = Block
-    """The block class (Mixtral reuses everything else)."""
+    block: Callable[[BuildContext], nn.Module] = Block
+    """Builds one block (Mixtral's: this block with a mixture of experts)."""
 
     def __init__(
         self, ctx: BuildContext, layer_ids: range, has_embedding: bool = True, has_head: bool = True

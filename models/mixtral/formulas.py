@@ -32,14 +32,14 @@ class MixtralFormulas(LlamaFormulas):
             *RMS_NORM.parameters(pre + "attn_norm", h),
             *attention_parameters(cfg, pre + "attn", bias=False),
             *RMS_NORM.parameters(pre + "mlp_norm", h),
-            *linear_parameters(pre + "moe.router", n, h, bias=False),
-            Param(pre + "moe.gate_up.weight", local * 2 * f * h, expert=True),
-            Param(pre + "moe.down.weight", local * h * f, expert=True),
+            *linear_parameters(pre + "mlp.router", n, h, bias=False),
+            Param(pre + "mlp.gate_up.weight", local * 2 * f * h, expert=True),
+            Param(pre + "mlp.down.weight", local * h * f, expert=True),
         ]
         if m.moe_shared_experts:
             fs = m.moe_shared_experts * f
-            params += linear_parameters(pre + "moe.shared_gate_up", 2 * fs, h, bias=False)
-            params += linear_parameters(pre + "moe.shared_down", h, fs, bias=False)
+            params += linear_parameters(pre + "mlp.shared_gate_up", 2 * fs, h, bias=False)
+            params += linear_parameters(pre + "mlp.shared_down", h, fs, bias=False)
         return params
 
     def layer_buffers(self, m: ModelConfig) -> list[int]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from megalite.models.hugging_face import Link
-from megalite.models.llama.hf import LlamaMapping, hf_rope_scaling
+from megalite.models.llama.hf import LlamaMapping, hf_settings
 
 from megalite.config import ModelConfig
 
@@ -26,7 +26,7 @@ class MixtralMapping(LlamaMapping):
         dense_mlp = ("mlp.gate.weight", "mlp.up.weight", "mlp.down.weight")
         found = [link for link in super().links(m) if not link.ours.endswith(dense_mlp)]
         for i in range(m.n_layers):
-            ours, theirs = f"layers.{i}.moe.", f"model.layers.{i}.block_sparse_moe."
+            ours, theirs = f"layers.{i}.mlp.", f"model.layers.{i}.block_sparse_moe."
             found.append(Link(f"{ours}router.weight", f"{theirs}gate.weight"))
             for e in range(m.moe_experts):
                 for mine, hf in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
@@ -67,24 +67,10 @@ class MixtralMapping(LlamaMapping):
                 "moe_capacity_factor unset to export"
             )
         return MixtralConfig(
-            vocab_size=m.vocab_size,
-            hidden_size=m.hidden,
-            intermediate_size=m.ffn_hidden,
-            num_hidden_layers=m.n_layers,
-            num_attention_heads=m.n_heads,
-            num_key_value_heads=m.n_kv_heads,
-            head_dim=m.head_dim,
-            max_position_embeddings=m.max_positions,
-            rms_norm_eps=m.norm_eps,
-            rope_theta=m.rope_theta,
-            rope_scaling=hf_rope_scaling(m),
-            attention_dropout=m.dropout,
+            **hf_settings(m),
             num_local_experts=m.moe_experts,
             num_experts_per_tok=m.moe_top_k,
             router_aux_loss_coef=m.moe_aux_loss_coef,
-            tie_word_embeddings=False,
-            bos_token_id=None,
-            eos_token_id=None,
         )
 
     def config_from_hf(self, raw: dict[str, Any]) -> dict[str, Any]:
