@@ -162,14 +162,16 @@ def _static_parts(cfg: Config, pp_rank: int, dp: int, element: int, device: str)
     """Parameters, buffers, gradients and optimizer state of one rank's chunks; `dp`: the
     replicas (dp x cp)."""
     buffers = layout_buffers(cfg, pp_rank, dp)
-    sharded = cfg.parallel.zero >= 1 and dp > 1
-    grads_sharded = cfg.parallel.zero == 2 and dp > 1  # ZeRO-2: no full-size gradient buffer
+    zero = cfg.parallel.zero
+    sharded = [zero >= 1 and b.dp > 1 for b in buffers]  # a buffer's replicas: dp, or dp / ep
     padded = [b.padded for b in buffers]
-    owned = [piece for b in buffers for piece in b.owned_pieces(sharded)]
-    grads = [] if grads_sharded else [n * 4 for n in padded]
-    grads += [n * 4 for n in owned] if sharded else []
+    owned = [piece for b, s in zip(buffers, sharded) for piece in b.owned_pieces(s)]
+    # ZeRO-2: no full-size gradient buffer, only the owned shard
+    grads = [4 * b.padded for b, s in zip(buffers, sharded) if not (s and zero == 2)]
+    grads += [4 * n for b, s in zip(buffers, sharded) if s for n in b.owned_pieces(True)]
     # ZeRO-2's buckets are staged during each backward only, one chunk's at a time
-    staging = max((b.staging_pieces() for b in buffers), key=sum) if grads_sharded else []
+    staged = [b.staging_pieces() for b, s in zip(buffers, sharded) if s and zero == 2]
+    staging = max(staged, key=sum, default=[])
     rotary = [n * element for b in buffers for n in b.module_buffers]
     return [
         Part("parameters", sum(padded) * element, tuple(n * element for n in padded)),

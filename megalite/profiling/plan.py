@@ -9,6 +9,11 @@ Layouts whose estimated peak memory (`profiling.estimate`) exceeds the device's 
 and the rest are ranked by the throughput model of `profiling.throughput`. Each proposal comes
 with the terms that decide it and the exact command line that runs it.
 
+Expert parallelism (mixture-of-experts models) divides a rank's expert weights, gradients and
+optimizer state by ep at the price of four all-to-alls of the routed rows per layer and
+micro-batch (two forward, two backward), exposed: it wins where the experts' state is what does
+not fit.
+
 Context parallelism divides a rank's activations by cp at the price of the ring's transfers
 (hidden behind the attention's compute where the sequence is long) and of smaller per-rank
 work: it wins where the sequence makes activations dominate memory, so that without it only
@@ -19,6 +24,7 @@ short sequence its transfers are exposed and it loses to dp.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import shlex
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,6 +67,8 @@ class Layout:
     zero: int
     micro_batch_size: int
     recompute: str
+    ep: int = 1
+    """Expert-parallel ranks within dp (mixture-of-experts models)."""
 
     def values(self, base: Config, device: str) -> dict[str, Any]:
         """The config keys (`section.key`) and values that select this layout."""
@@ -75,6 +83,8 @@ class Layout:
             "train.micro_batch_size": self.micro_batch_size,
             "train.recompute": self.recompute,
         }
+        if base.model.moe_experts is not None:
+            values["parallel.ep"] = self.ep
         if base.train.recompute_layers is not None:  # full recompute here means every layer
             values["train.recompute_layers"] = None
         if device == "cpu" and base.train.device != "cpu":
@@ -96,7 +106,8 @@ class Layout:
         text += f"x{self.vpp}" if self.vpp > 1 else ""
         text += f" {self.schedule}" if self.schedule.startswith("zb") else ""
         zero = f" zero{self.zero}" if self.zero else ""
-        return text + f" dp {dp}{zero} mbs {self.micro_batch_size}"
+        ep = f" (ep {self.ep})" if self.ep > 1 else ""
+        return text + f" dp {dp}{ep}{zero} mbs {self.micro_batch_size}"
 
 
 @dataclass
@@ -141,6 +152,15 @@ def context_parallel_sizes(base: Config, world_size: int) -> list[int]:
     ]
 
 
+def expert_parallel_sizes(base: Config, dp: int) -> list[int]:
+    """The ep sizes of a mixture-of-experts model: dividing dp and the experts (1 alone for a
+    dense model)."""
+    experts = base.model.moe_experts
+    if experts is None:
+        return [1]
+    return [ep for ep in _divisors(dp) if experts % ep == 0]
+
+
 def layouts(base: Config, world_size: int) -> Iterator[Layout]:
     """Every layout worth building: tp, cp and pp dividing the world (cp: see
     `context_parallel_sizes`), vpp splitting the layers evenly, each schedule for it, ZeRO only
@@ -154,13 +174,13 @@ def layouts(base: Config, world_size: int) -> Iterator[Layout]:
                 dp = ParallelDims.for_world(world_size, tp=tp, cp=cp, pp=pp).sizes["dp"]
                 vpps = [v for v in range(2, MAX_VPP + 1) if pp > 1 and n_layers % (pp * v) == 0]
                 micro = [b for b in _divisors(max(batch // dp, 1)) if b <= MAX_MICRO_BATCH]
+                eps = expert_parallel_sizes(base, dp)
                 for vpp, schedule in [(v, s) for v in (1, *vpps) for s in schedules(pp, v)]:
                     for zero in (0, 1, 2) if dp * cp > 1 else (0,):
-                        for mbs in micro:
-                            for recompute in RECOMPUTE:
-                                yield Layout(
-                                    tp, cp, pp, vpp, schedule, tp > 1, zero, mbs, recompute
-                                )
+                        for mbs, recompute, ep in itertools.product(micro, RECOMPUTE, eps):
+                            yield Layout(
+                                tp, cp, pp, vpp, schedule, tp > 1, zero, mbs, recompute, ep
+                            )
 
 
 def with_values(base: dict[str, dict[str, Any]], values: dict[str, Any]) -> Config:
@@ -309,6 +329,10 @@ def _reasons(layout: Layout, prediction: Prediction, need: float, machine: Machi
         exposed = p.cp_comm_s / p.step_s
         reasons.append(
             f"cp {layout.cp}: activations / {layout.cp}, ring {exposed:.0%} exposed ({link})"
+        )
+    if layout.ep > 1:
+        reasons.append(
+            f"ep {layout.ep}: expert weights / {layout.ep}, all-to-all {p.ep_comm_s / p.step_s:.0%}"
         )
     if p.dp_comm_s > 0.01 * p.step_s:
         reasons.append(f"dp traffic exposed {p.dp_comm_s / p.step_s:.0%}")

@@ -119,6 +119,8 @@ class Prediction:
     cp_comm_s: float
     """Context-parallel transfers of the busiest pipeline rank left exposed by its attention's
     compute (inside pipeline_s)."""
+    ep_comm_s: float
+    """Expert-parallel all-to-alls of the busiest pipeline rank (inside pipeline_s)."""
     p2p_s: float
     dp_comm_s: float
     optimizer_s: float
@@ -192,6 +194,7 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
     makespan, bubble = pipeline_makespan(cfg, m, forward, backward)
     tp_per_rank = [m * s for s in per_rank(times.tp_s)]
     cp_per_rank = [m * s for s in per_rank(times.cp_s)]
+    ep_per_rank = [m * s for s in per_rank(times.ep_s)]
     calls = max(m * c for c in per_rank(times.calls))
 
     # pp: an activation forward and a gradient back per boundary, exposed along fill and drain
@@ -235,6 +238,7 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
         bubble=bubble,
         tp_comm_s=max(tp_per_rank),
         cp_comm_s=max(cp_per_rank),
+        ep_comm_s=max(ep_per_rank),
         p2p_s=p2p,
         dp_comm_s=dp_s,
         optimizer_s=optimizer,
@@ -256,6 +260,8 @@ class _StageTimes:
     """The cp transfers among them (exposed)."""
     cp_moved_s: list[float]
     """Seconds the cp transfers take in all, overlapped or not."""
+    ep_s: list[float]
+    """The expert-parallel all-to-alls among them."""
     calls: list[int]
     """tp collectives and cp messages."""
 
@@ -274,26 +280,42 @@ def _stage_times(
     transfer = 4 * (p.tp - 1) / p.tp * act / machine.bandwidth(dims.span("tp"))
     transfer *= machine.split_collective_cost if p.sp else 1.0
     ring = cp_transfers(cfg, machine, dims, element)
-    times = _StageTimes([], [], [], [], [], [])
+    a2a = ep_transfer(cfg, machine, dims, element)
+    times = _StageTimes([], [], [], [], [], [], [])
     partition = _partition(cfg)
     for cost, layers, rerun in zip(partition.costs, partition.ranges, partition.rerun):
         n = len(layers)
         tp_f, tp_b = n * transfer, (n + rerun) * transfer
         cp_f, cp_b = n * ring.forward_exposed, n * ring.backward_exposed
         cp_b += rerun * ring.forward_exposed  # recompute runs the forward's ring again
+        ep_f, ep_b = 2 * n * a2a, 2 * (n + rerun) * a2a  # dispatch and combine, each way
         fixed = n * machine.layer_overhead_s / 3  # a third forward, two backward
         compute_f, compute_b = (c * tokens / p.tp / machine.rank_flops for c in cost[:2])
-        times.forward.append(compute_f + tp_f + cp_f + fixed)
-        times.backward.append(compute_b + tp_b + cp_b + 2 * fixed)
+        times.forward.append(compute_f + tp_f + cp_f + ep_f + fixed)
+        times.backward.append(compute_b + tp_b + cp_b + ep_b + 2 * fixed)
+        times.ep_s.append(ep_f + ep_b)
         times.tp_s.append(tp_f + tp_b)
         times.cp_s.append(cp_f + cp_b)
         times.cp_moved_s.append((n + rerun) * ring.forward_moved + n * ring.backward_moved)
         times.calls.append(
             (2 * n + rerun) * per_pass
+            + (4 * n + 2 * rerun) * (p.ep > 1)
             + (n + rerun) * ring.forward_messages
             + n * ring.backward_messages
         )
     return times
+
+
+def ep_transfer(cfg: Config, machine: Machine, dims: ParallelDims, element: int) -> float:
+    """Seconds of one all-to-all of a layer's routed rows for one micro-batch (0 at ep 1):
+    this rank's tokens times top-k rows of the model width, all but 1/ep of them leaving the
+    rank (balanced routing), over the ep group's link."""
+    p, m = cfg.parallel, cfg.model
+    if p.ep == 1:
+        return 0.0
+    rows = cfg.train.micro_batch_size * m.seq_len // p.cp * m.moe_top_k
+    leaving = (p.ep - 1) / p.ep * rows * m.hidden * element
+    return leaving / machine.bandwidth(dims.expert_dims.span("ep"))
 
 
 @dataclass(frozen=True)

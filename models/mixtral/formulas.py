@@ -14,7 +14,6 @@ from megalite.models.formulas import (
     attention_parameters,
     linear_parameters,
     pre_norm_block_saved,
-    rotary_buffers,
 )
 from megalite.models.llama.formulas import LlamaFormulas
 from megalite.models.mixtral.moe import active_experts
@@ -41,9 +40,6 @@ class MixtralFormulas(LlamaFormulas):
             params += linear_parameters(pre + "mlp.shared_gate_up", 2 * fs, h, bias=False)
             params += linear_parameters(pre + "mlp.shared_down", h, fs, bias=False)
         return params
-
-    def layer_buffers(self, m: ModelConfig) -> list[int]:
-        return [*rotary_buffers(m), m.moe_experts, m.moe_experts]  # the router's bias and load
 
     def layer_matmul_weights(self, m: ModelConfig) -> int:
         experts = active_experts(m) * 3 * m.hidden * m.ffn_hidden

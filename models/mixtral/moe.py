@@ -89,10 +89,13 @@ class MoE(nn.Module):
         # Under SP each rank routes its own tokens: the router's gradient is partial over tp.
         router = ParamMeta((n, h), init, tp_grad_reduce=ctx.sequence_parallel)
         self.router = Weight(make_param((n, h), router, ps))
-        # DeepSeek-V3's routing bias, and the step's load that moves it (`balance_routing`)
-        self.register_buffer("expert_bias", torch.zeros(n, device=ps.device), persistent=False)
-        self.register_buffer("load", torch.zeros(n, device=ps.device), persistent=False)
-        self.register_buffer("dropped", torch.zeros((), device=ps.device), persistent=False)
+        # DeepSeek-V3's routing bias (fp32), and the step's load that moves it
+        # (`balance_routing`): plain tensors on the rank's device, not module buffers, so the
+        # model's cast to 16 bits leaves them exact (a bf16 count stops at 256); a few bytes
+        # per layer that the estimate leaves out.
+        self.expert_bias = torch.zeros(n, device=ps.device)
+        self.load = torch.zeros(n, dtype=torch.int64, device=ps.device)
+        self.dropped = torch.zeros((), dtype=torch.int64, device=ps.device)
         per_rank = n // ps.ep_size  # this ep rank's experts, by global index
         self.local_experts = range(ps.ep_rank * per_rank, (ps.ep_rank + 1) * per_rank)
         names = [f"experts.{e}" for e in self.local_experts]
@@ -213,7 +216,7 @@ class MoE(nn.Module):
             update_bias(self.expert_bias, load[:-1], rate)
         self.load.zero_()
         self.dropped.zero_()
-        return load[:-1], int(load[-1].item())
+        return load[:-1].float(), int(load[-1].item())
 
 
 def active_experts(cfg: ModelConfig) -> int:
