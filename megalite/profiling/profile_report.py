@@ -62,6 +62,7 @@ def layout_of(cfg: Config, world_size: int) -> dict[str, Any]:
         "tp": p.tp,
         "cp": p.cp,
         "cp_comm": p.cp_comm,
+        "ep": p.ep,
         "pp": p.pp,
         "dp": dp,
         "vpp": p.vpp,
@@ -121,6 +122,8 @@ def rank_entry(row: dict[str, float], cost: StepCost) -> dict[str, Any]:
         weight_s=row["weight"],
         comm_overlapped_s={axis: row[f"{axis}_comm_overlapped"] for axis in AXES},
         bubble=row["bubble"] / (row["forward"] + row["backward"]),
+        expert_imbalance=row["expert_imbalance"],
+        dropped_tokens=int(row["dropped_tokens"]),
         memory_bytes={k: v for k, v in memory.items() if k not in GPU_PEAKS},
     )
     # what the device holds, like the estimate's total: host-resident parts (`*_host`) aside
@@ -165,6 +168,11 @@ def build_report(
         "bubble_measured": sum(r["time_s"]["bubble"] for r in ranks) / compute,
         "bubble_simulated": simulated_bubble(cfg, layout, ranks),
         "memory_total_bytes_max": max(r["memory_total_bytes"] for r in ranks),
+        # MoE: the busiest expert's routed tokens over the mean, and pairs dropped (median step)
+        "expert_imbalance": max(r["expert_imbalance"] for r in ranks) or None,
+        "dropped_tokens": max(r["dropped_tokens"] for r in ranks)
+        if cfg.model.moe_experts
+        else None,
     }
     return {
         "config": config_to_dict(cfg),
@@ -191,8 +199,9 @@ def layout_line(report: dict[str, Any]) -> str:
     """`layout: tp=.. cp=.. pp=.. ...` of the profiled run."""
     x = report["layout"]
     cp = f"cp={x.get('cp', 1)}" + (f" ({x['cp_comm']})" if x.get("cp", 1) > 1 else "")
+    ep = f" (ep={x['ep']})" if x.get("ep", 1) > 1 else ""
     return (
-        f"layout: tp={x['tp']} {cp} pp={x['pp']} vpp={x['vpp']} dp={x['dp']} sp={x['sp']} "
+        f"layout: tp={x['tp']} {cp} pp={x['pp']} vpp={x['vpp']} dp={x['dp']}{ep} sp={x['sp']} "
         f"zero={x['zero']} schedule={x['schedule']} on {report['world_size']} ranks; "
         f"micro-batches: {x['microbatches']} of {x['micro_batch_size']}"
     )
@@ -203,8 +212,9 @@ def format_table(report: dict[str, Any]) -> str:
     slowest rank's step time, the largest memory), then the bubble measured against the
     simulator's. The cp columns only where there is context parallelism."""
     with_cp = report["layout"].get("cp", 1) > 1
-    parts = [p for p in TIME_PARTS if with_cp or p != "cp_comm_exposed"]
-    overlaps = [axis for axis in SHOWN_OVERLAP if with_cp or axis != "cp"]
+    shown = {"cp": with_cp, "ep": report["layout"].get("ep", 1) > 1}
+    parts = [p for p in TIME_PARTS if shown.get(p.removesuffix("_comm_exposed"), True)]
+    overlaps = [axis for axis in SHOWN_OVERLAP if shown.get(axis, True)]
     names = [p.removesuffix("_comm_exposed") + (" exp" if "comm" in p else "") for p in parts]
     names += [f"{axis} ovl" for axis in overlaps]
     axes = ("tp", "cp", "pp", "dp") if with_cp else ("tp", "pp", "dp")
@@ -244,6 +254,11 @@ def format_table(report: dict[str, Any]) -> str:
         f"slowest rank {total['straggler_rank']}) pipeline bubble (idle / compute): measured "
         f"{total['bubble_measured']:.3f}, simulated {total['bubble_simulated']:.3f}"
     )
+    if total.get("expert_imbalance") is not None:
+        lines.append(
+            f"experts: the busiest routed {total['expert_imbalance']:.2f}x the mean (1.00: "
+            f"balanced); {total['dropped_tokens']} (token, choice) pairs dropped over capacity"
+        )
     if total["traced_step_time_s"] is not None:
         traced = total["traced_step_time_s"]
         lines.append(

@@ -42,9 +42,10 @@ from megalite.profiling.memory import SavedActivationTracker, live_bytes, live_d
 from megalite.training.setup import Run
 from megalite.training.step import train_step
 
-AXES = ("tp", "cp", "dp", "other")
-"""Communication by the axis of its group: tensor parallel, context parallel, data parallel
-(the replicas, dp x cp), and the rest (the pipeline's messages, and collectives over the world,
+AXES = ("tp", "cp", "ep", "dp", "other")
+"""Communication by the axis of its group: tensor parallel, context parallel, expert parallel
+(the experts' all-to-alls), data parallel (the replicas: dp x cp, and cp x edp for the
+experts' gradients), and the rest (the pipeline's messages, and collectives over the world,
 model-parallel or pipeline groups)."""
 TIME_PARTS = (
     "forward",
@@ -104,9 +105,10 @@ class CommTimer(comm.CommObserver):
     @classmethod
     def of(cls, ps: Any) -> CommTimer:
         """The observer of `ps`'s groups: tp, cp (the ring's peers), and dp, the replicas of the
-        weights (dp x cp: gradients, ZeRO's gather) as well as the dp group itself."""
+        weights (dp x cp, and cp x edp for experts: gradients, ZeRO's gather) as well as the dp
+        group itself. ep is told by the call (an all-to-all), since its group may be dp's."""
         groups = [("tp", ps.tp_group), ("cp", ps.cp_group), ("dp", ps.dp_group)]
-        groups.append(("dp", ps.dp_cp_group))
+        groups += [("dp", ps.dp_cp_group), ("dp", ps.expert_dp_group)]
         peers = frozenset(ps.cp_ranks) - {ps.rank} if ps.cp_size > 1 else frozenset()
         return cls(groups, ps.device, peers)
 
@@ -114,6 +116,8 @@ class CommTimer(comm.CommObserver):
         """The axis of a call; None for a pipeline message (the executor times those)."""
         if call.peer is not None:
             return "cp" if call.peer in self.ring_peers else None
+        if call.op == "all_to_all":
+            return "ep"
         return self.axis_of.get(id(call.group), "other")
 
     def mark(self) -> Any:
@@ -194,7 +198,8 @@ def measure_step(
     _synchronize(run.ps.device)
     start = time.perf_counter()
     with timer.interval("step"):
-        inner = train_step(run, tokens, lr, timer=timer).times
+        metrics = train_step(run, tokens, lr, timer=timer)
+    inner = metrics.times
     _synchronize(run.ps.device)
     wall_s = time.perf_counter() - start
     comm_timer.step_timer = None
@@ -212,6 +217,9 @@ def measure_step(
     }
     parts["step"] = wall_s
     parts["weight"] = inner.weight_s  # of "backward": a split backward's W steps
+    # MoE routing over the global batch (0 without experts)
+    parts["expert_imbalance"] = metrics.expert_imbalance or 0.0
+    parts["dropped_tokens"] = float(metrics.dropped_tokens or 0)
     return parts
 
 

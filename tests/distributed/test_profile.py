@@ -75,7 +75,7 @@ def _profile(overrides: tuple[str, ...], out_dir: str, trace: bool) -> tuple[dic
     trace_dir = f"{out_dir}/trace" if trace else None
     report = profile(cfg, warmup_steps=1, steps=2, trace_dir=trace_dir and Path(trace_dir))
     p = cfg.parallel
-    ps = build_parallel_state(p.tp, p.pp, torch.device("cpu"), cp=p.cp)
+    ps = build_parallel_state(p.tp, p.pp, torch.device("cpu"), cp=p.cp, ep=p.ep)
     return report, live_bytes(build_run(cfg, ps))
 
 
@@ -174,6 +174,26 @@ def test_data_parallel_gradient_reduction_is_communication(builtin_corpus, tmp_p
         assert entry["time_s"]["bubble"] == 0
         assert entry["comm_overlapped_s"]["dp"] > 0  # buckets reduced while the backward went on
         assert entry["comm_overlapped_s"]["tp"] == 0
+
+
+def test_expert_all_to_all_is_ep_communication(builtin_corpus, tmp_path):
+    """Mixtral at ep 2 x dp 2: the experts' all-to-alls are ep communication (blocking, so
+    exposed), the gradients (dense over dp, experts over dp / ep) dp's; the report gives the
+    busiest expert's load over the mean and the dropped pairs, and the table shows ep."""
+    moe = ("model.arch=mixtral", "model.n_kv_heads=2", "model.moe_experts=4")
+    layout = (*moe, "model.ffn_hidden=96", "parallel.ep=2", "train.micro_batch_size=1")
+    results = run_ranks(4, _profile, layout, str(tmp_path), False)
+    report = results[0][0]
+    _check_report(report, 4, [live for _, live in results])
+    assert report["layout"]["ep"] == 2 and report["layout"]["dp"] == 4
+    for entry in report["ranks"]:
+        assert entry["time_s"]["ep_comm_exposed"] > 0 and entry["comm_overlapped_s"]["ep"] == 0
+        assert entry["time_s"]["dp_comm_exposed"] + entry["comm_overlapped_s"]["dp"] > 0
+        assert entry["expert_imbalance"] >= 1.0 and entry["dropped_tokens"] == 0
+    assert report["total"]["expert_imbalance"] >= 1.0 and report["total"]["dropped_tokens"] == 0
+    table = format_table(report)
+    assert "dp=4 (ep=2)" in table.splitlines()[0] and "ep exp" in table
+    assert "experts: the busiest routed" in table
 
 
 @pytest.mark.parametrize("dp", [1, 2])
