@@ -431,6 +431,9 @@ def _load_tensors(ckpt: Checkpoint, state: RunState) -> None:
         ckpt.check_present()
         ckpt.verify_tokenizer()
     ckpt.load_parameters(state.params, ps)
+    for name, tensor in state.routing.items():  # absent from checkpoints before MoE biases
+        if name in manifest["tensors"]:
+            tensor.copy_(ckpt.tensor(name))
 
     def read_state(name: str, tensor: torch.Tensor, kind: str, lo: int, hi: int) -> torch.Tensor:
         source = state_name(tensor.meta.tied_name or name, kind)

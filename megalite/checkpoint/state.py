@@ -5,7 +5,7 @@ only those two modules know how the state lies on disk."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,6 +69,11 @@ class RunState:
     """Steps done."""
     tracker_id: str | None = None
     """The run's id in the experiment trackers, so a resume continues the same tracked run."""
+    routing: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Tensors besides the parameters that the model's behaviour depends on, by global name:
+    the MoE routers' balancing biases (`<layer>.mlp.expert_bias`), the same on every replica.
+    Saved with the weights by the first replica of their pipeline stage, loaded by name in any
+    layout."""
 
     def trainer_state(self) -> dict[str, Any]:
         """The JSON-able part of the state, as a checkpoint stores it."""

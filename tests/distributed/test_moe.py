@@ -144,3 +144,19 @@ def test_bias_balancing_moves_the_routing_bias(builtin_corpus):
         expected = 0.01 * torch.sign(load.float().mean() - load)
         assert torch.allclose(moe.expert_bias, expected), (moe.expert_bias, load)
         assert load.sum() == 8 * cfg.model.seq_len * cfg.model.moe_top_k
+
+
+def test_resume_restores_the_routing_biases(builtin_corpus, tmp_path):
+    """DeepSeek-V3's balancing biases (not parameters: moved by the step's load, not the
+    optimizer) are saved with the weights, once per pipeline stage: saved at ep 2 x dp 2 after
+    step 5 and resumed at ep 1 on one rank, steps 6-10 are the uninterrupted run's."""
+    run_layout(4, TINY + DEEPSEEK + SAVE_AT_5 + ("parallel.ep=2", "parallel.pp=2"), tmp_path)
+    checkpoints = tmp_path / "checkpoints"
+    manifest = json.loads((checkpoints / "step_000005" / "manifest.json").read_text())
+    assert {"layers.0.mlp.expert_bias", "layers.3.mlp.expert_bias"} <= manifest["tensors"].keys()
+    shutil.rmtree(checkpoints / "step_000010")
+    (checkpoints / "latest").write_text("step_000005")
+    (tmp_path / "metrics.jsonl").write_text("")
+    resumed, _ = run_layout(1, TINY + DEEPSEEK + SAVE_AT_5, tmp_path)
+    ref_losses, _ = reference(TINY + DEEPSEEK)
+    assert_same_losses(resumed, ref_losses[5:], norm_rtol=NORM_RTOL)
