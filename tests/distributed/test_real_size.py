@@ -108,7 +108,6 @@ CASES = {
         _batch(8, 16),
         ("parallel.ep=2", "parallel.tp=2", "parallel.sp=true"),
     ),
-    "mixtral-ep4-zero1": (4, MIXTRAL, _batch(4, 32), ("parallel.ep=4", "parallel.zero=1")),
     "gpt-3d-readme": (
         8,
         GPT,

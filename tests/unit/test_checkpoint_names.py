@@ -32,14 +32,15 @@ def test_the_fixtures_files_are_the_names_the_grid_gives_their_layout():
         assert saved == named, manifest_path
 
 
-def test_a_new_axis_shows_in_the_names():
-    """A hypothetical expert axis that shards the weights, inserted by name into the order."""
-    order = ("tp", "ep", "dp", "pp")
-    dims = ParallelDims.for_world(16, order=order, tp=2, ep=2, pp=2)
-    dims = ParallelDims(dims.sizes, weight_axes=("tp", "ep", "pp"))
-    rank = dims.rank_of(tp=1, ep=1, dp=1, pp=1)
-    assert weights_file(dims, rank) == "model_tp01_ep01_pp01.safetensors"
-    assert optimizer_file(dims, rank) == "optim_tp01_ep01_pp01_dp01.safetensors"
+def test_expert_weights_are_named_by_the_experts_grid():
+    """With expert parallelism the dense weights keep their files; each (tp, ep, pp) piece of
+    the experts has its own, and the optimizer files stay one per rank."""
+    dims = ParallelDims.for_world(16, ep=2, tp=2, pp=2)
+    rank = dims.rank_of(tp=1, dp=3, pp=1)  # dp 3 = edp 1 x ep 2 + ep 1
+    assert weights_file(dims, rank) == "model_tp01_pp01.safetensors"
+    assert weights_file(dims.expert_dims, rank) == "model_tp01_ep01_pp01.safetensors"
+    assert optimizer_file(dims, rank) == "optim_tp01_pp01_dp03.safetensors"
     names = {optimizer_file(dims, r) for r in range(dims.world_size)}
     assert len(names) == dims.world_size  # one file per rank
-    assert len({weights_file(dims, r) for r in range(dims.world_size)}) == 8  # per dp replica
+    experts = {weights_file(dims.expert_dims, r) for r in range(dims.world_size)}
+    assert len(experts) == 8  # per expert replica

@@ -116,9 +116,31 @@ def test_dp_is_never_given_and_axes_must_exist():
     with pytest.raises(ValueError):
         ParallelDims.for_world(8, dp=2)
     with pytest.raises(ValueError):
-        ParallelDims.for_world(8, ep=2)  # not in today's order
+        ParallelDims.for_world(8, xp=2)  # not in the order
     with pytest.raises(ValueError):
-        ParallelDims.for_world(8).groups("ep")
+        ParallelDims.for_world(8).groups("ep")  # ep is the experts' grid's, not this one's
+
+
+def test_expert_parallel_ranks_are_carved_out_of_dp():
+    """ep 2 in dp 4 (tp 2, 16 ranks with pp 2): the experts' grid is the same ranks with dp
+    split into ep (fastest) x edp; its groups are new names, the dense grid is unchanged."""
+    dims = ParallelDims.for_world(16, ep=2, tp=2, pp=2)
+    plain = ParallelDims.for_world(16, tp=2, pp=2)
+    assert dims.sizes == plain.sizes and dims.layout() == {**plain.layout(), "ep": 2}
+    experts = dims.expert_dims
+    assert experts.sizes == {"tp": 2, "cp": 1, "ep": 2, "edp": 2, "pp": 2}
+    assert experts.weight_axes == ("tp", "ep", "pp")
+    for rank in range(16):
+        dense, expert = dims.coords(rank), experts.coords(rank)
+        assert dense["dp"] == expert["edp"] * 2 + expert["ep"]
+        assert (dense["tp"], dense["pp"]) == (expert["tp"], expert["pp"])
+    named = dims.named_groups()
+    assert named["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert named["expert_dp"][0] == [0, 4]  # the same experts: same tp, ep and pp
+    assert named["dp"] == plain.named_groups()["dp"]
+    assert "ep" not in plain.named_groups()
+    with pytest.raises(ConfigError, match="parallel.ep=3 does not divide"):
+        ParallelDims.for_world(16, ep=3, tp=2, pp=2)
 
 
 def test_layout_and_labels_spell_the_weight_axes_first():

@@ -10,6 +10,7 @@ import dataclasses
 from test_plan import machine
 
 from megalite.config import load_config
+from megalite.profiling import plan as planner
 from megalite.profiling.plan import estimated_peak_bytes, expert_parallel_sizes, plan, validated
 from megalite.profiling.throughput import ep_transfer, predict
 
@@ -23,7 +24,11 @@ def test_ep_sizes_divide_dp_and_the_experts():
     assert expert_parallel_sizes(load_config("configs/llama-7b.yaml"), 16) == [1]
 
 
-def test_plan_proposes_expert_parallelism_where_the_experts_do_not_fit():
+def test_plan_proposes_expert_parallelism_where_the_experts_do_not_fit(monkeypatch):
+    """The search cut to full recompute and 1F1B with one chunk (seconds instead of a minute):
+    every layout that fits shards the experts."""
+    monkeypatch.setattr(planner, "RECOMPUTE", ("full",))
+    monkeypatch.setattr(planner, "schedules", lambda pp, vpp: ("1f1b",) if vpp == 1 else ())
     hardware = machine("cuda", 64, 8, "40GB")
     base = load_config(MIXTRAL)
     proposals = plan(MIXTRAL, [], base, hardware, top=3)
