@@ -54,6 +54,13 @@ token's gradient goes to another expert: the gradient norm jumps by about 1e-5 a
         (4, MIXTRAL, ("parallel.ep=2", "parallel.zero=1")),
         (4, DEEPSEEK, ("parallel.ep=2", "parallel.zero=2", "train.recompute=full")),
         (4, MIXTRAL, ("parallel.ep=2", "parallel.cp=2")),
+        (4, MIXTRAL, ("parallel.ep=2", "parallel.pp=2", "parallel.schedule=gpipe")),
+        (4, DEEPSEEK, ("parallel.ep=2", "parallel.pp=2", "parallel.schedule=zb-h1")),
+        (
+            4,
+            MIXTRAL,
+            ("parallel.ep=2", "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zb-v"),
+        ),
     ],
     ids=[
         "mixtral-tp2-sp",
@@ -69,6 +76,9 @@ token's gradient goes to another expert: the gradient norm jumps by about 1e-5 a
         "mixtral-ep2-dp2-zero1",
         "deepseek-ep2-dp2-zero2-recompute",
         "mixtral-ep2-cp2",
+        "mixtral-ep2-pp2-gpipe",
+        "deepseek-ep2-pp2-zb-h1",
+        "mixtral-ep2-pp2-zb-v",
     ],
 )
 def test_moe_layout_equals_single_process(builtin_corpus, tmp_path, world, model, layout):
