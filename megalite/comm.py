@@ -298,7 +298,8 @@ def all_to_all(
     output = tensor.new_empty((sum(receive_rows), *tensor.shape[1:]))
     # Traced by one row: the row counts differ over ranks by design (they are what an equal-size
     # exchange before it agreed on), the row's shape and dtype may not.
-    call = _enter("all_to_all", tensor.new_empty((1, *tensor.shape[1:])), group)
+    row = torch.empty((1, *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
+    call = _enter("all_to_all", row, group)
 
     def issue(async_op: bool) -> Any:
         return dist.all_to_all_single(

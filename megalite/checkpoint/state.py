@@ -71,7 +71,8 @@ class RunState:
     """The run's id in the experiment trackers, so a resume continues the same tracked run."""
     routing: dict[str, torch.Tensor] = field(default_factory=dict)
     """Tensors besides the parameters that the model's behaviour depends on, by global name:
-    the MoE routers' balancing biases (`<layer>.mlp.expert_bias`), the same on every replica.
+    the MoE routers' balancing biases (`<layer>.mlp.expert_bias`, carrying a replicated
+    `ParamMeta`), the same on every replica.
     Saved with the weights by the first replica of their pipeline stage, loaded by name in any
     layout."""
 

@@ -47,7 +47,7 @@ from megalite.checkpoint.staging import HostStaging
 from megalite.checkpoint.state import RunState
 from megalite.data.tokenizer import tokenizer_files
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel import ParamMeta, constant_init, global_tensors
+from megalite.tensor_parallel import global_tensors
 
 
 def _entry(meta, pieces: int) -> dict[str, Any]:
@@ -58,13 +58,6 @@ def _entry(meta, pieces: int) -> dict[str, Any]:
         "pieces": pieces,
         "segments": [],
     }
-
-
-@dataclass(frozen=True)
-class _Replicated:
-    """What `owned_tensors`' `add` reads of a tensor that is no parameter: its meta."""
-
-    meta: ParamMeta
 
 
 def _saved_name(param: torch.Tensor, name: str, ps: ParallelState) -> str | None:
@@ -102,8 +95,7 @@ def owned_tensors(state: RunState) -> tuple[dict[str, dict[str, torch.Tensor]], 
             add(name, tensor, weights[tensor.meta.expert], 0, tensor)
     if first[False] and ps.tp_rank == 0:  # the routing biases: one copy per pipeline stage
         for name, tensor in state.routing.items():
-            meta = ParamMeta(tuple(tensor.shape), constant_init(0.0))
-            add(name, _Replicated(meta), model_file, 0, tensor)
+            add(name, tensor, model_file, 0, tensor)
     for name, tensor, lo, _, views in optimizer.owned_pieces():
         if (optimizer.sharded or first[tensor.meta.expert]) and _saved_name(tensor, name, ps):
             for kind, view in views.items():

@@ -226,12 +226,7 @@ def run_state(run: Run, sampler: GlobalBatchSampler) -> RunState:
         scaler=run.scaler,
         bad_steps=run.bad_steps,
         config=config_to_dict(run.cfg),
-        routing={
-            f"{name}.expert_bias": module.expert_bias
-            for chunk in run.chunks
-            for name, module in chunk.named_modules()
-            if hasattr(module, "expert_bias")
-        },
+        routing={f"{name}.expert_bias": m.expert_bias for name, m in run.moe_layers.items()},
     )
 
 

@@ -4,6 +4,7 @@ executor. The same function serves every layout."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,17 @@ class Run:
             self.cfg.data.reset_positions,
             self.ps.device,
         )
+
+    @functools.cached_property
+    def moe_layers(self) -> dict[str, nn.Module]:
+        """The mixture-of-experts layers of this rank's chunks, by global name (their routing
+        statistics and biases are kept per step: `step.route_balance`, `RunState.routing`)."""
+        return {
+            name: module
+            for chunk in self.chunks
+            for name, module in chunk.named_modules()
+            if hasattr(module, "take_load")
+        }
 
     def train(self, mode: bool = True) -> None:
         for chunk in self.chunks:

@@ -47,21 +47,28 @@ class StepMetrics:
 
 
 def route_balance(run: Run) -> tuple[float | None, int | None]:
-    """After the step, every MoE layer's routing statistics over the global batch (and its bias
-    update, DeepSeek-V3's balancing): (expert imbalance, dropped pairs), or Nones without
-    experts."""
-    imbalance, dropped = None, None
-    for chunk in run.chunks:
-        for module in chunk.modules():
-            if hasattr(module, "balance_routing"):
-                load, lost = module.balance_routing(run.ps.dp_group)
-                ratio = (load.max() / load.mean().clamp_min(1e-9)).item()
-                imbalance, dropped = max(imbalance or 0.0, ratio), (dropped or 0) + lost
-    if imbalance is None:
+    """After the step, the MoE layers' routing over the global batch, in one collective for
+    all of them: each layer's bias update (DeepSeek-V3's balancing), and (the busiest expert's
+    load over the mean, the worst layer's; (token, choice) pairs dropped), or Nones without
+    experts. The loads were summed over the token shards (SP, cp) as they were counted; the
+    drops, counted on each shard's own tokens, are summed here."""
+    layers = list(run.moe_layers.values())
+    if not layers:
         return None, None
-    worst, lost = (torch.tensor([value], device=run.ps.device) for value in (imbalance, dropped))
-    comm.all_reduce_max(worst, run.ps.pp_group)  # over the pipeline's stages
-    comm.all_reduce(lost, run.ps.pp_group)
+    ps = run.ps
+    dropped = torch.stack([layer.dropped for layer in layers])
+    if run.cfg.model.moe_capacity_factor is not None:
+        comm.all_reduce(dropped, ps.tp_group if run.cfg.parallel.sp else None)
+        comm.all_reduce(dropped, ps.cp_group)
+    stats = torch.cat([torch.stack([layer.load for layer in layers]), dropped[:, None]], dim=1)
+    comm.all_reduce(stats, ps.dp_group)
+    for layer, row in zip(layers, stats):
+        layer.take_load(row[:-1])
+    load = stats[:, :-1].double()
+    worst = (load.amax(dim=1) / load.mean(dim=1).clamp_min(1e-9)).amax().view(1)
+    lost = stats[:, -1].sum().view(1)
+    comm.all_reduce_max(worst, ps.pp_group)  # over the pipeline's stages
+    comm.all_reduce(lost, ps.pp_group)
     return worst.item(), int(lost.item())
 
 

@@ -46,15 +46,14 @@ class MixtralMapping(LlamaMapping):
         state = dict(state)
         for i in range(m.n_layers):
             old, new = f"model.layers.{i}.block_sparse_moe.", f"model.layers.{i}.mlp."
-            experts = range(m.moe_experts)
-
-            def pop(e: int, w: str, old: str = old) -> torch.Tensor:
-                return state.pop(f"{old}experts.{e}.{w}.weight")
-
+            w = {
+                hf: [state.pop(f"{old}experts.{e}.{hf}.weight") for e in range(m.moe_experts)]
+                for hf in ("w1", "w2", "w3")
+            }
             state[f"{new}gate.weight"] = state.pop(f"{old}gate.weight")
-            gate_up = [torch.cat([pop(e, "w1"), pop(e, "w3")]) for e in experts]
+            gate_up = [torch.cat(pair) for pair in zip(w["w1"], w["w3"], strict=True)]
             state[f"{new}experts.gate_up_proj"] = torch.stack(gate_up)
-            state[f"{new}experts.down_proj"] = torch.stack([pop(e, "w2") for e in experts])
+            state[f"{new}experts.down_proj"] = torch.stack(w["w2"])
         return state
 
     def hf_config(self, m: ModelConfig) -> PretrainedConfig:

@@ -42,7 +42,7 @@ from megalite.expert_parallel.router import (
     update_bias,
     z_loss,
 )
-from megalite.tensor_parallel import ParamMeta, make_param, normal_init
+from megalite.tensor_parallel import ParamMeta, constant_init, make_param, normal_init
 from megalite.tensor_parallel.layers import Part, tp_input, tp_output
 from megalite.tensor_parallel.random import replaying
 
@@ -90,10 +90,11 @@ class MoE(nn.Module):
         router = ParamMeta((n, h), init, tp_grad_reduce=ctx.sequence_parallel)
         self.router = Weight(make_param((n, h), router, ps))
         # DeepSeek-V3's routing bias (fp32), and the step's load that moves it
-        # (`balance_routing`): plain tensors on the rank's device, not module buffers, so the
+        # (`take_load`): plain tensors on the rank's device, not module buffers, so the
         # model's cast to 16 bits leaves them exact (a bf16 count stops at 256); a few bytes
         # per layer that the estimate leaves out.
         self.expert_bias = torch.zeros(n, device=ps.device)
+        self.expert_bias.meta = ParamMeta((n,), constant_init(0.0))  # saved, replicated
         self.load = torch.zeros(n, dtype=torch.int64, device=ps.device)
         self.dropped = torch.zeros((), dtype=torch.int64, device=ps.device)
         per_rank = n // ps.ep_size  # this ep rank's experts, by global index
@@ -204,19 +205,14 @@ class MoE(nn.Module):
             loss = loss + cfg.moe_z_loss_coef * z_loss(logits, total)
         return loss
 
-    def balance_routing(self, dp_group) -> tuple[torch.Tensor, int]:
-        """After a step: this step's routed (token, choice) pairs per expert over the whole
-        global batch, and the pairs dropped over capacity (for the metrics); the routing bias
-        moves towards balance by that load (`moe_bias_update_rate`). Then counting starts
-        afresh."""
-        load = torch.cat([self.load, self.dropped.view(1)])
-        comm.all_reduce(load, dp_group)
-        rate = self.cfg.moe_bias_update_rate
-        if rate:
-            update_bias(self.expert_bias, load[:-1], rate)
+    def take_load(self, load: torch.Tensor) -> None:
+        """After a step, with this step's routed (token, choice) pairs per expert over the whole
+        global batch (`training.step.route_balance` sums them): move the routing bias towards
+        balance (`moe_bias_update_rate`) and start counting afresh."""
+        if self.cfg.moe_bias_update_rate:
+            update_bias(self.expert_bias, load, self.cfg.moe_bias_update_rate)
         self.load.zero_()
         self.dropped.zero_()
-        return load[:-1].float(), int(load[-1].item())
 
 
 def active_experts(cfg: ModelConfig) -> int:

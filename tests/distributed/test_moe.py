@@ -138,16 +138,15 @@ def test_bias_balancing_moves_the_routing_bias(builtin_corpus):
     cfg = load_config(None, [*TINY, *DEEPSEEK, "model.moe_aux_loss_coef=0"])
     run = build_run(cfg, ParallelState.single())
     tokens = torch.randint(0, cfg.model.vocab_size, (8, cfg.model.seq_len + 1))
-    moes = [m for m in run.chunks[0].modules() if hasattr(m, "balance_routing")]
+    moes = list(run.moe_layers.values())
     loads = []
-    for moe in moes:  # record each layer's load as the step's balancing sees it
-        original = moe.balance_routing
+    for moe in moes:  # record each layer's load as the step hands it over
 
-        def recorded(group, original=original, moe=moe):
-            loads.append(moe.load.clone())
-            return original(group)
+        def recorded(load, original=moe.take_load):
+            loads.append(load.clone())
+            return original(load)
 
-        moe.balance_routing = recorded
+        moe.take_load = recorded
     metrics = train_step(run, tokens, lr=1e-3)
     assert metrics.expert_imbalance >= 1.0 and metrics.dropped_tokens == 0
     for moe, load in zip(moes, loads, strict=True):
