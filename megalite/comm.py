@@ -91,18 +91,6 @@ def _blocking(call: comm_trace.Call) -> Iterator[None]:
         yield
 
 
-def _layout_copy(tensor: torch.Tensor, source: int, destination: int) -> torch.Tensor:
-    """`tensor` with dim `source` moved to `destination`, contiguous (a copy unless the move
-    leaves it contiguous: dim 0 already, or every dim before it of size 1)."""
-    moved = tensor.movedim(source, destination)
-    if moved.is_contiguous():
-        return moved
-    with contextlib.ExitStack() as observed:
-        for observer in _observers:
-            observed.enter_context(observer.layout_copy())
-        return moved.contiguous()
-
-
 class _Tracked:
     """The handle of an asynchronous call: its wait is watched like a blocking call; everything
     else (is_completed, get_future) is the backend's own handle's."""
@@ -161,38 +149,16 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Any, async
         return None
     call = _enter("all_gather", output, group)
     if _on_gloo_cpu(output, group):
-        # gloo's allgather took 0.9-1.3 ms where an all-to-all of the same bytes took 0.6-0.7
-        # (2 ranks, 512 KiB out): send every rank a copy of the shard instead
-        copies = shard.repeat(size(group))
-
-        def send_copies(async_op: bool) -> Any:
-            return dist.all_to_all_single(output, copies, group=group, async_op=async_op)
-
-        return _issue(call, send_copies, async_op)
+        return _issue(call, _gloo_all_gather(output.view(size(group), -1), shard, group), async_op)
     return _issue(
         call, lambda a: _all_gather_flat(output, shard, group=group, async_op=a), async_op
     )
 
 
 def _on_gloo_cpu(tensor: torch.Tensor, group: Any) -> bool:
-    """Whether `group` is a gloo group working on CPU tensors, where two collectives are
-    faster as an all-to-all (`all_gather_flat`, `_gloo_reduce_scatter`)."""
+    """Whether `group` is a gloo group working on CPU tensors, where the all-gather and the
+    reduce-scatter are faster as all-to-alls (`_gloo_all_gather`, `_gloo_reduce_scatter`)."""
     return tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
-
-
-def reduce_scatter_flat(
-    shard: torch.Tensor, full: torch.Tensor, group: Any, async_op: bool = False
-) -> Any:
-    """Sum 1-D `full` over the group and keep this rank's contiguous piece in `shard`."""
-    if size(group) == 1:
-        shard.copy_(full)
-        return None
-    call = _enter("reduce_scatter", full, group)
-    if _on_gloo_cpu(full, group):
-        return _issue(call, _gloo_reduce_scatter(shard, full, group), async_op)
-    return _issue(
-        call, lambda a: _reduce_scatter_flat(shard, full, group=group, async_op=a), async_op
-    )
 
 
 class _FinishedOnWait:
@@ -213,29 +179,80 @@ class _FinishedOnWait:
         return getattr(self.work, name)
 
 
-def _gloo_reduce_scatter(
-    shard: torch.Tensor, full: torch.Tensor, group: Any
+def _all_to_all(
+    output: torch.Tensor, source: torch.Tensor, group: Any, finish: Callable[[], None] | None
 ) -> Callable[[bool], Any]:
-    """A reduce-scatter on gloo as an all-to-all (each rank receives every rank's copy of its
-    own piece) and a local sum. Why: ProcessGroupGloo's reduce_scatter_tensor clones the input,
-    all-reduces all of it and copies this rank's piece out (torch 2.13,
-    ProcessGroupGloo.cpp), twice the bytes of a reduce-scatter and two extra copies; on CPU
-    that made every sequence-parallel reduce-scatter cost more than the all-reduce it replaces.
-    The all-to-all moves (world - 1) / world of the tensor, the least a reduce-scatter can."""
-    world = size(group)
-    pieces = torch.empty_like(full)  # row r: rank r's copy of this rank's piece
-
-    def finish() -> None:
-        torch.sum(pieces.view(world, -1), dim=0, out=shard)
+    """Issue an all-to-all of equal pieces (flat `source` to flat `output`); `finish` runs once
+    it has arrived."""
 
     def issue(async_op: bool) -> Any:
-        work = dist.all_to_all_single(pieces, full, group=group, async_op=async_op)
+        work = dist.all_to_all_single(output, source, group=group, async_op=async_op)
+        if finish is None:
+            return work
         if async_op:
             return _FinishedOnWait(work, finish)
         finish()
         return None
 
     return issue
+
+
+def _gloo_all_gather(pieces: torch.Tensor, shard: torch.Tensor, group: Any) -> Callable:
+    """An all-gather on gloo as an all-to-all that sends every rank a copy of the shard, into
+    `pieces` (world, shard). Why: gloo's allgather took 0.9-1.3 ms where the all-to-all of the
+    same bytes took 0.6-0.7 (2 ranks, 512 KiB out); point-to-point messages were faster alone
+    but cost 2-3x the system time inside a training step."""
+    return _all_to_all(pieces.view(-1), shard.repeat(pieces.shape[0]), group, None)
+
+
+def reduce_scatter_flat(
+    shard: torch.Tensor, full: torch.Tensor, group: Any, async_op: bool = False
+) -> Any:
+    """Sum 1-D `full` over the group and keep this rank's contiguous piece in `shard`."""
+    if size(group) == 1:
+        shard.copy_(full)
+        return None
+    return _reduce_scatter(shard, full.view(size(group), -1), group, async_op)
+
+
+def _reduce_scatter(shard: torch.Tensor, pieces: torch.Tensor, group: Any, async_op: bool) -> Any:
+    """Sum `pieces` (world, *shard.shape; row r goes to group rank r, any strides) over the
+    group into `shard`."""
+    call = _enter("reduce_scatter", pieces, group)
+    if _on_gloo_cpu(pieces, group):
+        return _issue(call, _gloo_reduce_scatter(shard, pieces, group), async_op)
+    full = _observed_contiguous(pieces)
+    flat = shard.view(-1)
+    return _issue(
+        call, lambda a: _reduce_scatter_flat(flat, full.view(-1), group=group, async_op=a), async_op
+    )
+
+
+def _gloo_reduce_scatter(shard: torch.Tensor, pieces: torch.Tensor, group: Any) -> Callable:
+    """A reduce-scatter on gloo as an all-to-all (each rank receives every rank's copy of its
+    own piece) and a local sum. Why: ProcessGroupGloo's reduce_scatter_tensor clones the input,
+    all-reduces all of it and copies this rank's piece out (torch 2.13, ProcessGroupGloo.cpp),
+    twice the bytes of a reduce-scatter and two extra copies; on CPU that made every
+    sequence-parallel reduce-scatter cost more than the all-reduce it replaces. The all-to-all
+    moves (world - 1) / world of the tensor, the least a reduce-scatter can."""
+    received = shard.new_empty(pieces.shape)  # row r: rank r's copy of this rank's piece
+
+    def finish() -> None:
+        torch.sum(received, dim=0, out=shard)
+
+    full = _observed_contiguous(pieces)
+    return _all_to_all(received.view(-1), full.view(-1), group, finish)
+
+
+def _observed_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` contiguous; a copy (when it is strided) is shown to the observers as a layout
+    copy: what a dim-wise collective on (b, s, h) pays that (s, b, h) would not."""
+    if tensor.is_contiguous():
+        return tensor
+    with contextlib.ExitStack() as observed:
+        for observer in _observers:
+            observed.enter_context(observer.layout_copy())
+        return tensor.contiguous()
 
 
 class Pending:
@@ -253,14 +270,19 @@ class Pending:
 
 def all_gather_start(tensor: torch.Tensor, group: Any, dim: int) -> Pending:
     """Start concatenating every rank's `tensor` along `dim`; the result is contiguous (a
-    strided view would make every reader keep a contiguous copy of its own)."""
+    strided view would make every reader keep a contiguous copy of its own). The shards arrive
+    one per row (world, *shape) and are joined along `dim`: free on dim 0 (or behind dims of
+    size 1), else one copy."""
     world = size(group)
     if world == 1:
         return Pending(None, lambda: tensor)
-    moved = _layout_copy(tensor, dim, 0)
-    output = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
-    handle = all_gather_flat(output.view(-1), moved.view(-1), group, async_op=True)
-    return Pending(handle, lambda: _layout_copy(output, 0, dim))
+    dim %= tensor.dim()
+    shard = tensor.contiguous()
+    pieces = shard.new_empty((world, *shard.shape))
+    handle = all_gather_flat(pieces.view(-1), shard.view(-1), group, async_op=True)
+    return Pending(
+        handle, lambda: _observed_contiguous(pieces.movedim(0, dim)).flatten(dim, dim + 1)
+    )
 
 
 def all_gather(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
@@ -268,17 +290,38 @@ def all_gather(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     return all_gather_start(tensor, group, dim).wait()
 
 
+def all_gather_together(tensors: list[torch.Tensor], group: Any, dim: int) -> list[torch.Tensor]:
+    """`all_gather(t, group, dim)` of each tensor (one dtype), as one collective: one call instead
+    of several pays the collective's fixed cost once (sequence parallelism's backward,
+    `linear.py`)."""
+    world = size(group)
+    if world == 1:
+        return list(tensors)
+    dim %= tensors[0].dim()
+    sizes = [t.numel() for t in tensors]
+    send = torch.cat([t.reshape(-1) for t in tensors])
+    output = send.new_empty((world, send.numel()))
+    all_gather_flat(output.view(-1), send, group)
+    gathered = []
+    for block, t in zip(output.split(sizes, dim=1), tensors):
+        pieces = block.unflatten(1, t.shape).movedim(0, dim)
+        gathered.append(_observed_contiguous(pieces).flatten(dim, dim + 1))
+    return gathered
+
+
 def reduce_scatter_start(tensor: torch.Tensor, group: Any, dim: int) -> Pending:
-    """Start summing `tensor` over the group; the result is this rank's equal piece along `dim`."""
+    """Start summing `tensor` over the group; the result is this rank's equal piece along
+    `dim`, contiguous."""
     world = size(group)
     if world == 1:
         return Pending(None, lambda: tensor)
-    moved = _layout_copy(tensor, dim, 0)
-    if moved.shape[0] % world:
-        raise ValueError(f"dim {dim} of size {moved.shape[0]} does not split over {world} ranks")
-    output = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
-    handle = reduce_scatter_flat(output.view(-1), moved.view(-1), group, async_op=True)
-    return Pending(handle, lambda: output.movedim(0, dim))
+    dim %= tensor.dim()
+    if tensor.shape[dim] % world:
+        raise ValueError(f"dim {dim} of size {tensor.shape[dim]} does not split over {world} ranks")
+    pieces = tensor.unflatten(dim, (world, -1)).movedim(dim, 0)  # row r: rank r's piece
+    output = tensor.new_empty(pieces.shape[1:])
+    handle = _reduce_scatter(output, pieces, group, async_op=True)
+    return Pending(handle, lambda: output)
 
 
 def reduce_scatter(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:

@@ -3,8 +3,8 @@
 
 megalite keeps activations (b, s, h), as nanoGPT does, and SP shards dim 1. A dim-wise
 collective works on dim 0 of a contiguous tensor, so at micro-batch b > 1 every SP all-gather
-moves the shard's dim 1 to dim 0 and its result back (two copies), and every reduce-scatter
-moves its input (one copy). Megatron keeps (s, b, h), where these are free. Two tables bound
+joins the shards it received along dim 1 (one copy), and every reduce-scatter moves its input's
+pieces to dim 0 (one copy). Megatron keeps (s, b, h), where these are free. Two tables bound
 what (s, b, h) could save:
 
 - one SP all-gather and one reduce-scatter of a micro-batch's activation in each layout;
@@ -13,8 +13,7 @@ what (s, b, h) could save:
   and the tp communication the rank waited for.
 
 The copies are an upper bound of the saving: (s, b, h) needs its own transposes elsewhere
-(attention takes (b, heads, s, head_dim)), and the reduce-scatter's result, a strided view of
-(b, s/t, h), is read by the next ops without a copy of its own counted here.
+(attention takes (b, heads, s, head_dim)).
 """
 
 from __future__ import annotations

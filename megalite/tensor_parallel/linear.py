@@ -10,6 +10,15 @@ Column-parallel (q, k, v and gate, up are one fused weight each: `FusedColumnPar
 Row-parallel: forward reduce-scatters (SP) or all-reduces the partial products; backward
 all-gathers the output gradient (SP); its input gradient needs no communication.
 
+Under SP a block's row-parallel linear (attention output, down projection) follows a
+column-parallel one (q/k/v, gate/up) whose backward runs right after its own: its *partner*.
+The row's backward gathers its output gradient and the partner's input shard in one
+all-gather, and the partner's backward uses that gather instead of starting its own: the
+same bytes in half the backward all-gathers, each of which pays a fixed cost (latency, a
+launch). Megatron's backward issues the two separately. The partner's input is then held
+gathered through the sublayer's core backward (attention, activation), one (b, s, h) tensor
+at a time, as a (b, s, out) output gradient is.
+
 Both are opaque to torch.compile (`train.compile`): a compiled block runs eagerly through them,
 so their collectives, overlap and observers stay exactly as written here.
 
@@ -25,6 +34,7 @@ from B to W.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -117,33 +127,56 @@ def _deferred_row_weight_grad(
     _weight_grad(weight, None, _flat(x), _flat(full))
 
 
+_last_column: weakref.ref | None = None
+"""The backward node of the latest column-parallel linear run under SP (`_ColumnParallel`): the
+row-parallel linear run next is its partner (`_gather_output_grad`)."""
+
+
+def _column_grad_params(ctx: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(weight, bias) of a column-parallel linear's backward node, each None when it needs no
+    gradient."""
+    weight = ctx.weight if ctx.needs_input_grad[1] else None
+    return weight, ctx.bias if ctx.needs_input_grad[2] else None
+
+
 class _ColumnParallel(torch.autograd.Function):
     """forward: all-gather along the sequence (SP) or identity, then y = x W^T + b;
-    backward: all-gather again (SP), dx = dy W reduce-scattered along the sequence (SP) or
-    all-reduced, overlapped with dW = dy^T x."""
+    backward: all-gather again (SP; or take the gather its partner did), dx = dy W
+    reduce-scattered along the sequence (SP) or all-reduced, overlapped with dW = dy^T x."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel, rows):
+        global _last_column
         total = comm.all_gather(x, group, SEQ_DIM) if sequence_parallel else x
-        ctx.save_for_backward(x, weight)
+        # Only x is saved: a row-parallel partner may unpack it before this backward runs, and
+        # recompute's saved tensors unpack once. The parameters themselves are kept instead
+        # (their main grads need the objects; a saved-tensor hook, the memory tracker's, may
+        # unpack a saved parameter as another tensor object).
+        ctx.save_for_backward(x)
         ctx.group, ctx.sequence_parallel, ctx.rows = group, sequence_parallel, rows
-        # the parameters themselves, for their main grads: a saved-tensor hook (the memory
-        # tracker's) may unpack a saved parameter as another tensor object
         ctx.weight, ctx.bias = weight, bias
+        ctx.gathered = None  # x's full sequence, when the partner gathered it (SP)
+        if sequence_parallel:
+            _last_column = weakref.ref(ctx)
         return F.linear(total, _used(weight, rows), _used(bias, rows))
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
         group, rows, sp = ctx.group, ctx.rows, ctx.sequence_parallel
-        grad_weight = ctx.weight if ctx.needs_input_grad[1] else None
-        grad_bias = ctx.bias if ctx.needs_input_grad[2] else None
+        grad_weight, grad_bias = _column_grad_params(ctx)
         queue = queue_for(grad_weight, grad_bias)
-        gather = comm.all_gather_start(x, group, SEQ_DIM) if sp and queue is None else None
+        total, ctx.gathered = ctx.gathered, None
+        x = None if total is not None else ctx.saved_tensors[0]
+        gather = None
+        if sp and queue is None and total is None and grad_weight is not None:
+            gather = comm.all_gather_start(x, group, SEQ_DIM)
         reduction = None
         if ctx.needs_input_grad[0]:
-            dx = dy @ _used(weight, rows)
-        total = x if gather is None else gather.wait()  # (b, s, in): the full sequence
+            dx = dy @ _used(ctx.weight, rows)
+        if gather is not None:
+            total = gather.wait()  # (b, s, in): the full sequence
+        elif total is None:
+            total = x
         if ctx.needs_input_grad[0]:
             if sp:
                 reduction = comm.reduce_scatter_start(dx, group, SEQ_DIM)
@@ -169,15 +202,43 @@ class _ColumnParallel(torch.autograd.Function):
         return dx, wgrad, bgrad, None, None, None
 
 
+def _partner(group: Any) -> Any:
+    """The backward node of the column-parallel linear this row-parallel one follows (SP, the
+    same group): the block's q/k/v before its attention output, its gate/up (fc) before its
+    down projection. Its backward runs right after this one's."""
+    column = None if _last_column is None else _last_column()
+    if column is None or column.group is not group:
+        return None
+    return column
+
+
+def _gather_output_grad(ctx: Any, shard: torch.Tensor) -> torch.Tensor:
+    """The row-parallel output gradient's full sequence (SP). The partner's backward will gather
+    its own input's shards again; both go in one all-gather (fewer collectives, the same bytes)
+    unless the partner has nothing to gather now (no weight gradient, or deferred to a W step)
+    or the dtypes differ."""
+    partner = ctx.partner
+    if partner is not None and partner.gathered is None:
+        weight, bias = _column_grad_params(partner)
+        if weight is not None and queue_for(weight, bias) is None:
+            (x,) = partner.saved_tensors
+            if x.dtype == shard.dtype:
+                dy, partner.gathered = comm.all_gather_together([shard, x], ctx.group, SEQ_DIM)
+                return dy
+    return comm.all_gather(shard, ctx.group, SEQ_DIM)
+
+
 class _RowParallel(torch.autograd.Function):
     """forward: y = x W^T, partial sums reduce-scattered along the sequence (SP) or all-reduced;
-    backward: all-gather dy along the sequence (SP), dx = dy W, dW = dy^T x."""
+    backward: all-gather dy along the sequence (SP; with the partner's input, see
+    `_gather_output_grad`), dx = dy W, dW = dy^T x."""
 
     @staticmethod
     def forward(ctx, x, weight, group, sequence_parallel):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
         ctx.weight = weight  # the parameter itself, for its main grad (see _ColumnParallel)
+        ctx.partner = _partner(group) if sequence_parallel else None
         y = F.linear(x, weight)  # (b, s, out): a partial sum over tp
         if sequence_parallel:
             return comm.reduce_scatter(y, group, SEQ_DIM)
@@ -188,7 +249,8 @@ class _RowParallel(torch.autograd.Function):
     def backward(ctx, shard):
         x, weight = ctx.saved_tensors
         gather_group = ctx.group if ctx.sequence_parallel else None
-        dy = shard if gather_group is None else comm.all_gather(shard, gather_group, SEQ_DIM)
+        dy = shard if gather_group is None else _gather_output_grad(ctx, shard)
+        ctx.partner = None
         dx = dy @ weight if ctx.needs_input_grad[0] else None  # dy: (b, s, out)
         dw = None
         if ctx.needs_input_grad[1]:

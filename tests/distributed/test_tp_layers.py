@@ -13,6 +13,7 @@ from equivalence import relative_error
 from megalite.models.gpt.model import GPT
 from megalite.models.layers import BuildContext, dropout
 from megalite.models.llama.model import Llama
+from torch.utils.checkpoint import checkpoint
 
 from megalite import comm
 from megalite.config import load_config
@@ -196,8 +197,9 @@ def test_head_loss_in_16_bit(dtype):
     assert wh.grad[37:].abs().sum() == 0
 
 
-def _layer_traffic(arch, tp, sp):
-    """Collectives of one transformer layer's forward and backward."""
+def _layer_traffic(arch, tp, sp, recompute=False):
+    """Collectives of one transformer layer's forward and backward (`recompute`: the layer run
+    under activation checkpointing, its forward again inside backward)."""
     ps = _state(tp)
     overrides = [f"model.arch={arch}", "model.hidden=32", "model.n_heads=4", "model.seq_len=16"]
     cfg = load_config(None, overrides)
@@ -207,7 +209,7 @@ def _layer_traffic(arch, tp, sp):
     torch.manual_seed(0)
     x = _seq_shard(torch.randn(B, 16, 32), ps, sp).requires_grad_()
     with comm.record_collectives() as forward:
-        y = chunk(x)
+        y = checkpoint(chunk, x, use_reentrant=False) if recompute else chunk(x)
     with comm.record_collectives() as backward:
         y.sum().backward()
     return [(r.op, r.bytes, r.group_size) for r in forward], [(r.op, r.bytes) for r in backward]
@@ -219,8 +221,9 @@ def test_layer_collectives_match_theory(arch, sp):
     """Without SP: 2 all-reduces forward and 2 backward of the (b, s, h) activation. With SP the
     same bytes move forward as all-gathers and reduce-scatters (one all-reduce = one
     reduce-scatter + one all-gather in a ring); backward gathers each column-parallel input
-    again (Megatron keeps the shard, not the gathered input), one all-gather more per sublayer:
-    the row-parallel output gradient, the column input again, its gradient reduce-scattered."""
+    again (Megatron keeps the shard, not the gathered input): per sublayer the row-parallel
+    output gradient and the column input again, in one all-gather of both, then the column
+    input's gradient reduce-scattered."""
     tp = 2
     full = B * 16 * 32 * 4  # bytes of the (b, s, h) fp32 activation
     forward, backward = run_ranks(tp, _layer_traffic, arch, tp, sp)[0]
@@ -229,7 +232,7 @@ def test_layer_collectives_match_theory(arch, sp):
         assert backward == [("all_reduce", full)] * 2
     else:
         assert forward == [("all_gather", full, tp), ("reduce_scatter", full, tp)] * 2
-        assert backward == ([("all_gather", full)] * 2 + [("reduce_scatter", full)]) * 2
+        assert backward == [("all_gather", 2 * full), ("reduce_scatter", full)] * 2
 
     def wire(ops):  # bytes each rank sends in a ring implementation
         per_op = {
@@ -241,6 +244,23 @@ def test_layer_collectives_match_theory(arch, sp):
 
     assert wire(forward) == 2 * 2 * (tp - 1) / tp * full
     assert wire(backward) == (2 * 2 + (2 if sp else 0)) * (tp - 1) / tp * full
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_sp_backward_gathers_both_inputs_once_under_recompute(arch):
+    """Under activation checkpointing the row-parallel backward unpacks its partner's saved
+    input from the recomputed region (an input recompute lets be unpacked only once): the
+    backward is the forward again, then one all-gather of both and one reduce-scatter per
+    sublayer (that training with it equals the single process: test_tp_training)."""
+    tp = 2
+    full = B * 16 * 32 * 4
+    forward, backward = run_ranks(tp, _layer_traffic, arch, tp, True, True)[0]
+    assert [(op, size) for op, size, _ in forward] == [
+        ("all_gather", full),
+        ("reduce_scatter", full),
+    ] * 2
+    recomputed = [("all_gather", full), ("reduce_scatter", full)] * 2
+    assert backward == recomputed + [("all_gather", 2 * full), ("reduce_scatter", full)] * 2
 
 
 def _dropout_masks(tp):

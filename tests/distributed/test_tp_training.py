@@ -20,6 +20,15 @@ def test_tp_matches_single_process(builtin_corpus, tmp_path, model, tp, sp):
     assert_equivalent(tp, model, (f"parallel.tp={tp}", f"parallel.sp={str(sp).lower()}"), tmp_path)
 
 
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_tp_sp_with_recompute_matches_single_process(builtin_corpus, tmp_path, recompute):
+    """Under SP each row-parallel backward gathers its output gradient and its partner column's
+    input in one all-gather; under full recompute that input comes from the recomputed region,
+    and with selective recompute from the forward itself."""
+    layout = ("parallel.tp=2", "parallel.sp=true", f"train.recompute={recompute}")
+    assert_equivalent(2, LLAMA, layout, tmp_path)
+
+
 @pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt", "llama"])
 def test_dropout_run_is_reproducible(builtin_corpus, tmp_path, model):
     """With dropout the masks differ from tp = 1's, so the run cannot equal it; it must be

@@ -16,8 +16,9 @@ def test_widths_are_the_shipped_configs(name):
 
 
 def test_layout_copies_are_observed_only_when_they_copy(monkeypatch):
-    """A dim-wise collective on (b, s, h) moves dim 1 to dim 0: a copy at b > 1 that an observer
-    sees; at b = 1 the move is free and nothing is reported."""
+    """An all-gather along dim 1 of (b, s, h) receives the shards one per row and joins them
+    along dim 1: a copy at b > 1 that an observer sees; at b = 1 (or along dim 0) the join is
+    free and nothing is reported. The shard itself is sent as it is."""
 
     def all_gather_flat(output, shard, *args, **kwargs):
         output.copy_(shard.repeat(2))  # a pretend two-rank gather, done at once: no handle
@@ -30,5 +31,5 @@ def test_layout_copies_are_observed_only_when_they_copy(monkeypatch):
         assert copies.count == 0
         comm.all_gather(torch.zeros(2, 4, 8), group, dim=1)
         comm.all_gather(torch.zeros(4, 2, 8), group, dim=0)  # (s, b, h) on dim 0: free
-    assert copies.count == 2  # the shard to dim 0, the result back to dim 1
+    assert copies.count == 1  # the shards joined along dim 1, once
     assert copies.seconds > 0
