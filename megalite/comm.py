@@ -15,6 +15,7 @@ byte counts tests read (`record_collectives`) and the profiler's `CommTimer`.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -305,7 +306,11 @@ def all_gather_together(tensors: list[torch.Tensor], group: Any, dim: int) -> li
     gathered = []
     for block, t in zip(output.split(sizes, dim=1), tensors):
         pieces = block.unflatten(1, t.shape).movedim(0, dim)
-        gathered.append(_observed_contiguous(pieces).flatten(dim, dim + 1))
+        # a copy out of the shared rows either way; a layout copy where dims before `dim` hold
+        # more than one element (what a gather of this tensor alone would copy)
+        layout = math.prod(t.shape[:dim]) > 1
+        joined = _observed_contiguous(pieces) if layout else pieces.contiguous()
+        gathered.append(joined.flatten(dim, dim + 1))
     return gathered
 
 
