@@ -5,6 +5,7 @@ it, the PyTorch reference, and a public function that picks between the two at e
 (see :mod:`megalite.kernels.dispatch` for the ``MEGALITE_KERNELS`` switch).
 """
 
+from .cross_entropy import softmax_cross_entropy
 from .dispatch import kernel_backend
 from .flash_attention import (
     attention_block_backward,
@@ -30,6 +31,7 @@ __all__ = [
     "layer_norm",
     "rms_norm",
     "rotary_embedding",
+    "softmax_cross_entropy",
     "swiglu",
     "wgrad_accumulate",
 ]

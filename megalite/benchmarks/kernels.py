@@ -26,6 +26,12 @@ fp32-output GEMM accumulating in place (``torch.addmm(..., out_dtype=torch.float
 counts 2*tokens*out*in; GB/s the bytes a fused kernel must move (dy, x, and the main grad read
 and written).
 
+LM-head softmax cross-entropy: `softmax_cross_entropy` over one chunk of the head's logits
+(the head's own chunk length for the vocabulary, GPT-2's 50,257 padded to 50,304 by default,
+at most --mlp-tokens rows):
+the loss and the gradient written over the logits, against the eager fp32 chain it replaces.
+GB/s counts what the kernels must move: the 16-bit logits read twice and written once.
+
     python tools/bench_kernels.py                  # needs CUDA
     python tools/bench_kernels.py --cpu-smoke      # tiny sizes under the Triton interpreter:
                                                    # checks that it runs, the times mean nothing
@@ -66,12 +72,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mlp-tokens", type=int, default=8192)
     p.add_argument("--ffn", type=int, default=16384, help="MLP hidden size for GELU / SwiGLU")
     p.add_argument("--hidden", type=int, default=4096, help="model width for the norms")
+    p.add_argument("--vocab", type=int, default=50257, help="vocabulary of the head's table")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes, Triton interpreter")
     args = p.parse_args(argv)
     if args.cpu_smoke:
         args.seqlens, args.tokens, args.heads, args.head_dim = [48], 96, 2, 32
         args.block_seqlens, args.doc_len = [48], 20
-        args.mlp_tokens, args.ffn, args.hidden = 40, 200, 100
+        args.mlp_tokens, args.ffn, args.hidden, args.vocab = 40, 200, 100, 300
     args.kv_heads = args.kv_heads or args.heads
     return args
 
@@ -389,6 +396,34 @@ def bench_wgrad(args: argparse.Namespace, device: torch.device) -> None:
         print(f"{str((out_features, in_features)):<14} | " + " | ".join(cells))
 
 
+def bench_cross_entropy(args: argparse.Namespace, device: torch.device) -> None:
+    """Print the LM-head softmax cross-entropy table: one chunk, fused against eager."""
+    from megalite.config import ModelConfig
+    from megalite.kernels.cross_entropy import (
+        softmax_cross_entropy,
+        softmax_cross_entropy_reference,
+    )
+    from megalite.tensor_parallel.cross_entropy import chunk_tokens
+    from megalite.tensor_parallel.layers import padded_vocab_size
+
+    round_to = ModelConfig.vocab_round_to  # as the model pads it
+    dtype, cols = DTYPES[args.dtype], padded_vocab_size(args.vocab, 1, round_to)
+    rows = min(args.mlp_tokens, chunk_tokens(cols, device))
+    logits = _rand(device, dtype, rows, cols)
+    target = torch.randint(0, args.vocab, (rows,), device=device)
+    moved = 3 * logits.numel() * logits.element_size()
+
+    def none(t: torch.Tensor) -> None:
+        pass
+
+    print(f"\nLM-head softmax cross-entropy: loss and gradient of {rows} tokens x {cols} logits")
+    print(f"({args.vocab} real), {args.dtype}; GB/s of the logits read twice and written once")
+    print(f"{'contender':<22} | {'ms':>8} | {'GB/s':>8}")
+    for name, fn in (("Triton", softmax_cross_entropy), ("eager", softmax_cross_entropy_reference)):
+        ms, _ = measure(lambda f=fn: f(logits, target, args.vocab, none, none, True), device)
+        print(f"{name:<22} | {ms:8.3f} | {moved / ms / 1e6:8.0f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the tables on CUDA (or the interpreter with --cpu-smoke); 1 without a device."""
     args = parse_args(argv)
@@ -413,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_activations(args, device)
     bench_norms_and_rotary(args, device)
     bench_wgrad(args, device)
+    bench_cross_entropy(args, device)
     return 0
 
 

@@ -60,14 +60,20 @@ def head_kept(x: Shapes) -> list[int]:
 
 def logits_working_set(x: Shapes) -> int:
     """What the fused head + loss allocates while its forward runs, beyond what it keeps: one
-    chunk of fp32 logits, and with 16-bit weights their 16-bit copy, the fp32 weight-gradient
-    accumulator and one chunk's 16-bit weight-gradient product."""
+    chunk of logits, and with 16-bit weights the fp32 weight-gradient accumulator and one
+    chunk's 16-bit weight-gradient product. The PyTorch softmax (cpu) works on an fp32 copy of
+    16-bit logits; the Triton one (cuda) on the logits themselves, with four fp32 values per
+    token (row max, sum, target logit, global max)."""
     rows, h, e = head_rows(x.cfg), x.cfg.model.hidden, x.element
     budget = CHUNK_LOGIT_BYTES[x.device]
     chunk = min(x.tokens, max(MIN_CHUNK_TOKENS, budget // (4 * rows)))
-    working = chunk * rows * 4
+    working = chunk * rows * e
+    if x.device == "cuda":
+        working += 4 * chunk * 4
+    elif e != 4:
+        working += chunk * rows * 4
     if e != 4:
-        working += chunk * rows * e + rows * h * 4 + rows * h * e
+        working += rows * h * 4 + rows * h * e
     return working
 
 

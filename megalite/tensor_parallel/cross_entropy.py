@@ -11,8 +11,9 @@ add nothing to the loss, and their rows get a zero gradient: the loss equals the
 loss (a known Megatron-LM pitfall).
 
 Fused: d(loss sum)/d logits = softmax - one_hot(target) is known as soon as the softmax is, so
-the forward turns each chunk's logits into that gradient in place and multiplies it straight
-into the input and weight gradients; backward only scales them by the incoming gradient. No
+the forward turns each chunk's logits into that gradient (`kernels.softmax_cross_entropy`: in
+Triton on GPU, in place over the 16-bit logits) and multiplies it straight into the input and
+weight gradients; backward only scales them by the incoming gradient. No
 (tokens x vocab) tensor outlives its chunk (Liger-Kernel's fused linear cross-entropy): the head
 keeps its weight gradient for backward instead of its logits, and skips PyTorch's separate
 log-softmax backward and the zero-filled logits gradient.
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from megalite import comm
+from megalite.kernels import softmax_cross_entropy
 
 CHUNK_LOGIT_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}
 """Tokens per chunk are chosen so that a chunk's fp32 logits take about this much memory. On CPU,
@@ -60,9 +62,13 @@ def _head_loss(
     """
     real_rows = max(0, min(weight.shape[0], vocab_size - vocab_start))
     local = targets - vocab_start
-    here = (local >= 0) & (local < real_rows)  # this rank holds the target's logit
-    local = local.masked_fill(~here, 0).unsqueeze(-1)
-    minus_one_hot = -here.unsqueeze(-1).float()
+    local = torch.where((local >= 0) & (local < real_rows), local, -1)  # -1: another rank's
+
+    def reduce_max(t: torch.Tensor) -> None:
+        comm.all_reduce_max(t, group)
+
+    def reduce_sum(t: torch.Tensor) -> None:
+        comm.all_reduce(t, group)
 
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     if with_grads:
@@ -73,22 +79,13 @@ def _head_loss(
     for start in range(0, x.shape[0], step):
         piece = slice(start, start + step)
         x_c = x[piece]
-        logits = (x_c @ weight.t()).float()  # (chunk, V/tp): fp32 softmax whatever the dtype
-        logits[:, real_rows:] = float("-inf")  # the padding: no probability, no gradient
-        logits_max = logits.amax(dim=-1)
-        comm.all_reduce_max(logits_max, group)
-        logits.sub_(logits_max.unsqueeze(-1))
-        target_logit = logits.gather(-1, local[piece]).squeeze(-1).masked_fill(~here[piece], 0.0)
-        exp = logits.exp_()
-        stats = torch.stack([exp.sum(dim=-1), target_logit])  # one all-reduce for both
-        comm.all_reduce(stats, group)
-        sum_exp, target_logit = stats
-        total += (sum_exp.log() - target_logit).sum()
+        logits = x_c @ weight.t()  # (chunk, V/tp); the softmax is fp32 whatever the dtype
+        loss, grad_logits = softmax_cross_entropy(
+            logits, local[piece], real_rows, reduce_max, reduce_sum, with_grads
+        )
+        total += loss
         if not with_grads:
             continue
-        grad_logits = exp.div_(sum_exp.unsqueeze(-1))  # softmax, in place
-        grad_logits.scatter_add_(-1, local[piece], minus_one_hot[piece])
-        grad_logits = grad_logits.to(x.dtype)
         torch.mm(grad_logits, weight, out=grad_x[piece])
         if grad_logits.dtype == grad_weight.dtype:
             grad_weight.addmm_(grad_logits.t(), x_c)

@@ -25,6 +25,7 @@ _KERNEL_MODULES = [
     *("_triton", "autotune", "dispatch", "flash_attention", "gelu", "norms", "rotary", "swiglu"),
     "wgrad",
     "grouped_gemm",
+    "cross_entropy",
 ]
 
 
