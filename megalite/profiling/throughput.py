@@ -279,13 +279,17 @@ def _stage_times(
     # all-reduces or sp's all-gathers and reduce-scatters: the same bytes either way
     transfer = 4 * (p.tp - 1) / p.tp * act / machine.bandwidth(dims.span("tp"))
     transfer *= machine.split_collective_cost if p.sp else 1.0
+    # sp's backward gathers each column-parallel input again (the forward kept its shard): 3/2
+    # of the forward's bytes, in as many calls (each row-parallel backward gathers its output
+    # gradient and its partner's input at once: tensor_parallel/linear.py)
+    backward_transfer = transfer * (1.5 if p.sp else 1.0)
     ring = cp_transfers(cfg, machine, dims, element)
     a2a = ep_transfer(cfg, machine, dims, element)
     times = _StageTimes([], [], [], [], [], [], [])
     partition = _partition(cfg)
     for cost, layers, rerun in zip(partition.costs, partition.ranges, partition.rerun):
         n = len(layers)
-        tp_f, tp_b = n * transfer, (n + rerun) * transfer
+        tp_f, tp_b = n * transfer, n * backward_transfer + rerun * transfer
         cp_f, cp_b = n * ring.forward_exposed, n * ring.backward_exposed
         cp_b += rerun * ring.forward_exposed  # recompute runs the forward's ring again
         ep_f, ep_b = 2 * n * a2a, 2 * (n + rerun) * a2a  # dispatch and combine, each way
