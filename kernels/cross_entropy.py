@@ -14,6 +14,7 @@ Gimelshein 2018) and once more to write the gradient in place, fp32 math inside.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +25,24 @@ STATS_BLOCK = 2048  # columns per step of a row's statistics loop
 GRAD_BLOCK = 1024  # columns per program of the gradient
 
 Reduce = Callable[[torch.Tensor], None]
-"""Combines a per-row tensor over the ranks that share the rows, in place (identity at tp 1)."""
+"""Combines a per-row tensor over the ranks that share the rows, in place."""
+Result = tuple[torch.Tensor, torch.Tensor | None]
+"""(sum over rows of the cross-entropy, an fp32 scalar; d sum / d logits, or None)."""
+
+
+def _no_reduction(t: torch.Tensor) -> None:
+    """One rank holds the whole vocabulary: nothing to combine."""
+
+
+@dataclass(frozen=True)
+class Columns:
+    """How a rank's logit columns sit in the vocabulary: columns at or past `real` are padding
+    (never predicted, zero gradient); the ranks' row statistics are combined by `reduce_max`
+    and `reduce_sum` (the tp group's all-reduces; none when one rank holds every column)."""
+
+    real: int
+    reduce_max: Reduce = _no_reduction
+    reduce_sum: Reduce = _no_reduction
 
 
 @triton.jit
@@ -67,56 +85,43 @@ def _grad_kernel(
     tl.store(pointers, grad.to(LOGITS.dtype.element_ty), mask=inside)
 
 
-def _fused(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    real_cols: int,
-    reduce_max: Reduce,
-    reduce_sum: Reduce,
-    with_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fused(logits: torch.Tensor, target: torch.Tensor, vocab: Columns, with_grad: bool) -> Result:
     rows, cols = logits.shape
     stats = torch.empty((3, rows), dtype=torch.float32, device=logits.device)
     row_max, row_sum, target_logit = stats
     stride = logits.stride(0)
     _row_stats_kernel[(rows,)](
-        logits, target, row_max, row_sum, target_logit, stride, real_cols, STATS_BLOCK
+        logits, target, row_max, row_sum, target_logit, stride, vocab.real, STATS_BLOCK
     )
     global_max = row_max.clone()
-    reduce_max(global_max)
+    vocab.reduce_max(global_max)
     # this rank's sum at the global max (0 where it holds no real column: its max is -inf)
     row_sum.mul_(torch.exp(row_max - global_max))
     target_logit.sub_(global_max).masked_fill_(target < 0, 0.0)
-    summed = stats[1:]
-    reduce_sum(summed)
+    vocab.reduce_sum(stats[1:])
     loss = (row_sum.log() - target_logit).sum()
     if not with_grad:
         return loss, None
     grid = (rows, triton.cdiv(cols, GRAD_BLOCK))
-    _grad_kernel[grid](logits, target, global_max, row_sum, stride, cols, real_cols, GRAD_BLOCK)
+    _grad_kernel[grid](logits, target, global_max, row_sum, stride, cols, vocab.real, GRAD_BLOCK)
     return loss, logits
 
 
 def softmax_cross_entropy_reference(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    real_cols: int,
-    reduce_max: Reduce,
-    reduce_sum: Reduce,
-    with_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits: torch.Tensor, target: torch.Tensor, vocab: Columns, with_grad: bool
+) -> Result:
     """Eager PyTorch, fp32 whatever the logits' dtype (the logits may be overwritten)."""
     here = target >= 0
     index = target.clamp(min=0).unsqueeze(-1)
     values = logits.float()
-    values[:, real_cols:] = float("-inf")  # the padding: no probability, no gradient
+    values[:, vocab.real :] = float("-inf")  # the padding: no probability, no gradient
     row_max = values.amax(dim=-1)
-    reduce_max(row_max)
+    vocab.reduce_max(row_max)
     values.sub_(row_max.unsqueeze(-1))
     target_logit = values.gather(-1, index).squeeze(-1).masked_fill(~here, 0.0)
     exp = values.exp_()
     stats = torch.stack([exp.sum(dim=-1), target_logit])  # one reduction for both
-    reduce_sum(stats)
+    vocab.reduce_sum(stats)
     row_sum, target_logit = stats
     loss = (row_sum.log() - target_logit).sum()
     if not with_grad:
@@ -127,25 +132,17 @@ def softmax_cross_entropy_reference(
 
 
 def softmax_cross_entropy(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    real_cols: int,
-    reduce_max: Reduce,
-    reduce_sum: Reduce,
-    with_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits: torch.Tensor, target: torch.Tensor, vocab: Columns, with_grad: bool
+) -> Result:
     """(sum over rows of the cross-entropy, an fp32 scalar; d sum / d logits or None).
 
-    logits: (rows, cols), this rank's columns of the vocabulary, contiguous; columns at or past
-    `real_cols` are padding (never predicted, zero gradient). target: (rows,) int64, the
-    target's column on this rank, or -1 where another rank holds it. The gradient, in the
-    logits' dtype, may be written over `logits`. No autograd: the LM head calls it inside its
-    own fused backward-in-forward (`tensor_parallel.cross_entropy`).
+    logits: (rows, cols), this rank's columns of the vocabulary (`vocab`), contiguous. target:
+    (rows,) int64, the target's column on this rank, or -1 where another rank holds it. The
+    gradient, in the logits' dtype, may be written over `logits`. No autograd: the LM head
+    calls it inside its own fused backward-in-forward (`tensor_parallel.cross_entropy`).
     """
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
         raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)}")
     if use_triton(logits, target, unsupported=None if logits.stride(-1) == 1 else "strided rows"):
-        return opaque(_fused)(logits, target, real_cols, reduce_max, reduce_sum, with_grad)
-    return softmax_cross_entropy_reference(
-        logits, target, real_cols, reduce_max, reduce_sum, with_grad
-    )
+        return opaque(_fused)(logits, target, vocab, with_grad)
+    return softmax_cross_entropy_reference(logits, target, vocab, with_grad)

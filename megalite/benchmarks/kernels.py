@@ -400,6 +400,7 @@ def bench_cross_entropy(args: argparse.Namespace, device: torch.device) -> None:
     """Print the LM-head softmax cross-entropy table: one chunk, fused against eager."""
     from megalite.config import ModelConfig
     from megalite.kernels.cross_entropy import (
+        Columns,
         softmax_cross_entropy,
         softmax_cross_entropy_reference,
     )
@@ -413,14 +414,11 @@ def bench_cross_entropy(args: argparse.Namespace, device: torch.device) -> None:
     target = torch.randint(0, args.vocab, (rows,), device=device)
     moved = 3 * logits.numel() * logits.element_size()
 
-    def none(t: torch.Tensor) -> None:
-        pass
-
     print(f"\nLM-head softmax cross-entropy: loss and gradient of {rows} tokens x {cols} logits")
     print(f"({args.vocab} real), {args.dtype}; GB/s of the logits read twice and written once")
     print(f"{'contender':<22} | {'ms':>8} | {'GB/s':>8}")
     for name, fn in (("Triton", softmax_cross_entropy), ("eager", softmax_cross_entropy_reference)):
-        ms, _ = measure(lambda f=fn: f(logits, target, args.vocab, none, none, True), device)
+        ms, _ = measure(lambda f=fn: f(logits, target, Columns(args.vocab), True), device)
         print(f"{name:<22} | {ms:8.3f} | {moved / ms / 1e6:8.0f}")
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from megalite import comm
-from megalite.kernels import softmax_cross_entropy
+from megalite.kernels.cross_entropy import Columns, softmax_cross_entropy
 
 CHUNK_LOGIT_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}
 """Tokens per chunk are chosen so that a chunk's fp32 logits take about this much memory. On CPU,
@@ -64,11 +64,11 @@ def _head_loss(
     local = targets - vocab_start
     local = torch.where((local >= 0) & (local < real_rows), local, -1)  # -1: another rank's
 
-    def reduce_max(t: torch.Tensor) -> None:
-        comm.all_reduce_max(t, group)
-
-    def reduce_sum(t: torch.Tensor) -> None:
-        comm.all_reduce(t, group)
+    vocab = Columns(
+        real_rows,
+        reduce_max=lambda t: comm.all_reduce_max(t, group),
+        reduce_sum=lambda t: comm.all_reduce(t, group),
+    )
 
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     if with_grads:
@@ -80,9 +80,7 @@ def _head_loss(
         piece = slice(start, start + step)
         x_c = x[piece]
         logits = x_c @ weight.t()  # (chunk, V/tp); the softmax is fp32 whatever the dtype
-        loss, grad_logits = softmax_cross_entropy(
-            logits, local[piece], real_rows, reduce_max, reduce_sum, with_grads
-        )
+        loss, grad_logits = softmax_cross_entropy(logits, local[piece], vocab, with_grads)
         total += loss
         if not with_grads:
             continue

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from megalite.kernels.cross_entropy import (
     GRAD_BLOCK,
     STATS_BLOCK,
+    Columns,
     softmax_cross_entropy,
     softmax_cross_entropy_reference,
 )
@@ -21,10 +22,6 @@ from megalite.launch import run_ranks
 DEVICE = os.environ.get("MEGALITE_KERNEL_TEST_DEVICE", "cpu")  # as conftest.py reads it
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def _identity(t: torch.Tensor) -> None:
-    pass
 
 
 def _float64(logits: torch.Tensor, targets: torch.Tensor, vocab: int):
@@ -45,14 +42,14 @@ def test_one_rank_matches_float64(rows, cols, vocab, dtype, randn, rel_err, tole
     targets = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(rows))
     expected_loss, expected_grad = _float64(logits, targets.to(logits.device), vocab)
     loss, grad = softmax_cross_entropy(
-        logits.clone(), targets.to(logits.device), vocab, _identity, _identity, True
+        logits.clone(), targets.to(logits.device), Columns(vocab), True
     )
     assert loss.dtype == torch.float32 and grad.dtype == dtype and grad.shape == (rows, cols)
     assert rel_err(loss, expected_loss) < tolerance[dtype]
     assert rel_err(grad[:, :vocab], expected_grad) < tolerance[dtype]
     assert grad[:, vocab:].abs().sum() == 0  # the padding gets no gradient
     no_grad, none = softmax_cross_entropy(
-        logits.clone(), targets.to(logits.device), vocab, _identity, _identity, False
+        logits.clone(), targets.to(logits.device), Columns(vocab), False
     )
     assert none is None and rel_err(no_grad, expected_loss) < tolerance[dtype]
 
@@ -63,10 +60,8 @@ def test_kernel_equals_its_reference(randn, rel_err, monkeypatch):
     logits = randn(20, 700, scale=8.0).detach()
     targets = torch.randint(0, 650, (20,), generator=torch.Generator().manual_seed(1))
     targets = targets.to(logits.device)
-    fused = softmax_cross_entropy(logits.clone(), targets, 650, _identity, _identity, True)
-    reference = softmax_cross_entropy_reference(
-        logits.clone(), targets, 650, _identity, _identity, True
-    )
+    fused = softmax_cross_entropy(logits.clone(), targets, Columns(650), True)
+    reference = softmax_cross_entropy_reference(logits.clone(), targets, Columns(650), True)
     assert rel_err(fused[0], reference[0]) < 1e-6
     assert rel_err(fused[1], reference[1]) < 1e-6
 
@@ -85,13 +80,12 @@ def _split_over_two_ranks(vocab: int, padded: int, dtype: torch.dtype, device: s
     local = targets - start
     local = torch.where((local >= 0) & (local < real_cols), local, -1)
 
-    def reduce_max(t: torch.Tensor) -> None:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-
-    def reduce_sum(t: torch.Tensor) -> None:
-        dist.all_reduce(t)
-
-    loss, grad = softmax_cross_entropy(mine, local, real_cols, reduce_max, reduce_sum, True)
+    columns = Columns(
+        real_cols,
+        reduce_max=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX),
+        reduce_sum=lambda t: dist.all_reduce(t),
+    )
+    loss, grad = softmax_cross_entropy(mine, local, columns, True)
     full = torch.zeros(29, padded, dtype=torch.float64)
     full[:, :vocab] = expected_grad.cpu()
     return (
