@@ -205,10 +205,13 @@ class _ColumnParallel(torch.autograd.Function):
 def _partner(group: Any) -> Any:
     """The backward node of the column-parallel linear this row-parallel one follows (SP, the
     same group): the block's q/k/v before its attention output, its gate/up (fc) before its
-    down projection. Its backward runs right after this one's."""
+    down projection. Its backward runs right after this one's. Taken once: a row-parallel
+    linear with no column-parallel one before it finds none (never an earlier micro-batch's)."""
+    global _last_column
     column = None if _last_column is None else _last_column()
     if column is None or column.group is not group:
         return None
+    _last_column = None
     return column
 
 
