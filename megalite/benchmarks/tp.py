@@ -32,6 +32,7 @@ embedding, and the LayerNorms without SP), then the gradients are scaled in plac
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -53,6 +54,8 @@ from megalite.launch import run_or_join
 from megalite.parallel_state import build_parallel_state
 
 TP = 2
+SP_COST = ("megalite tp=2", "megalite tp=2 + SP")
+"""The rows whose step times say what sequence parallelism costs over plain TP."""
 
 
 def tp_plan(n_layers: int, sequence_parallel: bool) -> dict:
@@ -167,8 +170,10 @@ def worker(args: argparse.Namespace) -> dict:
         contenders.append(megalite)
     order = sorted(contenders, key=lambda c: ("SP" in c.name, c.reference is not None))
     harness.measure(order, batches, args.warmup)
+    plain, sp = (next(c for c in order if c.name == name) for name in SP_COST)
     return {
         "rows": harness.summary(order, harness.global_batch(args) * args.seq),
+        "sp_paired": statistics.median(s / p for s, p in zip(sp.times, plain.times)),
         "failures": failures,
         "layouts": sp_layout.collective_layouts(args, ps),
         "layout_steps": sp_layout.copy_share(args, ps),
@@ -195,6 +200,12 @@ def report(args: argparse.Namespace, result: dict) -> None:
     notes = common_notes(args, TP, harness.global_batch(args) * args.seq)
     sp_reference = next(r["reference"] for r in rows if r["name"] == "megalite tp=2 + SP")
     notes.append(f"megalite tp=2 + SP is compared with the {sp_reference!r} row.")
+    plain, sp = (next(r for r in rows if r["name"] == name)["step_s"] for name in SP_COST)
+    notes.append(
+        f"SP's cost over plain TP in megalite: {sp / plain - 1:+.1%} (median steps), "
+        f"{result['sp_paired'] - 1:+.1%} paired (median over batches of the ratio of the two "
+        "steps on one batch: robust to load that drifts during the run)."
+    )
     for name, error in result["failures"].items():
         notes.append(f"{name} failed; its last frames:\n{error}")
     print_table(COMMON_COLUMNS, table, notes)
