@@ -23,6 +23,7 @@ import datetime
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import socket
 import tempfile
@@ -96,7 +97,9 @@ def _child(
     except BaseException:  # report everything, including assertion errors, to the parent
         payload = traceback.format_exc()
     try:
-        conn.send((rank, status, payload))
+        # By value: Connection.send would share a tensor's storage as a file descriptor that
+        # the parent fetches from this process, which may have exited by then.
+        conn.send_bytes(pickle.dumps((rank, status, payload)))
         conn.close()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -122,7 +125,7 @@ def _collect(pipes: list[Connection], world_size: int, timeout: float) -> tuple[
         for conn in ready:
             open_pipes.remove(conn)
             try:
-                rank, status, payload = conn.recv()
+                rank, status, payload = pickle.loads(conn.recv_bytes())
             except EOFError:
                 errors.append("a rank died without reporting")
                 continue
