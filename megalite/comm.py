@@ -281,9 +281,7 @@ def all_gather_start(tensor: torch.Tensor, group: Any, dim: int) -> Pending:
     shard = tensor.contiguous()
     pieces = shard.new_empty((world, *shard.shape))
     handle = all_gather_flat(pieces.view(-1), shard.view(-1), group, async_op=True)
-    return Pending(
-        handle, lambda: _observed_contiguous(pieces.movedim(0, dim)).flatten(dim, dim + 1)
-    )
+    return Pending(handle, lambda: _joined(pieces, dim))
 
 
 def all_gather(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
@@ -303,15 +301,19 @@ def all_gather_together(tensors: list[torch.Tensor], group: Any, dim: int) -> li
     send = torch.cat([t.reshape(-1) for t in tensors])
     output = send.new_empty((world, send.numel()))
     all_gather_flat(output.view(-1), send, group)
-    gathered = []
-    for block, t in zip(output.split(sizes, dim=1), tensors):
-        pieces = block.unflatten(1, t.shape).movedim(0, dim)
-        # a copy out of the shared rows either way; a layout copy where dims before `dim` hold
-        # more than one element (what a gather of this tensor alone would copy)
-        layout = math.prod(t.shape[:dim]) > 1
-        joined = _observed_contiguous(pieces) if layout else pieces.contiguous()
-        gathered.append(joined.flatten(dim, dim + 1))
-    return gathered
+    blocks = zip(output.split(sizes, dim=1), tensors)
+    return [_joined(block.unflatten(1, t.shape), dim) for block, t in blocks]
+
+
+def _joined(pieces: torch.Tensor, dim: int) -> torch.Tensor:
+    """`pieces` (world, *shape: rank r's tensor in row r) concatenated along `dim`, contiguous.
+    A copy where dims before `dim` hold more than one element is a layout copy, shown to the
+    observers ((s, b, h) would not need it); otherwise a copy is made only if the rows are not
+    already one block of memory (a coalesced gather's), and observed as nothing."""
+    moved = pieces.movedim(0, dim)
+    layout = math.prod(moved.shape[:dim]) > 1
+    joined = _observed_contiguous(moved) if layout else moved.contiguous()
+    return joined.flatten(dim, dim + 1)
 
 
 def reduce_scatter_start(tensor: torch.Tensor, group: Any, dim: int) -> Pending:

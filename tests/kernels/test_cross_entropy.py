@@ -35,7 +35,8 @@ def _float64(logits: torch.Tensor, targets: torch.Tensor, vocab: int):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "rows, cols, vocab",
-    [(37, 1000, 997), (1, 129, 129), (5, STATS_BLOCK + 3, STATS_BLOCK + 1), (3, GRAD_BLOCK, 600)],
+    [(37, 1000, 997), (1, 129, 129), (5, STATS_BLOCK + 3, STATS_BLOCK + 1), (3, GRAD_BLOCK, 600)]
+    + [(2, 50304, 50257)],  # GPT-2's vocabulary, padded as the shipped configs pad it
 )
 def test_one_rank_matches_float64(rows, cols, vocab, dtype, randn, rel_err, tolerance):
     logits = randn(rows, cols, dtype=dtype, scale=4.0).detach()
