@@ -12,7 +12,7 @@ from megalite.models.layers import BuildContext
 from torch import nn
 
 from megalite.context_parallel.layout import SequenceLayout
-from megalite.tensor_parallel import recompute
+from megalite.tensor_parallel import recompute, sequence_shard
 
 
 def segment_layers(layers: list[nn.Module]) -> list[list[nn.Module]]:
@@ -65,13 +65,16 @@ class CausalLM(nn.Module):
                 x = layer(x, layout)
         return x
 
-    def sequence_positions(self, seq_len: int, layout: SequenceLayout | None) -> torch.Tensor:
-        """(1 or b, tokens) positions of this rank's tokens: of its chunks of the windows
-        (`layout`; all seq_len without one), or of its sequence shard of them under SP."""
+    def sequence_positions(
+        self, ids_shape: torch.Size, layout: SequenceLayout | None
+    ) -> torch.Tensor:
+        """(1 or b, tokens) positions of this rank's tokens of (b, s) token ids: of its chunks of
+        the windows (`layout`; all s without one), or of its sequence shard of them under SP."""
+        b, seq_len = ids_shape
         if layout is None:
             positions = torch.arange(seq_len, device=self.ctx.ps.device)[None]
         else:
             positions = layout.positions
         if not self.ctx.sequence_parallel:
             return positions
-        return positions.chunk(self.ctx.ps.tp_size, dim=1)[self.ctx.ps.tp_rank]
+        return sequence_shard(positions.expand(b, -1), self.ctx.ps.tp_group)

@@ -1,19 +1,18 @@
 """The activation layout under sequence parallelism: what (batch, seq, hidden) costs against
 (seq, batch, hidden), on the TP benchmark's gloo ranks (issue 24, part 3).
 
-megalite keeps activations (b, s, h), as nanoGPT does, and SP shards dim 1. A dim-wise
-collective works on dim 0 of a contiguous tensor, so at micro-batch b > 1 every SP all-gather
-joins the shards it received along dim 1 (one copy), and every reduce-scatter moves its input's
-pieces to dim 0 (one copy). Megatron keeps (s, b, h), where these are free. Two tables bound
-what (s, b, h) could save:
+megalite keeps activations (b, s, h), as nanoGPT does. Splitting them along dim 1 (each rank a
+piece of every sample's sequence) made every SP collective copy at micro-batch b > 1: the
+all-gather joined the received shards along dim 1, the reduce-scatter moved its pieces to
+dim 0. Megatron keeps (s, b, h), where splitting s gives each rank a contiguous run of tokens
+and both are free. megalite's shards are contiguous runs of the b*s tokens too
+(`tensor_parallel.mappings`), with no transposes. Two tables:
 
-- one SP all-gather and one reduce-scatter of a micro-batch's activation in each layout;
+- one SP all-gather and one reduce-scatter of a micro-batch's activation: megalite's token
+  shards of (b, s, h), dim-1 shards of (b, s, h), and dim-0 shards of (s, b, h);
 - whole tp 2 + SP training steps at the shipped configs' widths, micro-batch 1 and 8: the time
-  the step spends in those layout copies (`comm.CommObserver.layout_copy`), beside the step
-  and the tp communication the rank waited for.
-
-The copies are an upper bound of the saving: (s, b, h) needs its own transposes elsewhere
-(attention takes (b, heads, s, head_dim)).
+  the step spends in layout copies of its collectives (`comm.CommObserver.layout_copy`; none
+  is expected), beside the step and the tp communication the rank waited for.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from megalite import comm
 from megalite.benchmarks import harness
 from megalite.benchmarks.table import print_table
 from megalite.profiling.step_timing import CommTimer
+from megalite.tensor_parallel import mappings
 
 WIDTHS = {"gpt-tiny": (256, 4), "gpt2-124m": (768, 12)}
 """(hidden, heads) of the shipped configs measured in the step table."""
@@ -57,22 +57,37 @@ class LayoutCopies(comm.CommObserver):
 
 
 def collective_layouts(args: argparse.Namespace, ps: Any, repeats: int = 30) -> list[list]:
-    """Median ms of one SP all-gather and one reduce-scatter of a micro-batch's activation,
-    (batch, seq, hidden) split on dim 1 against (seq, batch, hidden) split on dim 0: the first
-    needs a transposing copy before and after each collective once batch > 1, the second none."""
+    """Median ms of one SP all-gather and one reduce-scatter of a micro-batch's activation in
+    each layout: (b, s, h) in token shards (megalite), (b, s, h) split on dim 1 (a transposing
+    copy before and after each collective once b > 1), (s, b, h) split on dim 0 (Megatron)."""
     b, s, h, tp = args.micro_batch, args.seq, args.hidden, ps.tp_size
+    group = ps.tp_group
+    layouts = {
+        "(b, s, h), token shards": (
+            (b, s // tp, h),
+            lambda shard: mappings.all_gather_sequence(shard, group),
+            lambda full: mappings.reduce_scatter_sequence(full, group),
+        ),
+        "(b, s, h), dim 1": (
+            (b, s // tp, h),
+            lambda shard: comm.all_gather(shard, group, 1),
+            lambda full: comm.reduce_scatter(full, group, 1),
+        ),
+        "(s, b, h), dim 0": (
+            (s // tp, b, h),
+            lambda shard: comm.all_gather(shard, group, 0),
+            lambda full: comm.reduce_scatter(full, group, 0),
+        ),
+    }
     rows = []
-    for name, shard_shape, dim in (("(b, s, h), dim 1", (b, s // tp, h), 1),
-                                   ("(s, b, h), dim 0", (s // tp, b, h), 0)):  # fmt: skip
+    for name, (shard_shape, gather, scatter) in layouts.items():
         shard = torch.randn(shard_shape)
-        full = comm.all_gather(shard, ps.tp_group, dim)
-        gather = functools.partial(comm.all_gather, shard, ps.tp_group, dim)
-        scatter = functools.partial(comm.reduce_scatter, full, ps.tp_group, dim)
+        full = gather(shard)
         cells = [name]
-        for op in (gather, scatter):
+        for op in (functools.partial(gather, shard), functools.partial(scatter, full)):
             times = []
             for _ in range(repeats):
-                dist.barrier(group=ps.tp_group)
+                dist.barrier(group=group)
                 start = time.perf_counter()
                 op()
                 times.append(time.perf_counter() - start)
@@ -135,7 +150,7 @@ def report(args: argparse.Namespace, collectives: list[list], steps: list[dict])
         [
             f"One micro-batch per step, {args.layers} layers, seq {args.seq}, vocab {args.vocab}, "
             "fp32, 2 gloo ranks; medians of the timed steps. tp comm: the tp collectives the "
-            "rank waited for; copies: the (b, s, h) layout copies of the SP all-gathers and "
-            "reduce-scatters (rank 0), what (s, b, h) could save at most."
+            "rank waited for; copies: the layout copies of the step's collectives (rank 0), "
+            "which token shards leave none of in the SP all-gathers and reduce-scatters."
         ],
     )

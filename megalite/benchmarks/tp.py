@@ -20,8 +20,9 @@ gradient accumulation per step:
     torchrun --nproc-per-node 2 tools/bench_tp.py  # same, launched by torchrun
     python -m megalite.benchmarks.tp               # the same, from an installed megalite
 
-Then the activation layout's tables (`sp_layout`): the SP collectives in (b, s, h) against
-(s, b, h), and the share of a tp 2 + SP step spent in (b, s, h)'s layout copies.
+Then the activation layout's tables (`sp_layout`): the SP collectives on megalite's token
+shards of (b, s, h) against dim-1 shards of (b, s, h) and (s, b, h), and the layout copies in a
+tp 2 + SP step.
 
 Gradient norm on the torch side: `torch.nn.utils.get_total_norm` over the DTensor gradients
 (`.full_tensor()` of the result) combined with the norm of the plain-tensor ones (position

@@ -21,11 +21,13 @@ from megalite.tensor_parallel.layers import (
     tp_output,
 )
 from megalite.tensor_parallel.mappings import (
+    all_gather_sequence,
     copy_to_tp_region,
     gather_from_sequence_region,
     gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
+    sequence_shard,
 )
 from megalite.tensor_parallel.random import TPRandom, init_parameters, recompute
 
@@ -39,6 +41,7 @@ __all__ = [
     "TPRandom",
     "VocabParallelEmbedding",
     "VocabParallelOutput",
+    "all_gather_sequence",
     "constant_init",
     "copy_to_tp_region",
     "gather_from_sequence_region",
@@ -52,6 +55,7 @@ __all__ = [
     "recompute",
     "reduce_from_tp_region",
     "reduce_scatter_to_sequence_region",
+    "sequence_shard",
     "tp_input",
     "tp_output",
     "vocab_parallel_head_loss",

@@ -43,9 +43,13 @@ import torch.nn.functional as F
 from megalite import comm
 from megalite.eager_boundary import eager_only
 from megalite.tensor_parallel.deferred import queue_for
-
-SEQ_DIM = 1
-"""Activations are (batch, seq, hidden): SP shards dim 1."""
+from megalite.tensor_parallel.mappings import (
+    all_gather_sequence,
+    all_gather_sequence_start,
+    all_gather_sequence_together,
+    reduce_scatter_sequence,
+    reduce_scatter_sequence_start,
+)
 
 Rows = tuple[slice, ...] | None
 """The rows of a weight a linear computes, in order (q and a shared kv head of a fused q/k/v:
@@ -114,7 +118,7 @@ def _deferred_column_weight_grads(
     """W of a column-parallel linear: gather its sequence shards again (SP: `group`), then add
     dW and db into the main grads."""
     _column_weight_grads(
-        weight, bias, rows, x if group is None else comm.all_gather(x, group, SEQ_DIM), dy
+        weight, bias, rows, x if group is None else all_gather_sequence(x, group), dy
     )
 
 
@@ -123,7 +127,7 @@ def _deferred_row_weight_grad(
 ) -> None:
     """W of a row-parallel linear: gather its output gradient's sequence shards again (SP:
     `group`; B kept only the shard), then add dW into the main grad."""
-    full = dy if group is None else comm.all_gather(dy, group, SEQ_DIM)
+    full = dy if group is None else all_gather_sequence(dy, group)
     _weight_grad(weight, None, _flat(x), _flat(full))
 
 
@@ -140,14 +144,14 @@ def _column_grad_params(ctx: Any) -> tuple[torch.Tensor | None, torch.Tensor | N
 
 
 class _ColumnParallel(torch.autograd.Function):
-    """forward: all-gather along the sequence (SP) or identity, then y = x W^T + b;
+    """forward: all-gather the sequence shards (SP) or identity, then y = x W^T + b;
     backward: all-gather again (SP; or take the gather its partner did), dx = dy W
-    reduce-scattered along the sequence (SP) or all-reduced, overlapped with dW = dy^T x."""
+    reduce-scattered to sequence shards (SP) or all-reduced, overlapped with dW = dy^T x."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel, rows):
         global _last_column
-        total = comm.all_gather(x, group, SEQ_DIM) if sequence_parallel else x
+        total = all_gather_sequence(x, group) if sequence_parallel else x
         # Only x is saved: a row-parallel partner may unpack it before this backward runs, and
         # recompute's saved tensors unpack once. The parameters themselves are kept instead
         # (their main grads need the objects; a saved-tensor hook, the memory tracker's, may
@@ -169,7 +173,7 @@ class _ColumnParallel(torch.autograd.Function):
         x = None if total is not None else ctx.saved_tensors[0]
         gather = None
         if sp and queue is None and total is None and grad_weight is not None:
-            gather = comm.all_gather_start(x, group, SEQ_DIM)
+            gather = all_gather_sequence_start(x, group)
         reduction = None
         if ctx.needs_input_grad[0]:
             dx = dy @ _used(ctx.weight, rows)
@@ -179,7 +183,7 @@ class _ColumnParallel(torch.autograd.Function):
             total = x
         if ctx.needs_input_grad[0]:
             if sp:
-                reduction = comm.reduce_scatter_start(dx, group, SEQ_DIM)
+                reduction = reduce_scatter_sequence_start(dx, group)
             else:
                 reduction = comm.Pending(comm.all_reduce(dx, group, async_op=True), lambda: dx)
         # the weight gradient runs while the input gradient's reduction is in flight
@@ -226,14 +230,14 @@ def _gather_output_grad(ctx: Any, shard: torch.Tensor) -> torch.Tensor:
         if weight is not None and queue_for(weight, bias) is None:
             (x,) = partner.saved_tensors
             if x.dtype == shard.dtype:
-                dy, partner.gathered = comm.all_gather_together([shard, x], ctx.group, SEQ_DIM)
+                dy, partner.gathered = all_gather_sequence_together([shard, x], ctx.group)
                 return dy
-    return comm.all_gather(shard, ctx.group, SEQ_DIM)
+    return all_gather_sequence(shard, ctx.group)
 
 
 class _RowParallel(torch.autograd.Function):
-    """forward: y = x W^T, partial sums reduce-scattered along the sequence (SP) or all-reduced;
-    backward: all-gather dy along the sequence (SP; with the partner's input, see
+    """forward: y = x W^T, partial sums reduce-scattered to sequence shards (SP) or all-reduced;
+    backward: all-gather dy's sequence shards (SP; with the partner's input, see
     `_gather_output_grad`), dx = dy W, dW = dy^T x."""
 
     @staticmethod
@@ -244,7 +248,7 @@ class _RowParallel(torch.autograd.Function):
         ctx.partner = _partner(group) if sequence_parallel else None
         y = F.linear(x, weight)  # (b, s, out): a partial sum over tp
         if sequence_parallel:
-            return comm.reduce_scatter(y, group, SEQ_DIM)
+            return reduce_scatter_sequence(y, group)
         comm.all_reduce(y, group)
         return y
 

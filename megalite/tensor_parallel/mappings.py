@@ -1,10 +1,15 @@
 """Autograd-aware collectives for tensor and sequence parallelism (Shoeybi et al. 2019,
 Korthikanti et al. 2022). Each pair is a collective in forward and its conjugate in backward.
 
-Activations are laid out (batch, seq, hidden); the "sequence" functions work on dim 1 and the
-"tensor-parallel region" functions on the last dim. At tp = 1 every function is the identity.
-Each is opaque to torch.compile: collectives stay eager between compiled pieces
-(training/compile.py).
+Activations are laid out (batch, seq, hidden), as in nanoGPT. Under sequence parallelism (SP)
+rank r of t keeps the r-th contiguous 1/t of a micro-batch's b*s tokens, held in the shape
+(b, s/t, h) (`sequence_shard`; at b = 1 the r-th piece of the sequence). The work between the
+tensor-parallel regions (norms, dropout, residual adds, biases) is token-wise and does not care
+which tokens a rank holds, and contiguous pieces make the SP all-gather and reduce-scatter free
+of copies: what Megatron's (s, b, h) layout gets by splitting s (its pieces are contiguous runs
+of tokens too), without transposing the model's activations. The "tensor-parallel region"
+functions work on the last dim. At tp = 1 every function is the identity. Each is opaque to
+torch.compile: collectives stay eager between compiled pieces (training/compile.py).
 """
 
 from __future__ import annotations
@@ -16,7 +21,60 @@ import torch
 from megalite import comm
 from megalite.eager_boundary import eager_only
 
-SEQ_DIM = 1
+
+def _token_rows(full: torch.Tensor, world: int) -> torch.Tensor:
+    """(b, s, ...) as (world * b, s / world, ...): rows [r*b, (r+1)*b) are rank r's tokens."""
+    b, s = full.shape[:2]
+    if s % world:
+        raise ValueError(f"a sequence of {s} tokens does not split over {world} ranks")
+    return full.reshape(world * b, s // world, *full.shape[2:])
+
+
+def _from_token_rows(rows: torch.Tensor, world: int) -> torch.Tensor:
+    """The inverse of `_token_rows`: (world * b, s / world, ...) as (b, s, ...)."""
+    return rows.view(rows.shape[0] // world, world * rows.shape[1], *rows.shape[2:])
+
+
+def sequence_shard(full: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's SP shard of a (b, s, ...) tensor: its contiguous 1/t of the b*s tokens, shaped
+    (b, s/t, ...) (no communication; a view)."""
+    world = comm.size(group)
+    if world == 1:
+        return full
+    b = full.shape[0]
+    start = comm.rank(group) * b
+    return _token_rows(full, world)[start : start + b]
+
+
+def all_gather_sequence_start(shard: torch.Tensor, group: Any) -> comm.Pending:
+    """Start gathering every rank's SP shard (b, s/t, ...) into the full (b, s, ...): the pieces
+    arrive in token order, so the result needs no copy."""
+    world = comm.size(group)
+    gather = comm.all_gather_start(shard, group, dim=0)
+    return comm.Pending(None, lambda: _from_token_rows(gather.wait(), world))
+
+
+def all_gather_sequence(shard: torch.Tensor, group: Any) -> torch.Tensor:
+    """The full (b, s, ...) tensor from every rank's SP shard."""
+    return all_gather_sequence_start(shard, group).wait()
+
+
+def all_gather_sequence_together(shards: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
+    """`all_gather_sequence` of each shard (one dtype) in one collective."""
+    world = comm.size(group)
+    gathered = comm.all_gather_together(shards, group, dim=0)
+    return [_from_token_rows(full, world) for full in gathered]
+
+
+def reduce_scatter_sequence_start(full: torch.Tensor, group: Any) -> comm.Pending:
+    """Start summing (b, s, ...) over the group into this rank's SP shard (b, s/t, ...): its
+    pieces are contiguous, so nothing is copied to send them."""
+    return comm.reduce_scatter_start(_token_rows(full, comm.size(group)), group, dim=0)
+
+
+def reduce_scatter_sequence(full: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's SP shard of `full` summed over the group."""
+    return reduce_scatter_sequence_start(full, group).wait()
 
 
 class _CopyToTPRegion(torch.autograd.Function):
@@ -62,30 +120,30 @@ class _GatherFromTPRegion(torch.autograd.Function):
 
 
 class _GatherFromSequenceRegion(torch.autograd.Function):
-    """forward: all-gather along the sequence; backward: reduce-scatter along the sequence
-    (the gathered activation feeds tensor-parallel layers whose grads are partial sums)."""
+    """forward: all-gather the sequence shards; backward: reduce-scatter to them (the gathered
+    activation feeds tensor-parallel layers whose grads are partial sums)."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return comm.all_gather(x, group, dim=SEQ_DIM)
+        return all_gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return comm.reduce_scatter(grad, ctx.group, dim=SEQ_DIM), None
+        return reduce_scatter_sequence(grad, ctx.group), None
 
 
 class _ReduceScatterToSequenceRegion(torch.autograd.Function):
-    """forward: reduce-scatter the partial sums along the sequence; backward: all-gather."""
+    """forward: reduce-scatter the partial sums to sequence shards; backward: all-gather."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return comm.reduce_scatter(x, group, dim=SEQ_DIM)
+        return reduce_scatter_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return comm.all_gather(grad, ctx.group, dim=SEQ_DIM), None
+        return all_gather_sequence(grad, ctx.group), None
 
 
 @eager_only

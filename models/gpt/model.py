@@ -116,7 +116,7 @@ class GPT(CausalLM):
         targets, or the full logits (b, s, vocab) without."""
         if self.has_embedding:
             x = self.wte(inputs)  # (b, s, h), or (b, s/tp, h) under SP
-            x = x + self.wpe[self.sequence_positions(inputs.shape[1], layout)]
+            x = x + self.wpe[self.sequence_positions(inputs.shape, layout)]
             x = self.drop(x)
         else:
             x = inputs  # from the previous pipeline stage

@@ -42,7 +42,13 @@ from megalite.expert_parallel.router import (
     update_bias,
     z_loss,
 )
-from megalite.tensor_parallel import ParamMeta, constant_init, make_param, normal_init
+from megalite.tensor_parallel import (
+    ParamMeta,
+    all_gather_sequence,
+    constant_init,
+    make_param,
+    normal_init,
+)
 from megalite.tensor_parallel.layers import Part, tp_input, tp_output
 from megalite.tensor_parallel.random import replaying
 
@@ -147,7 +153,7 @@ class MoE(nn.Module):
         """The expert choices of the tp group's tokens (SP: gathered; else already all here)."""
         if not self.ctx.sequence_parallel:
             return experts
-        return comm.all_gather(experts, self.ctx.ps.tp_group, dim=1)
+        return all_gather_sequence(experts, self.ctx.ps.tp_group)
 
     def experts(
         self, tokens: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor

@@ -3,6 +3,7 @@ relative error < 1e-5 in fp32 against float64), with and without sequence parall
 collectives of one transformer layer move the bytes theory predicts; dropout masks agree over
 tp ranks exactly where activations are replicated."""
 
+import contextlib
 import functools
 
 import pytest
@@ -27,7 +28,13 @@ from megalite.tensor_parallel import (
     VocabParallelOutput,
     init_parameters,
     normal_init,
+    sequence_shard,
     vocab_parallel_head_loss,
+)
+from megalite.tensor_parallel.mappings import (
+    all_gather_sequence,
+    all_gather_sequence_together,
+    reduce_scatter_sequence,
 )
 
 B, S, H, OUT = 2, 8, 16, 24
@@ -43,7 +50,49 @@ def _dense(*tensors):
 
 
 def _seq_shard(t, ps, sp):
-    return t.chunk(ps.tp_size, dim=1)[ps.tp_rank] if sp else t
+    return sequence_shard(t, ps.tp_group) if sp else t
+
+
+def _sequence_collectives(tp):
+    """Each rank's SP shard of a (3, 8, 5) tensor (3 samples: shards straddle them at tp 2 and
+    4), the all-gather of the shards, the reduce-scatter of rank-scaled copies, and the layout
+    copies the collectives made."""
+    ps = _state(tp)
+    torch.manual_seed(0)
+    full = torch.randn(3, 8, 5)
+    shard = sequence_shard(full, ps.tp_group)
+    with comm.observe(_CopyCounter()) as copies:
+        gathered = all_gather_sequence(shard, ps.tp_group)
+        reduced = reduce_scatter_sequence(full * (ps.tp_rank + 1), ps.tp_group)
+        together = all_gather_sequence_together([shard, 2 * shard], ps.tp_group)
+    return full, shard, gathered, reduced, together, copies.count
+
+
+class _CopyCounter(comm.CommObserver):
+    def __init__(self):
+        self.count = 0
+
+    def layout_copy(self):
+        self.count += 1
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_shards_are_contiguous_runs_of_tokens(tp):
+    """Rank r's SP shard is the r-th contiguous 1/t of the micro-batch's b*s tokens, shaped
+    (b, s/t, h); the all-gather and the reduce-scatter move it with no layout copy, at a
+    micro-batch that does not divide over the ranks as well."""
+    results = run_ranks(tp, _sequence_collectives, tp)
+    scale = sum(range(1, tp + 1))
+    for rank, (full, shard, gathered, reduced, together, copies) in enumerate(results):
+        tokens = full.view(-1, 5)
+        run = 3 * 8 // tp
+        assert shard.shape == (3, 8 // tp, 5)
+        assert torch.equal(shard.reshape(-1, 5), tokens[rank * run : (rank + 1) * run])
+        assert torch.equal(gathered, full) and gathered.is_contiguous()
+        assert torch.allclose(reduced, scale * shard) and reduced.is_contiguous()
+        assert torch.equal(together[0], full) and torch.equal(together[1], 2 * full)
+        assert copies == 0
 
 
 def _column(tp, sp):
