@@ -174,11 +174,16 @@ def worker(args: argparse.Namespace) -> dict:
     plain, sp = (next(c for c in order if c.name == name) for name in SP_COST)
     return {
         "rows": harness.summary(order, harness.global_batch(args) * args.seq),
-        "sp_paired": statistics.median(s / p for s, p in zip(sp.times, plain.times)),
+        "sp_paired": quartiles([s / p for s, p in zip(sp.times, plain.times)]),
         "failures": failures,
         "layouts": sp_layout.collective_layouts(args, ps),
         "layout_steps": sp_layout.copy_share(args, ps),
     }
+
+
+def quartiles(values: list[float]) -> list[float]:
+    """The lower quartile, median and upper quartile of `values` (one value: itself thrice)."""
+    return statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
 
 
 def options() -> argparse.ArgumentParser:
@@ -202,10 +207,12 @@ def report(args: argparse.Namespace, result: dict) -> None:
     sp_reference = next(r["reference"] for r in rows if r["name"] == "megalite tp=2 + SP")
     notes.append(f"megalite tp=2 + SP is compared with the {sp_reference!r} row.")
     plain, sp = (next(r for r in rows if r["name"] == name)["step_s"] for name in SP_COST)
+    low, middle, high = (ratio - 1 for ratio in result["sp_paired"])
     notes.append(
         f"SP's cost over plain TP in megalite: {sp / plain - 1:+.1%} (median steps), "
-        f"{result['sp_paired'] - 1:+.1%} paired (median over batches of the ratio of the two "
-        "steps on one batch: robust to load that drifts during the run)."
+        f"{middle:+.1%} paired (median over batches of the ratio of the two steps on one batch: "
+        f"robust to load that drifts during the run; quartiles {low:+.1%} to {high:+.1%}, the "
+        "spread of this machine's noise)."
     )
     for name, error in result["failures"].items():
         notes.append(f"{name} failed; its last frames:\n{error}")
