@@ -29,6 +29,15 @@ def test_tp_sp_with_recompute_matches_single_process(builtin_corpus, tmp_path, r
     assert_equivalent(2, LLAMA, layout, tmp_path)
 
 
+def test_sp_shards_straddling_samples_match_single_process(builtin_corpus, tmp_path):
+    """Under SP a rank holds a contiguous run of the micro-batch's tokens: at micro-batch 3 over
+    tp 2 each run ends inside the middle sample, and with document masking GPT's learned
+    positions restart at every document, so each token's position must go with it."""
+    model = (*GPT, "train.micro_batch_size=3", "train.global_batch_size=6")
+    model += ("data.document_mask=true",)
+    assert_equivalent(2, model, ("parallel.tp=2", "parallel.sp=true"), tmp_path)
+
+
 @pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt", "llama"])
 def test_dropout_run_is_reproducible(builtin_corpus, tmp_path, model):
     """With dropout the masks differ from tp = 1's, so the run cannot equal it; it must be
