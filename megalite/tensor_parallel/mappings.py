@@ -37,7 +37,7 @@ def _from_token_rows(rows: torch.Tensor, world: int) -> torch.Tensor:
 
 def sequence_shard(full: torch.Tensor, group: Any) -> torch.Tensor:
     """This rank's SP shard of a (b, s, ...) tensor: its contiguous 1/t of the b*s tokens, shaped
-    (b, s/t, ...) (no communication; a view)."""
+    (b, s/t, ...) (no communication; a view of a contiguous `full`)."""
     world = comm.size(group)
     if world == 1:
         return full
