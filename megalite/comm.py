@@ -58,14 +58,29 @@ _observers: list[CommObserver] = [comm_trace.progress, comm_trace.trace_file]
 outermost, so it names any call that fails), then those `observe` registers."""
 
 
+def _watches_blocking(observer: CommObserver) -> bool:
+    return type(observer).blocking is not CommObserver.blocking
+
+
+_watchers = [observer for observer in _observers if _watches_blocking(observer)]
+"""The observers of `_observers` that watch the rank blocked (`CommObserver.blocking`), in the
+same order. Only these are entered around every call: a collective's own Python cost is paid
+for every micro-batch, and a GPU's host must keep ahead of its kernels."""
+
+
 @contextlib.contextmanager
 def observe(observer: CommObserver) -> Iterator[CommObserver]:
     """Register `observer` inside the block."""
+    watches = _watches_blocking(observer)
     _observers.append(observer)
+    if watches:
+        _watchers.append(observer)
     try:
         yield observer
     finally:
         _observers.remove(observer)
+        if watches:
+            _watchers.remove(observer)
 
 
 @contextlib.contextmanager
@@ -83,11 +98,17 @@ def _enter(op: str, tensor: torch.Tensor | None, group: Any, peer: int | None = 
     return call
 
 
+def _blocking(call: comm_trace.Call) -> contextlib.AbstractContextManager[None]:
+    """The rank is blocked in `call`: every watcher knows (the watchdog's progress first)."""
+    if len(_watchers) == 1:  # progress alone: outside profiling and tests
+        return _watchers[0].blocking(call)
+    return _all_blocking(call)
+
+
 @contextlib.contextmanager
-def _blocking(call: comm_trace.Call) -> Iterator[None]:
-    """The rank is blocked in `call`: every observer knows (the watchdog's progress first)."""
+def _all_blocking(call: comm_trace.Call) -> Iterator[None]:
     with contextlib.ExitStack() as observed:
-        for observer in _observers:
+        for observer in _watchers:
             observed.enter_context(observer.blocking(call))
         yield
 
@@ -211,13 +232,8 @@ def _gloo_all_gather(pieces: torch.Tensor, sources: list[torch.Tensor], group: A
     1-D) sources, into `pieces` (world, their total). Why: gloo's allgather took 0.9-1.3 ms
     where the all-to-all of the same bytes took 0.6-0.7 (2 ranks, 512 KiB out); point-to-point
     messages were faster alone but cost 2-3x the system time inside a training step."""
-    send = torch.empty_like(pieces)  # row r: what rank r receives from this one
-    start = 0
-    for source in sources:
-        end = start + source.numel()
-        send[:, start:end] = source
-        start = end
-    return _all_to_all(pieces.view(-1), send.view(-1), group, None)
+    send = torch.cat(sources * size(group))  # piece r, what rank r receives: the sources joined
+    return _all_to_all(pieces.view(-1), send, group, None)
 
 
 def reduce_scatter_flat(
@@ -277,10 +293,10 @@ class Pending:
     """A dim-wise all-gather or reduce-scatter in flight: `wait()` returns its result. The
     backward of a column-parallel linear starts one, computes a GEMM, then waits."""
 
-    def __init__(self, handle: Any, result: Callable[[], torch.Tensor]) -> None:
+    def __init__(self, handle: Any, result: Callable[[], Any]) -> None:
         self.handle, self.result = handle, result
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> Any:
         if self.handle is not None:
             self.handle.wait()
         return self.result()
@@ -306,19 +322,29 @@ def all_gather(tensor: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     return all_gather_start(tensor, group, dim).wait()
 
 
-def all_gather_together(tensors: list[torch.Tensor], group: Any, dim: int) -> list[torch.Tensor]:
-    """`all_gather(t, group, dim)` of each tensor (one dtype), as one collective: one call instead
-    of several pays the collective's fixed cost once (sequence parallelism's backward,
-    `linear.py`)."""
+def all_gather_together_start(tensors: list[torch.Tensor], group: Any, dim: int) -> Pending:
+    """Start `all_gather(t, group, dim)` of each tensor (one dtype) as one collective: one call
+    instead of several pays the collective's fixed cost once (sequence parallelism's backward,
+    `linear.py`). `wait()` returns the list of results."""
     world = size(group)
     if world == 1:
-        return list(tensors)
+        return Pending(None, lambda: list(tensors))
     dim %= tensors[0].dim()
     sizes = [t.numel() for t in tensors]
     output = tensors[0].new_empty((world, sum(sizes)))
-    _all_gather_joined(output.view(-1), [t.reshape(-1) for t in tensors], group, False)
-    blocks = zip(output.split(sizes, dim=1), tensors)
-    return [_joined(block.unflatten(1, t.shape), dim) for block, t in blocks]
+    sources = [t.reshape(-1) for t in tensors]
+    handle = _all_gather_joined(output.view(-1), sources, group, async_op=True)
+
+    def results() -> list[torch.Tensor]:
+        blocks = zip(output.split(sizes, dim=1), tensors)
+        return [_joined(block.unflatten(1, t.shape), dim) for block, t in blocks]
+
+    return Pending(handle, results)
+
+
+def all_gather_together(tensors: list[torch.Tensor], group: Any, dim: int) -> list[torch.Tensor]:
+    """`all_gather(t, group, dim)` of each tensor (one dtype), as one collective."""
+    return all_gather_together_start(tensors, group, dim).wait()
 
 
 def _joined(pieces: torch.Tensor, dim: int) -> torch.Tensor:
@@ -326,6 +352,8 @@ def _joined(pieces: torch.Tensor, dim: int) -> torch.Tensor:
     A copy where dims before `dim` hold more than one element is a layout copy, shown to the
     observers ((s, b, h) would not need it); otherwise a copy is made only if the rows are not
     already one block of memory (a coalesced gather's), and observed as nothing."""
+    if dim == 0 and pieces.is_contiguous():  # sequence parallelism's token shards
+        return pieces.flatten(0, 1)
     moved = pieces.movedim(0, dim)
     layout = math.prod(moved.shape[:dim]) > 1
     joined = _observed_contiguous(moved) if layout else moved.contiguous()
