@@ -2,13 +2,20 @@
 `LinearWithGradAccumulationAndAsyncCommunication`.
 
 Column-parallel (q, k, v and gate, up are one fused weight each: `FusedColumnParallelLinear`):
-- forward: all-gather the sequence shards (SP), one GEMM; keep the SHARD for backward, not
-  the gathered input (s*b*h/t instead of s*b*h per layer input);
+- forward: all-gather the sequence shards (SP) and multiply (one GEMM without SP); keep the
+  SHARD for backward, not the gathered input (s*b*h/t instead of s*b*h per layer input);
 - backward: start the all-gather of the shard again and compute the input gradient under it;
   start the input gradient's reduce-scatter (SP) or all-reduce and compute the weight
   gradients under it; then wait.
 Row-parallel: forward reduce-scatters (SP) or all-reduces the partial products; backward
-all-gathers the output gradient (SP); its input gradient needs no communication.
+all-gathers the output gradient (SP) and multiplies it; its input gradient needs no
+communication.
+
+Under SP, a GEMM that needs an all-gathered input (the column's forward, the row's input
+gradient) does not wait for the whole gather: this rank's own tokens are in its shard, so it
+multiplies those while the other ranks' shards are in flight, and theirs once they arrive
+(`_product_under_gather`). Only the reduce-scatter of the row's forward, which the next norm
+waits for, stays exposed.
 
 Under SP a block's row-parallel linear (attention output, down projection) follows a
 column-parallel one (q/k/v, gate/up) whose backward runs right after its own: its *partner*.
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,9 +54,10 @@ from megalite.tensor_parallel.deferred import queue_for
 from megalite.tensor_parallel.mappings import (
     all_gather_sequence,
     all_gather_sequence_start,
-    all_gather_sequence_together,
+    all_gather_sequence_together_start,
     reduce_scatter_sequence,
     reduce_scatter_sequence_start,
+    shard_tokens,
 )
 
 Rows = tuple[slice, ...] | None
@@ -89,6 +98,38 @@ def _weight_grad(
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
+
+
+Product = Callable[[torch.Tensor, torch.Tensor], Any]
+"""A GEMM of a linear's tokens: `product(a, out)` writes a (tokens, in) @ M into `out`."""
+
+
+def _product_under_gather(
+    shard: torch.Tensor, gather: comm.Pending, group: Any, product: Product, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, full): `product` of every token of the full sequence that `gather` brings from the
+    ranks' SP shards, as (b, s, width), and that full sequence. This rank's own tokens, its
+    `shard`, are multiplied while the other ranks' are in flight, the rest once they are here:
+    a GEMM that depends on a collective, decomposed so that the collective hides under it
+    (Wang et al. 2023; the TP overlap of Megatron-LM and torchtitan)."""
+    b, local = shard.shape[:2]
+    y = shard.new_empty((b, local * comm.size(group), width))
+    flat_y = y.view(-1, width)
+    own = shard_tokens(shard, group)
+    product(_flat(shard), flat_y[own])
+    full = gather.wait()
+    flat_full = _flat(full)
+    for others in (slice(0, own.start), slice(own.stop, flat_y.shape[0])):
+        if others.stop > others.start:
+            product(flat_full[others], flat_y[others])
+    return y, full
+
+
+def _times(matrix: torch.Tensor, bias: torch.Tensor | None = None) -> Product:
+    """The product a @ matrix (+ bias)."""
+    if bias is None:
+        return lambda a, out: torch.mm(a, matrix, out=out)
+    return lambda a, out: torch.addmm(bias, a, matrix, out=out)
 
 
 def _column_weight_grads(
@@ -151,7 +192,6 @@ class _ColumnParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel, rows):
         global _last_column
-        total = all_gather_sequence(x, group) if sequence_parallel else x
         # Only x is saved: a row-parallel partner may unpack it before this backward runs, and
         # recompute's saved tensors unpack once. The parameters themselves are kept instead
         # (their main grads need the objects; a saved-tensor hook, the memory tracker's, may
@@ -160,9 +200,14 @@ class _ColumnParallel(torch.autograd.Function):
         ctx.group, ctx.sequence_parallel, ctx.rows = group, sequence_parallel, rows
         ctx.weight, ctx.bias = weight, bias
         ctx.gathered = None  # x's full sequence, when the partner gathered it (SP)
-        if sequence_parallel:
-            _last_column = weakref.ref(ctx)
-        return F.linear(total, _used(weight, rows), _used(bias, rows))
+        used_weight, used_bias = _used(weight, rows), _used(bias, rows)
+        if not sequence_parallel:
+            return F.linear(x, used_weight, used_bias)
+        _last_column = weakref.ref(ctx)
+        gather = all_gather_sequence_start(x, group)
+        product = _times(used_weight.t(), used_bias)
+        y, _ = _product_under_gather(x, gather, group, product, used_weight.shape[0])
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -219,20 +264,25 @@ def _partner(group: Any) -> Any:
     return column
 
 
-def _gather_output_grad(ctx: Any, shard: torch.Tensor) -> torch.Tensor:
-    """The row-parallel output gradient's full sequence (SP). The partner's backward will gather
-    its own input's shards again; both go in one all-gather (fewer collectives, the same bytes)
-    unless the partner has nothing to gather now (no weight gradient, or deferred to a W step)
-    or the dtypes differ."""
+def _gather_output_grad(ctx: Any, shard: torch.Tensor) -> comm.Pending:
+    """Start gathering the row-parallel output gradient's full sequence (SP). The partner's
+    backward will gather its own input's shards again; both go in one all-gather (fewer
+    collectives, the same bytes) unless the partner has nothing to gather now (no weight
+    gradient, or deferred to a W step) or the dtypes differ."""
     partner = ctx.partner
     if partner is not None and partner.gathered is None:
         weight, bias = _column_grad_params(partner)
         if weight is not None and queue_for(weight, bias) is None:
             (x,) = partner.saved_tensors
             if x.dtype == shard.dtype:
-                dy, partner.gathered = all_gather_sequence_together([shard, x], ctx.group)
-                return dy
-    return all_gather_sequence(shard, ctx.group)
+                both = all_gather_sequence_together_start([shard, x], ctx.group)
+
+                def output_grad() -> torch.Tensor:
+                    dy, partner.gathered = both.wait()
+                    return dy
+
+                return comm.Pending(None, output_grad)
+    return all_gather_sequence_start(shard, ctx.group)
 
 
 class _RowParallel(torch.autograd.Function):
@@ -256,9 +306,16 @@ class _RowParallel(torch.autograd.Function):
     def backward(ctx, shard):
         x, weight = ctx.saved_tensors
         gather_group = ctx.group if ctx.sequence_parallel else None
-        dy = shard if gather_group is None else _gather_output_grad(ctx, shard)
+        wants_dx = ctx.needs_input_grad[0]
+        if gather_group is None:
+            dy = shard
+            dx = dy @ weight if wants_dx else None
+        elif wants_dx:  # dx = dy W: this rank's tokens while the others' dy is gathered
+            gather = _gather_output_grad(ctx, shard)
+            dx, dy = _product_under_gather(shard, gather, ctx.group, _times(weight), x.shape[-1])
+        else:
+            dx, dy = None, _gather_output_grad(ctx, shard).wait()
         ctx.partner = None
-        dx = dy @ weight if ctx.needs_input_grad[0] else None  # dy: (b, s, out)
         dw = None
         if ctx.needs_input_grad[1]:
             queue = queue_for(ctx.weight)

@@ -21,7 +21,14 @@ from megalite.config import load_config
 from megalite.data_parallel.grad_buffer import build_grad_buffers
 from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
-from megalite.tensor_parallel import ColumnParallelLinear, TPRandom, init_parameters, linear
+from megalite.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPRandom,
+    all_gather_sequence,
+    init_parameters,
+    linear,
+)
 from megalite.tensor_parallel import normal_init as normal
 from megalite.tensor_parallel.deferred import WeightGradQueue, deferring
 
@@ -77,6 +84,83 @@ def test_input_grad_collective_in_flight_during_weight_grad(sp):
     assert len(grads) == 2 and all(first < i < wait for i in grads), events
     if not sp:  # rank 1 is still asleep: the all-reduce cannot have finished
         assert all(events[i][1:] == (reduce,) for i in grads), events
+
+
+class _GemmsInFlight(TorchDispatchMode):
+    """Appends ("gemm", ops still in flight) to `events` at each GEMM."""
+
+    def __init__(self, events: list, handles: list) -> None:
+        super().__init__()
+        self.events, self.handles = events, handles
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in GEMMS:
+            self.events.append(("gemm", *[op for op, h in self.handles if not h.is_completed()]))
+        return func(*args, **(kwargs or {}))
+
+
+def _gathered_products(kind: str, tp: int) -> list[tuple[str, ...]]:
+    """Under SP on `tp` ranks, the last rank arriving DELAY_S late: rank 0's events (async
+    collectives issued and waited for, GEMMs with the collectives still in flight) in a
+    column-parallel linear's forward ("column forward") or a row-parallel one's backward
+    ("row backward")."""
+    ps = build_parallel_state(tp, 1, torch.device("cpu"))
+    events, handles = [], []
+    issue = comm._issue
+
+    def tracked_issue(call, fn, async_op):
+        handle = issue(call, fn, async_op)
+        if async_op:
+            events.append(("issue", call.op))
+            handles.append((call.op, handle))
+            wait = handle.wait
+            handle.wait = lambda: events.append(("wait", call.op)) or wait()
+        return handle
+
+    comm._issue = tracked_issue
+    late = ps.tp_rank == tp - 1
+    if kind == "column forward":
+        layer = ColumnParallelLinear(
+            H, OUT, ps, bias=True, init=normal(1.0), sequence_parallel=True
+        )
+        init_parameters(layer, 0, ps)
+        x = torch.randn(B, S // tp, H)
+        if late:
+            time.sleep(DELAY_S)
+        with _GemmsInFlight(events, handles):
+            y = layer(x)
+        measured = list(events)
+        full = all_gather_sequence(x, ps.tp_group)
+        reference = torch.nn.functional.linear(full, layer.weight, layer.bias)
+    else:
+        layer = RowParallelLinear(H, OUT, ps, bias=False, init=normal(1.0), sequence_parallel=True)
+        init_parameters(layer, 0, ps)
+        x = torch.randn(B, S, H // tp, requires_grad=True)
+        dy = torch.randn(B, S // tp, OUT)
+        y = layer(x)
+        if late:
+            time.sleep(DELAY_S)
+        events.clear()  # the forward's
+        with _GemmsInFlight(events, handles):
+            y.backward(dy)
+        measured = list(events)
+        y, reference = x.grad, all_gather_sequence(dy, ps.tp_group) @ layer.weight
+    assert relative_error(y, reference) < 1e-6
+    return measured
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("kind", ["column forward", "row backward"])
+def test_gathered_products_start_under_the_gather(kind, tp):
+    """A GEMM that needs all-gathered sequence shards multiplies this rank's own tokens while
+    the gather is in flight (the last rank is still asleep), then the others' after the wait:
+    rank 0's tokens come first, so one GEMM after it at any tp. The products equal the GEMM of
+    the gathered input."""
+    events = run_ranks(tp, _gathered_products, kind, tp)[0]
+    gather = [("issue", "all_gather"), ("gemm", "all_gather"), ("wait", "all_gather"), ("gemm",)]
+    if kind == "row backward":  # then the weight gradient, from the gathered output gradient
+        gather.append(("gemm",))
+    assert events == gather, events
 
 
 ARCHS = {
@@ -140,7 +224,11 @@ def test_split_backward_under_zero2():
     assert max(run_ranks(4, _with_and_without, "split", "gpt", True, 2)) < 1e-6
 
 
-GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+GEMMS = {
+    getattr(op, overload)
+    for op in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+    for overload in ("default", "out")
+}
 
 
 class _CountGemms(TorchDispatchMode):
@@ -181,7 +269,9 @@ def _gemms(overrides: list[str]) -> dict[str, tuple[int, int]]:
     ids=["gpt", "llama-kv-split", "llama-kv-shared"],
 )
 def test_fused_column_parallel_runs_one_gemm(overrides):
-    """One GEMM forward, and the input and weight gradients one each backward, for q/k/v
-    (k/v split over tp, or one kv head shared by both ranks) and gate/up."""
+    """One GEMM forward per piece of the sequence (under SP at tp 2: this rank's own tokens
+    while the other rank's are gathered, then those), and the input and weight gradients one
+    each backward, for q/k/v (k/v split over tp, or one kv head shared by both ranks) and
+    gate/up."""
     for counts in run_ranks(2, _gemms, overrides):
-        assert set(counts.values()) == {(1, 2)}, counts
+        assert set(counts.values()) == {(2, 2)}, counts
