@@ -36,17 +36,10 @@ B, S, H, OUT = 2, 8, 16, 24
 DELAY_S = 0.5
 
 
-def _overlap(sp: bool) -> list[tuple[str, ...]]:
-    """One column-parallel linear's backward on 2 ranks, rank 1 arriving DELAY_S late. Returns
-    rank 0's events: collectives issued and waited for, and for each weight-gradient GEMM
-    which asynchronous collectives were still in flight when it started."""
-    ps = build_parallel_state(2, 1, torch.device("cpu"))
-    layer = ColumnParallelLinear(H, OUT, ps, bias=True, init=normal(1.0), sequence_parallel=sp)
-    init_parameters(layer, 0, ps)
-    x = torch.randn(B, S // 2 if sp else S, H, requires_grad=True)
-    y = layer(x)
-    events, handles = [], []
-    issue, weight_grad = comm._issue, linear._weight_grad
+def _track_async_collectives(events: list, handles: list) -> None:
+    """From now on, each asynchronous collective appends ("issue", op) to `events` and its
+    handle to `handles`, and its wait appends ("wait", op)."""
+    issue = comm._issue
 
     def tracked_issue(call, fn, async_op):
         handle = issue(call, fn, async_op)
@@ -57,12 +50,28 @@ def _overlap(sp: bool) -> list[tuple[str, ...]]:
             handle.wait = lambda: events.append(("wait", call.op)) or wait()
         return handle
 
+    comm._issue = tracked_issue
+
+
+def _overlap(sp: bool) -> list[tuple[str, ...]]:
+    """One column-parallel linear's backward on 2 ranks, rank 1 arriving DELAY_S late. Returns
+    rank 0's events: collectives issued and waited for, and for each weight-gradient GEMM
+    which asynchronous collectives were still in flight when it started."""
+    ps = build_parallel_state(2, 1, torch.device("cpu"))
+    layer = ColumnParallelLinear(H, OUT, ps, bias=True, init=normal(1.0), sequence_parallel=sp)
+    init_parameters(layer, 0, ps)
+    x = torch.randn(B, S // 2 if sp else S, H, requires_grad=True)
+    y = layer(x)
+    events, handles = [], []
+    weight_grad = linear._weight_grad
+
     def tracked_weight_grad(*args):
         pending = [op for op, h in handles if not h.is_completed()]
         events.append(("weight grad", *pending))
         return weight_grad(*args)
 
-    comm._issue, linear._weight_grad = tracked_issue, tracked_weight_grad
+    _track_async_collectives(events, handles)
+    linear._weight_grad = tracked_weight_grad
     if ps.tp_rank == 1:
         time.sleep(DELAY_S)
     y.sum().backward()
@@ -106,18 +115,7 @@ def _gathered_products(kind: str, tp: int) -> list[tuple[str, ...]]:
     ("row backward")."""
     ps = build_parallel_state(tp, 1, torch.device("cpu"))
     events, handles = [], []
-    issue = comm._issue
-
-    def tracked_issue(call, fn, async_op):
-        handle = issue(call, fn, async_op)
-        if async_op:
-            events.append(("issue", call.op))
-            handles.append((call.op, handle))
-            wait = handle.wait
-            handle.wait = lambda: events.append(("wait", call.op)) or wait()
-        return handle
-
-    comm._issue = tracked_issue
+    _track_async_collectives(events, handles)
     late = ps.tp_rank == tp - 1
     if kind == "column forward":
         layer = ColumnParallelLinear(
