@@ -342,18 +342,11 @@ def all_gather_together_start(tensors: list[torch.Tensor], group: Any, dim: int)
     return Pending(handle, results)
 
 
-def all_gather_together(tensors: list[torch.Tensor], group: Any, dim: int) -> list[torch.Tensor]:
-    """`all_gather(t, group, dim)` of each tensor (one dtype), as one collective."""
-    return all_gather_together_start(tensors, group, dim).wait()
-
-
 def _joined(pieces: torch.Tensor, dim: int) -> torch.Tensor:
     """`pieces` (world, *shape: rank r's tensor in row r) concatenated along `dim`, contiguous.
     A copy where dims before `dim` hold more than one element is a layout copy, shown to the
     observers ((s, b, h) would not need it); otherwise a copy is made only if the rows are not
     already one block of memory (a coalesced gather's), and observed as nothing."""
-    if dim == 0 and pieces.is_contiguous():  # sequence parallelism's token shards
-        return pieces.flatten(0, 1)
     moved = pieces.movedim(0, dim)
     layout = math.prod(moved.shape[:dim]) > 1
     joined = _observed_contiguous(moved) if layout else moved.contiguous()

@@ -46,6 +46,14 @@ def sequence_shard(full: torch.Tensor, group: Any) -> torch.Tensor:
     return _token_rows(full, world)[start : start + b]
 
 
+def shard_tokens(shard: torch.Tensor, group: Any) -> slice:
+    """Where this rank's SP shard (b, s/t, ...) lies among the full tensor's b*s tokens,
+    flattened in order: [rank * b*s/t, (rank + 1) * b*s/t)."""
+    count = shard.shape[0] * shard.shape[1]
+    start = comm.rank(group) * count
+    return slice(start, start + count)
+
+
 def all_gather_sequence_start(shard: torch.Tensor, group: Any) -> comm.Pending:
     """Start gathering every rank's SP shard (b, s/t, ...) into the full (b, s, ...): the pieces
     arrive in token order, so the result needs no copy."""
@@ -65,19 +73,6 @@ def all_gather_sequence_together_start(shards: list[torch.Tensor], group: Any) -
     world = comm.size(group)
     gather = comm.all_gather_together_start(shards, group, dim=0)
     return comm.Pending(None, lambda: [_from_token_rows(full, world) for full in gather.wait()])
-
-
-def all_gather_sequence_together(shards: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
-    """`all_gather_sequence` of each shard (one dtype) in one collective."""
-    return all_gather_sequence_together_start(shards, group).wait()
-
-
-def shard_tokens(shard: torch.Tensor, group: Any) -> slice:
-    """Where this rank's SP shard (b, s/t, ...) lies among the full tensor's b*s tokens,
-    flattened in order: [rank * b*s/t, (rank + 1) * b*s/t)."""
-    count = shard.shape[0] * shard.shape[1]
-    start = comm.rank(group) * count
-    return slice(start, start + count)
 
 
 def reduce_scatter_sequence_start(full: torch.Tensor, group: Any) -> comm.Pending:

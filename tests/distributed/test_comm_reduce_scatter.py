@@ -71,7 +71,8 @@ def _all_gathers(dtype: torch.dtype, path: str) -> list[bool]:
     results.append(torch.equal(comm.all_gather(every_rank[rank], group, dim=1), expected))
     # two tensors of other shapes in one call (SP's backward): each joined along dim 1
     others = torch.randn(world, 3, 2, 7, generator=torch.Generator().manual_seed(3)).to(dtype)
-    first, second = comm.all_gather_together([every_rank[rank], others[rank]], group, dim=1)
+    pair = [every_rank[rank], others[rank]]
+    first, second = comm.all_gather_together_start(pair, group, dim=1).wait()
     results.append(torch.equal(first, expected) and first.is_contiguous())
     results.append(torch.equal(second, torch.cat(list(others), dim=1)) and second.is_contiguous())
     return results

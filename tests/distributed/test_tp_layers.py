@@ -33,7 +33,7 @@ from megalite.tensor_parallel import (
 )
 from megalite.tensor_parallel.mappings import (
     all_gather_sequence,
-    all_gather_sequence_together,
+    all_gather_sequence_together_start,
     reduce_scatter_sequence,
 )
 
@@ -64,7 +64,7 @@ def _sequence_collectives(tp):
     with comm.observe(_CopyCounter()) as copies:
         gathered = all_gather_sequence(shard, ps.tp_group)
         reduced = reduce_scatter_sequence(full * (ps.tp_rank + 1), ps.tp_group)
-        together = all_gather_sequence_together([shard, 2 * shard], ps.tp_group)
+        together = all_gather_sequence_together_start([shard, 2 * shard], ps.tp_group).wait()
     return full, shard, gathered, reduced, together, copies.count
 
 
