@@ -1,8 +1,9 @@
 """Shared fixtures: the builtin corpus is tokenized once per session, in this process, before any
 multi-process test forks ranks that would otherwise race to build it; NCCL's p2p rules for every
-multi-process test."""
+multi-process test; one temp dir per session, checked for leaks."""
 
 import os
+import tempfile
 
 import pytest
 
@@ -14,6 +15,24 @@ from megalite.nccl_contract import NCCL_LIKE_P2P_ENV
 os.environ.setdefault(NCCL_LIKE_P2P_ENV, "1")
 
 TEST_VOCAB = 500
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_temp_dir(tmp_path_factory):
+    """Every temporary file of the session (the code under test's, its ranks', its subprocesses')
+    goes to one directory inside pytest's, which goes when the session passes. Whatever megalite
+    left there is a leak and fails the session: forgotten scratch runs once filled CI's disk."""
+    root = tmp_path_factory.mktemp("tmp")
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(root)
+    yield root
+    if saved[0] is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = saved[0]
+    tempfile.tempdir = saved[1]
+    leaks = sorted(path.name for path in root.iterdir() if path.name.startswith("megalite-"))
+    assert not leaks, f"temporary directories left behind in {root}: {leaks}"
 
 
 @pytest.fixture(scope="session")

@@ -57,7 +57,11 @@ def plain_tokenizers(corpus: Path, tokenizer_json: Path) -> int:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    root = Path(tempfile.mkdtemp(prefix="megalite-bench-prepare-"))
+    with tempfile.TemporaryDirectory(prefix="megalite-bench-prepare-") as scratch:
+        return _run_in(Path(scratch), args)
+
+
+def _run_in(root: Path, args: argparse.Namespace) -> list[dict]:
     (root / "train.txt").write_text(builtin_corpus_text()[:2_000_000])
     tokenizer = train_tokenizer([root / "train.txt"], root / "bpe", 8000, kind="byte-bpe")
     size = write_corpus(root / "corpus.jsonl", args.mb)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,11 +168,14 @@ def main(argv: list[str] | None = None) -> None:
             out_dir, args.nproc, args.steps, args.interval, args.rank, args.rdzv
         )
         recovered += result.recovered
-        status = "recovered" if result.recovered else f"FAILED (exit {result.exit_code})"
+        if result.recovered:  # a trial's checkpoints are kept only for a failure's post-mortem
+            shutil.rmtree(out_dir)
+            status = "recovered"
+        else:
+            status = f"FAILED (exit {result.exit_code}; log {result.log})"
         print(
             f"trial {trial}: killed rank {args.rank} after checkpoint step "
-            f"{result.killed_at_step}; {status} in {result.seconds_to_finish:.1f}s "
-            f"(log {result.log})",
+            f"{result.killed_at_step}; {status} in {result.seconds_to_finish:.1f}s",
             flush=True,
         )
     print(f"{recovered} of {args.trials} trials recovered ({args.rdzv} rendezvous)")

@@ -56,10 +56,18 @@ EVAL = ("train.eval_interval=5", "train.eval_steps=2")
 """Evaluate twice in the 10 steps."""
 
 
+def run_in_scratch(overrides: tuple[str, ...], config: str | None = None):
+    """`run_layout` of the single process in a directory removed once read: a run at a shipped
+    config's width leaves a quarter GiB of checkpoints, which a session's many references would
+    otherwise pile up in the temp dir."""
+    with tempfile.TemporaryDirectory(prefix="megalite-ref-") as out_dir:
+        return run_layout(1, overrides, Path(out_dir), config)
+
+
 @functools.cache
 def reference(overrides: tuple[str, ...], config: str | None = None):
     """The single-process run of a config (cached: many layouts compare with the same one)."""
-    return run_layout(1, overrides, Path(tempfile.mkdtemp(prefix="megalite-ref-")), config)
+    return run_in_scratch(overrides, config)
 
 
 def assert_same_losses(
@@ -114,9 +122,9 @@ def _val_losses(out_dir: Path) -> list[float]:
 @functools.cache
 def _reference_val_losses(model: tuple[str, ...]) -> list[float]:
     """Validation losses of the single-process run (cached: several layouts compare with it)."""
-    out_dir = Path(tempfile.mkdtemp(prefix="megalite-ref-"))
-    run_layout(1, TINY + model, out_dir)
-    return _val_losses(out_dir)
+    with tempfile.TemporaryDirectory(prefix="megalite-ref-") as out_dir:
+        run_layout(1, TINY + model, Path(out_dir))
+        return _val_losses(Path(out_dir))
 
 
 def assert_same_val_losses(model: tuple[str, ...], out_dir: Path) -> None:

@@ -5,11 +5,16 @@ masking; at long sequences; and checkpoints that resume at another cp."""
 
 import json
 import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
-from equivalence import TINY, assert_equivalent, assert_same_losses, reference, run_layout
+from equivalence import (
+    TINY,
+    assert_equivalent,
+    assert_same_losses,
+    reference,
+    run_in_scratch,
+    run_layout,
+)
 
 LLAMA = ("model.arch=llama", "model.n_kv_heads=2")
 
@@ -72,7 +77,7 @@ def test_long_sequences(builtin_corpus, tmp_path, seq, cp):
     """Chunks of 512 tokens: the kernel's blocks, the ring's steps and the merge at a length
     where attention dominates."""
     config = (*LONG, f"model.seq_len={seq}")
-    ref_losses, _ = run_layout(1, config, Path(tempfile.mkdtemp(prefix="megalite-ref-")))
+    ref_losses, _ = run_in_scratch(config)
     losses, _ = run_layout(cp, (*config, f"parallel.cp={cp}"), tmp_path)
     assert_same_losses(losses, ref_losses)
 
