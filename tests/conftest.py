@@ -2,8 +2,10 @@
 multi-process test forks ranks that would otherwise race to build it; NCCL's p2p rules for every
 multi-process test; one temp dir per session, checked for leaks."""
 
+import getpass
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +25,10 @@ def session_temp_dir(tmp_path_factory):
     goes to one directory inside pytest's, which goes when the session passes. Whatever megalite
     left there is a leak and fails the session: forgotten scratch runs once filled CI's disk."""
     root = tmp_path_factory.mktemp("tmp")
+    # inductor's compiled kernels stay in its default cache, shared by sessions (a warm cache
+    # halves the compile tests' time)
+    default_cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache))
     saved = os.environ.get("TMPDIR"), tempfile.tempdir
     os.environ["TMPDIR"] = tempfile.tempdir = str(root)
     yield root
