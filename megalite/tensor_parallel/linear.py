@@ -11,11 +11,13 @@ Row-parallel: forward reduce-scatters (SP) or all-reduces the partial products; 
 all-gathers the output gradient (SP) and multiplies it; its input gradient needs no
 communication.
 
-Under SP, a GEMM that needs an all-gathered input (the column's forward, the row's input
-gradient) does not wait for the whole gather: this rank's own tokens are in its shard, so it
-multiplies those while the other ranks' shards are in flight, and theirs once they arrive
-(`_product_under_gather`). Only the reduce-scatter of the row's forward, which the next norm
-waits for, stays exposed.
+Under SP every GEMM next to a collective is split by tokens so that the collective hides under
+it (Wang et al. 2023; the TP overlap of Megatron-LM and torchtitan). A GEMM that needs an
+all-gathered input (the column's forward, the row's input gradient) multiplies this rank's own
+tokens, which are in its shard, while the other ranks' shards are in flight, and theirs once
+they arrive (`_product_under_gather`). The row's forward multiplies the other ranks' tokens
+first and sends those partial sums, then multiplies its own while they travel
+(`_product_then_scatter`).
 
 Under SP a block's row-parallel linear (attention output, down projection) follows a
 column-parallel one (q/k/v, gate/up) whose backward runs right after its own: its *partner*.
@@ -55,7 +57,6 @@ from megalite.tensor_parallel.mappings import (
     all_gather_sequence,
     all_gather_sequence_start,
     all_gather_sequence_together_start,
-    reduce_scatter_sequence,
     reduce_scatter_sequence_start,
     shard_tokens,
 )
@@ -110,8 +111,7 @@ def _product_under_gather(
     """(y, full): `product` of every token of the full sequence that `gather` brings from the
     ranks' SP shards, as (b, s, width), and that full sequence. This rank's own tokens, its
     `shard`, are multiplied while the other ranks' are in flight, the rest once they are here:
-    a GEMM that depends on a collective, decomposed so that the collective hides under it
-    (Wang et al. 2023; the TP overlap of Megatron-LM and torchtitan)."""
+    a GEMM that depends on a collective, decomposed so that the collective hides under it."""
     b, local = shard.shape[:2]
     y = shard.new_empty((b, local * comm.size(group), width))
     flat_y = y.view(-1, width)
@@ -123,6 +123,33 @@ def _product_under_gather(
         if others.stop > others.start:
             product(flat_full[others], flat_y[others])
     return y, full
+
+
+def _product_then_scatter(
+    x: torch.Tensor, group: Any, product: Product, width: int
+) -> torch.Tensor:
+    """This rank's SP shard (b, s/t, width) of `product` of the full sequence `x` (b, s, in),
+    summed over the group. The other ranks' tokens are multiplied first and sent; this rank's
+    own are multiplied while they travel, and the partial sums received are added to them: a
+    reduce-scatter decomposed around the GEMM before it."""
+    world = comm.size(group)
+    b, s = x.shape[:2]
+    if s % world:
+        raise ValueError(f"a sequence of {s} tokens does not split over {world} ranks")
+    flat_x = _flat(x)
+    own = shard_tokens(x[:, : s // world], group)
+    others = flat_x.new_empty((flat_x.shape[0] - (own.stop - own.start), width))
+    if own.start > 0:  # the ranks before this one, then those after
+        product(flat_x[: own.start], others[: own.start])
+    if own.stop < flat_x.shape[0]:
+        product(flat_x[own.stop :], others[own.start :])
+
+    def own_product() -> torch.Tensor:
+        y = flat_x.new_empty((own.stop - own.start, width))
+        product(flat_x[own], y)
+        return y
+
+    return comm.reduce_scatter_own_last(others, own_product, group).view(b, s // world, width)
 
 
 def _times(matrix: torch.Tensor, bias: torch.Tensor | None = None) -> Product:
@@ -296,9 +323,9 @@ class _RowParallel(torch.autograd.Function):
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
         ctx.weight = weight  # the parameter itself, for its main grad (see _ColumnParallel)
         ctx.partner = _partner(group) if sequence_parallel else None
+        if sequence_parallel and comm.size(group) > 1:  # y: partial sums over tp, scattered
+            return _product_then_scatter(x, group, _times(weight.t()), weight.shape[0])
         y = F.linear(x, weight)  # (b, s, out): a partial sum over tp
-        if sequence_parallel:
-            return reduce_scatter_sequence(y, group)
         comm.all_reduce(y, group)
         return y
 

@@ -28,6 +28,7 @@ from megalite.tensor_parallel import (
     all_gather_sequence,
     init_parameters,
     linear,
+    sequence_shard,
 )
 from megalite.tensor_parallel import normal_init as normal
 from megalite.tensor_parallel.deferred import WeightGradQueue, deferring
@@ -108,11 +109,11 @@ class _GemmsInFlight(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _gathered_products(kind: str, tp: int) -> list[tuple[str, ...]]:
+def _sp_products(kind: str, tp: int) -> list[tuple[str, ...]]:
     """Under SP on `tp` ranks, the last rank arriving DELAY_S late: rank 0's events (async
     collectives issued and waited for, GEMMs with the collectives still in flight) in a
-    column-parallel linear's forward ("column forward") or a row-parallel one's backward
-    ("row backward")."""
+    column-parallel linear's forward ("column forward"), a row-parallel one's backward ("row
+    backward") or its forward ("row forward")."""
     ps = build_parallel_state(tp, 1, torch.device("cpu"))
     events, handles = [], []
     _track_async_collectives(events, handles)
@@ -130,6 +131,18 @@ def _gathered_products(kind: str, tp: int) -> list[tuple[str, ...]]:
         measured = list(events)
         full = all_gather_sequence(x, ps.tp_group)
         reference = torch.nn.functional.linear(full, layer.weight, layer.bias)
+    elif kind == "row forward":
+        layer = RowParallelLinear(H, OUT, ps, bias=False, init=normal(1.0), sequence_parallel=True)
+        init_parameters(layer, 0, ps)
+        x = torch.randn(B, S, H // tp)
+        if late:
+            time.sleep(DELAY_S)
+        with _GemmsInFlight(events, handles):
+            y = layer(x)
+        measured = list(events)
+        summed = torch.nn.functional.linear(x, layer.weight)  # partial sums, then the sums
+        comm.all_reduce(summed, ps.tp_group)
+        reference = sequence_shard(summed, ps.tp_group)
     else:
         layer = RowParallelLinear(H, OUT, ps, bias=False, init=normal(1.0), sequence_parallel=True)
         init_parameters(layer, 0, ps)
@@ -154,11 +167,22 @@ def test_gathered_products_start_under_the_gather(kind, tp):
     the gather is in flight (the last rank is still asleep), then the others' after the wait:
     rank 0's tokens come first, so one GEMM after it at any tp. The products equal the GEMM of
     the gathered input."""
-    events = run_ranks(tp, _gathered_products, kind, tp)[0]
+    events = run_ranks(tp, _sp_products, kind, tp)[0]
     gather = [("issue", "all_gather"), ("gemm", "all_gather"), ("wait", "all_gather"), ("gemm",)]
     if kind == "row backward":  # then the weight gradient, from the gathered output gradient
         gather.append(("gemm",))
     assert events == gather, events
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_scattered_products_send_the_other_ranks_tokens_first(tp):
+    """The row-parallel forward under SP multiplies the other ranks' tokens, starts sending
+    those partial sums, and multiplies this rank's own while they travel (the last rank is still
+    asleep); the result equals the reduce-scatter of the whole product. Rank 0's tokens come
+    first, so the others' are one GEMM before the issue at any tp."""
+    events = run_ranks(tp, _sp_products, "row forward", tp)[0]
+    scatter = [("gemm",), ("issue", "reduce_scatter"), ("gemm", "reduce_scatter")]
+    assert events == [*scatter, ("wait", "reduce_scatter")], events
 
 
 ARCHS = {
