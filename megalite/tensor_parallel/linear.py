@@ -137,7 +137,7 @@ def _product_then_scatter(
     if s % world:
         raise ValueError(f"a sequence of {s} tokens does not split over {world} ranks")
     flat_x = _flat(x)
-    own = shard_tokens(x[:, : s // world], group)
+    own = shard_tokens(x[:, : s // world], group)  # asked of a view of a shard's shape
     others = flat_x.new_empty((flat_x.shape[0] - (own.stop - own.start), width))
     if own.start > 0:  # the ranks before this one, then those after
         product(flat_x[: own.start], others[: own.start])
