@@ -29,14 +29,10 @@ def session_temp_dir(tmp_path_factory):
     # halves the compile tests' time)
     default_cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache))
-    saved = os.environ.get("TMPDIR"), tempfile.tempdir
-    os.environ["TMPDIR"] = tempfile.tempdir = str(root)
-    yield root
-    if saved[0] is None:
-        del os.environ["TMPDIR"]
-    else:
-        os.environ["TMPDIR"] = saved[0]
-    tempfile.tempdir = saved[1]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(root))
+        patch.setattr(tempfile, "tempdir", str(root))
+        yield root
     leaks = sorted(path.name for path in root.iterdir() if path.name.startswith("megalite-"))
     assert not leaks, f"temporary directories left behind in {root}: {leaks}"
 

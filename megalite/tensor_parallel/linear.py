@@ -58,6 +58,7 @@ from megalite.tensor_parallel.mappings import (
     all_gather_sequence_start,
     all_gather_sequence_together_start,
     reduce_scatter_sequence_start,
+    sequence_shard,
     shard_tokens,
 )
 
@@ -132,24 +133,22 @@ def _product_then_scatter(
     summed over the group. The other ranks' tokens are multiplied first and sent; this rank's
     own are multiplied while they travel, and the partial sums received are added to them: a
     reduce-scatter decomposed around the GEMM before it."""
-    world = comm.size(group)
-    b, s = x.shape[:2]
-    if s % world:
-        raise ValueError(f"a sequence of {s} tokens does not split over {world} ranks")
-    flat_x = _flat(x)
-    own = shard_tokens(x[:, : s // world], group)  # asked of a view of a shard's shape
-    others = flat_x.new_empty((flat_x.shape[0] - (own.stop - own.start), width))
+    shard = sequence_shard(x, group)  # this rank's own tokens (b, s/t, in)
+    flat_x, flat_shard = _flat(x), _flat(shard)
+    own = shard_tokens(shard, group)
+    others = flat_x.new_empty((flat_x.shape[0] - flat_shard.shape[0], width))
     if own.start > 0:  # the ranks before this one, then those after
         product(flat_x[: own.start], others[: own.start])
     if own.stop < flat_x.shape[0]:
         product(flat_x[own.stop :], others[own.start :])
 
     def own_product() -> torch.Tensor:
-        y = flat_x.new_empty((own.stop - own.start, width))
-        product(flat_x[own], y)
+        y = flat_x.new_empty((flat_shard.shape[0], width))
+        product(flat_shard, y)
         return y
 
-    return comm.reduce_scatter_own_last(others, own_product, group).view(b, s // world, width)
+    summed = comm.reduce_scatter_own_last(others, own_product, group)
+    return summed.view(*shard.shape[:2], width)
 
 
 def _times(matrix: torch.Tensor, bias: torch.Tensor | None = None) -> Product:
