@@ -74,12 +74,21 @@ def opaque(launch: Callable[..., T]) -> Callable[..., T]:
     return torch.compiler.disable(launch, recursive=True)
 
 
-def use_triton(*tensors: torch.Tensor, unsupported: str | None = None) -> bool:
+def use_triton(
+    *tensors: torch.Tensor, unsupported: str | None = None, fusable: bool = False
+) -> bool:
     """Whether a kernel call on ``tensors`` should take the Triton path.
 
     ``unsupported`` is the reason the Triton kernel cannot handle these inputs (None when it
     can): under ``auto`` we then quietly use the reference, under ``triton`` we raise.
+    ``fusable``: an elementwise kernel (a norm with its residual add, an activation, rotary)
+    that inductor generates and fuses with its neighbours itself. Inside a compiled region,
+    under ``auto``, it takes the traceable reference: an opaque Triton launch there would cut
+    the graph in two, and the launches and guards of the pieces cost a small model more than
+    a hand-written kernel saves (``train.compile``, training/compile.py).
     """
+    if fusable and requested_backend() == "auto" and torch.compiler.is_compiling():
+        return False
     if kernel_backend(*tensors) != "triton":
         return False
     if unsupported is None:

@@ -98,6 +98,6 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``gelu(x + bias, approximate="tanh")``; bias (hidden,) broadcasts over x (..., hidden)."""
     if bias.ndim != 1 or bias.shape[0] != x.shape[-1]:
         raise ValueError(f"bias {tuple(bias.shape)} must be (x.shape[-1],) for x {tuple(x.shape)}")
-    if use_triton(x, bias):
+    if use_triton(x, bias, fusable=True):
         return opaque(BiasGeluFunction.apply)(x, bias)
     return bias_gelu_reference(x, bias)

@@ -218,7 +218,7 @@ def layer_norm(
     residual): the residual add and the norm of a pre-norm block in one pass. x (..., hidden)."""
     _check(x, residual, weight, bias)
     tensors = [t for t in (x, residual, weight, bias) if t is not None]
-    if use_triton(*tensors, unsupported=_unsupported(x)):
+    if use_triton(*tensors, unsupported=_unsupported(x), fusable=True):
         return _add_norm(x, residual, weight, bias, eps, rms=False)
     return layer_norm_reference(x, weight, bias, eps, residual)
 
@@ -230,6 +230,6 @@ def rms_norm(
     normalisation in fp32: the residual add and Llama's RMSNorm in one pass."""
     _check(x, residual, weight)
     tensors = [t for t in (x, residual, weight) if t is not None]
-    if use_triton(*tensors, unsupported=_unsupported(x)):
+    if use_triton(*tensors, unsupported=_unsupported(x), fusable=True):
         return _add_norm(x, residual, weight, None, eps, rms=True)
     return rms_norm_reference(x, weight, eps, residual)

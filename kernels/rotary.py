@@ -132,6 +132,7 @@ def rotary_embedding(
         raise ValueError(f"cos/sin {tuple(cos.shape)} must be (positions, {hd}), {hd} even")
     if cos.shape[0] < s:
         raise ValueError(f"sequence of {s} tokens but rotary tables for {cos.shape[0]} positions")
-    if use_triton(q, k, cos, sin, unsupported=_unsupported(q, k, cos, sin)):
+    unsupported = _unsupported(q, k, cos, sin)
+    if use_triton(q, k, cos, sin, unsupported=unsupported, fusable=True):
         return opaque(RotaryFunction.apply)(q, k, cos, sin)
     return rotary_embedding_reference(q, k, cos, sin)

@@ -76,6 +76,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for two tensors of the same shape (..., ffn_hidden)."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must match")
-    if use_triton(gate, up):
+    if use_triton(gate, up, fusable=True):
         return opaque(SwiGLUFunction.apply)(gate, up)
     return swiglu_reference(gate, up)

@@ -44,6 +44,12 @@ def v_shaped(kind: str) -> bool:
     return kind == "zb-v"
 
 
+def splits_backward(kind: str) -> bool:
+    """Whether `kind` splits each backward into B and W (zero-bubble): the tensor-parallel
+    linears then defer their weight gradients (`tensor_parallel.deferred`)."""
+    return kind in ("zb-h1", "zb-v")
+
+
 def virtual_stage(pp_rank: int, chunk: int, pp_size: int, v_shape: bool = False) -> int:
     """Global position of local `chunk` of `pp_rank` in the model (0 = embedding side)."""
     if v_shape:

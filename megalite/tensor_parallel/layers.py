@@ -18,7 +18,12 @@ from torch import nn
 
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_head_loss
-from megalite.tensor_parallel.linear import Rows, column_parallel_linear, row_parallel_linear
+from megalite.tensor_parallel.linear import (
+    Rows,
+    column_parallel_linear,
+    row_parallel_linear,
+    traced_linear,
+)
 from megalite.tensor_parallel.mappings import (
     copy_to_tp_region,
     gather_from_sequence_region,
@@ -194,6 +199,8 @@ class FusedColumnParallelLinear(nn.Module):
         self.rows: Rows = _merged(used, start)
         self.weight = _fused_param((start, in_features), weights, ps)
         self.bias = _fused_param((start,), biases, ps) if bias else None
+        self.traceable = False
+        """Run as a plain linear that torch.compile traces (`train.compile` sets it at tp 1)."""
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> tuple[torch.Tensor, ...]:
         """The outputs (b, s, out_i/tp) for x the sequence shard (SP) or the replicated input:
@@ -201,8 +208,11 @@ class FusedColumnParallelLinear(nn.Module):
         only the shard kept for backward. add_bias=False leaves the bias to a fused consumer
         (bias-GELU)."""
         bias = self.bias if add_bias else None
-        group, sp = self.ps.tp_group, self.sequence_parallel
-        y = column_parallel_linear(x, self.weight, bias, self.rows, group, sp)
+        if self.traceable:
+            y = traced_linear(x, self.weight, bias, self.rows)
+        else:
+            group, sp = self.ps.tp_group, self.sequence_parallel
+            y = column_parallel_linear(x, self.weight, bias, self.rows, group, sp)
         return y.split(self.sizes, dim=-1)
 
 
@@ -294,9 +304,14 @@ class RowParallelLinear(nn.Module):
             if bias
             else None
         )
+        self.traceable = False
+        """Run as a plain linear that torch.compile traces (`train.compile` sets it at tp 1)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = row_parallel_linear(x, self.weight, self.ps.tp_group, self.sequence_parallel)
+        if self.traceable:
+            y = traced_linear(x, self.weight)
+        else:
+            y = row_parallel_linear(x, self.weight, self.ps.tp_group, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
 

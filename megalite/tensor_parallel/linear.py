@@ -353,6 +353,16 @@ class _RowParallel(torch.autograd.Function):
         return dx, dw, None, None
 
 
+def traced_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: Rows = None
+) -> torch.Tensor:
+    """x W[rows]^T + b[rows] by autograd alone, which torch.compile traces: a linear with no
+    tensor-parallel peer (tp 1) and no deferred weight gradient needs none of the above. Its
+    weight gradient arrives as a `.grad`, which the gradient buffer moves into the fp32 main
+    grad (`train.compile` at tp 1: training/compile.py)."""
+    return F.linear(x, _used(weight, rows), _used(bias, rows))
+
+
 @eager_only
 def column_parallel_linear(
     x: torch.Tensor,

@@ -4,13 +4,24 @@ pipeline stage and virtual chunk, whatever the schedule runs next.
 
 What is compiled and what is not (DESIGN.md, "A compiled step"):
 - compiled: the compute between the tensor-parallel linears: norms, residual adds, dropout,
-  rotary, the attention core's reshapes and, on the PyTorch reference path, bias-GELU / SwiGLU;
+  rotary, bias-GELU / SwiGLU and the attention core's reshapes. The elementwise kernels take
+  their PyTorch references inside the compiled region (`kernels.dispatch.use_triton`'s
+  `fusable`): inductor fuses them with their neighbours, where a Triton launch would cut the
+  graph;
 - eager, as opaque ops between the compiled pieces (graph breaks): the column- and
   row-parallel linears with their collectives and main-grad accumulation
-  (`tensor_parallel/linear.py`), the sequence-parallel mappings, and every Triton kernel
-  (`kernels.dispatch.opaque`). Their communication overlap is hand-scheduled (the input
-  gradient's collective in flight under the weight-gradient GEMM), their observers count
-  and time every collective, and the gloo / NCCL work objects they wait on are not traceable.
+  (`tensor_parallel/linear.py`), the sequence-parallel mappings, the Triton attention and
+  grouped-GEMM kernels (`kernels.dispatch.opaque`). The linears' communication overlap is
+  hand-scheduled (the input gradient's collective in flight under the weight-gradient GEMM),
+  their observers count and time every collective, and the gloo / NCCL work objects they
+  wait on are not traceable;
+- except at tp 1 with an unsplit backward (`can_trace_linears`), where a linear has no collective
+  and no deferred weight gradient: there it is a plain `F.linear` that compile traces
+  (`tensor_parallel.linear.traced_linear`), its weight gradient a `.grad` the gradient buffer
+  adds into the fp32 main grad (in 16 bits under bf16: rounded once per micro-batch, as torch's
+  DDP and FSDP gradients are, where the eager path accumulates in fp32). A block is then one
+  graph (two around the Triton attention on a GPU) instead of a piece between every pair of
+  linears: a small model's step is bound by launches and per-graph overhead, not its GEMMs;
 - eager: embedding, LM head and loss, the pipeline's sends and receives, the optimizer.
 
 Shapes are static: every micro-batch of a run has the same shape, so there is nothing to
@@ -31,21 +42,33 @@ import torch
 from torch import nn
 
 from megalite.eager_boundary import mark_for_compile
+from megalite.pipeline.schedule import splits_backward
+from megalite.tensor_parallel import FusedColumnParallelLinear, RowParallelLinear
 
 # torch._dynamo and torch._inductor are imported inside the functions: importing them imports
 # Triton, which must not happen before a test sets TRITON_INTERPRET (and costs start-up time
 # for every run that does not compile).
 
 
-def compile_blocks(chunks: list[nn.Module]) -> None:
-    """Compile every block (`chunk.layers`) of this rank's chunks in place."""
+def compile_blocks(chunks: list[nn.Module], trace_linears: bool) -> None:
+    """Compile every block (`chunk.layers`) of this rank's chunks in place. `trace_linears`
+    (tp 1, a backward that is not split into B and W): trace the linears too."""
     import torch._inductor.config
 
     mark_for_compile()  # the tensor-parallel linears and mappings stay eager (graph breaks)
     torch._inductor.config.fallback_random = True
     for chunk in chunks:
         for block in chunk.layers.values():
+            for module in block.modules():
+                if isinstance(module, FusedColumnParallelLinear | RowParallelLinear):
+                    module.traceable = trace_linears
             block.compile(dynamic=False)
+
+
+def can_trace_linears(tp_size: int, schedule: str) -> bool:
+    """Whether compiled blocks may trace their linears: no tensor-parallel peer to talk to and
+    no weight gradient to defer to a W step."""
+    return tp_size == 1 and not splits_backward(schedule)
 
 
 def compiled_graphs() -> int:

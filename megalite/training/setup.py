@@ -24,7 +24,7 @@ from megalite.parallel_state import ParallelState
 from megalite.pipeline.executor import PipelineExecutor
 from megalite.pipeline.schedule import Action, build_schedule, v_shaped
 from megalite.tensor_parallel import TPRandom
-from megalite.training.compile import CompileWatch, compile_blocks
+from megalite.training.compile import CompileWatch, can_trace_linears, compile_blocks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -146,7 +146,7 @@ def build_run(
     )
     compile_watch = None
     if cfg.train.compile:
-        compile_blocks(chunks)
+        compile_blocks(chunks, can_trace_linears(ps.tp_size, cfg.parallel.schedule))
         compile_watch = CompileWatch()
     return Run(
         cfg=cfg,

@@ -1,7 +1,8 @@
 """`train.compile` (regional torch.compile of every block) computes what eager computes: per-step
 losses and gradient norms within fp32 rounding of the single-process eager run, in the single
-process, at tp 2 + SP and at pp 2 with virtual stages and full recompute (the same compiled
-block then runs on two chunks per rank, at every schedule position, and again in backward).
+process, at tp 2 + SP, at pp 2 with virtual stages and full recompute (the same compiled
+block then runs on two chunks per rank, at every schedule position, and again in backward), and
+under zb-h1 (at tp 1, yet with opaque linears: their weight gradients wait for the W steps).
 Nothing is compiled after step 1: evaluation between steps runs eager. Dropout masks equal
 eager's (`fallback_random`)."""
 
@@ -32,8 +33,11 @@ COMPILE = ("train.compile=true",)
                 "train.recompute=full",
             ),
         ),
+        # tp 1, but the linears defer their weight gradients to W steps: they stay opaque
+        # (`can_trace_linears`); traced, the B steps would compute them, still correctly
+        (GPT, 2, ("parallel.pp=2", "parallel.schedule=zb-h1", "train.micro_batch_size=1")),
     ],
-    ids=["gpt-dropout-single-eval", "llama-tp2-sp", "gpt-pp2-vpp2-recompute"],
+    ids=["gpt-dropout-single-eval", "llama-tp2-sp", "gpt-pp2-vpp2-recompute", "gpt-pp2-zb-h1"],
 )
 def test_compiled_equals_eager(builtin_corpus, tmp_path, model, world_size, layout):
     assert_equivalent(world_size, model, (*layout, *COMPILE), tmp_path)
