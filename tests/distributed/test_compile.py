@@ -1,8 +1,9 @@
 """`train.compile` (regional torch.compile of every block) computes what eager computes: per-step
 losses and gradient norms within fp32 rounding of the single-process eager run, in the single
 process, at tp 2 + SP, at pp 2 with virtual stages and full recompute (the same compiled
-block then runs on two chunks per rank, at every schedule position, and again in backward), and
-under zb-h1 (at tp 1, yet with opaque linears: their weight gradients wait for the W steps).
+block then runs on two chunks per rank, at every schedule position, and again in backward), under
+zb-h1 (at tp 1, yet with opaque linears: their weight gradients wait for the W steps), under
+ZeRO-2 at dp 2, and for a mixture of experts.
 Nothing is compiled after step 1: evaluation between steps runs eager. Dropout masks equal
 eager's (`fallback_random`)."""
 
@@ -14,6 +15,7 @@ from equivalence import assert_equivalent
 GPT = ("model.arch=gpt",)
 GPT_DROPOUT = ("model.arch=gpt", "model.dropout=0.1")
 LLAMA = ("model.arch=llama", "model.n_kv_heads=2")
+MIXTRAL = ("model.arch=mixtral", "model.moe_experts=4", "model.moe_top_k=2", "model.n_kv_heads=2")
 COMPILE = ("train.compile=true",)
 
 
@@ -36,8 +38,18 @@ COMPILE = ("train.compile=true",)
         # tp 1, but the linears defer their weight gradients to W steps: they stay opaque
         # (`can_trace_linears`); traced, the B steps would compute them, still correctly
         (GPT, 2, ("parallel.pp=2", "parallel.schedule=zb-h1", "train.micro_batch_size=1")),
+        # traced linears' gradients arrive as .grad: into ZeRO-2's staged, sharded buckets
+        (GPT, 2, ("parallel.zero=2",)),
+        (MIXTRAL, 1, ()),  # the router, experts and their counts inside a traced block
     ],
-    ids=["gpt-dropout-single-eval", "llama-tp2-sp", "gpt-pp2-vpp2-recompute", "gpt-pp2-zb-h1"],
+    ids=[
+        "gpt-dropout-single-eval",
+        "llama-tp2-sp",
+        "gpt-pp2-vpp2-recompute",
+        "gpt-pp2-zb-h1",
+        "gpt-dp2-zero2",
+        "mixtral-single",
+    ],
 )
 def test_compiled_equals_eager(builtin_corpus, tmp_path, model, world_size, layout):
     assert_equivalent(world_size, model, (*layout, *COMPILE), tmp_path)
