@@ -19,10 +19,14 @@ eps 1e-8, weight decay 0.1 on matrices only), global-norm clipping at 1.0, the m
 Steps are interleaved (the order alternating, `harness.measure`) and warm-up steps are not
 timed. Between its steps a contender's state waits in host memory, so that each step
 has the GPU to itself and the peak memory read around it is the contender's own; those moves
-are not timed, and every timed step ends with `torch.cuda.synchronize`.
+are not timed, and every timed step ends with `torch.cuda.synchronize`. The moves leave the GPU
+idle for seconds before each step and rearrange the allocator's cache under it; `--resident`
+keeps every contender on the device instead, where they fit together (124M does on one H100;
+1.3B does not), and reads each one's peak as its own state plus the rise during its steps.
 
     python tools/bench_gpu.py                                  # both models, needs CUDA
     python tools/bench_gpu.py --configs configs/gpt2-1.3b.yaml --micro-batch 4 --steps 20
+    python tools/bench_gpu.py --configs configs/gpt2-124m.yaml --resident
     python tools/bench_gpu.py --device cpu --layers 2 --hidden 64 --heads 2 --seq 32 \\
         --vocab 512 --micro-batch 2                            # tiny, fp32 on CPU: that it runs
     python -m megalite.benchmarks.gpu                          # from an installed megalite
@@ -65,6 +69,11 @@ def options() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="timed steps per contender")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--resident",
+        action="store_true",
+        help="keep every contender's state on the device between its steps (they must fit)",
+    )
     return p
 
 
@@ -114,6 +123,12 @@ def synchronized(
     return run
 
 
+def _storages(tensors: Iterable[torch.Tensor], device: torch.device) -> list[torch.UntypedStorage]:
+    """The distinct storages of `tensors` on `device`."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
+    return [s for s in storages.values() if s.device == device and s.nbytes()]
+
+
 def _host_copies(
     tensors: Iterable[torch.Tensor], device: torch.device, hosts: list[torch.UntypedStorage]
 ) -> list[tuple[torch.UntypedStorage, torch.UntypedStorage]]:
@@ -123,17 +138,13 @@ def _host_copies(
     replaces it. Pageable memory: the pinned allocator rounds every block up to a power of
     two, which for three 1.3B-parameter contenders would pin more than a 128 GB host has;
     pageable copies take seconds per step instead, untimed."""
-    copies: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if tensor.device != device or not storage.nbytes() or storage.data_ptr() in copies:
-            continue
-        i = len(copies)
+    copies = []
+    for i, storage in enumerate(_storages(tensors, device)):
         if i == len(hosts) or hosts[i].nbytes() != storage.nbytes():
             hosts[i : i + 1] = [torch.empty(storage.nbytes(), dtype=torch.uint8).untyped_storage()]
         hosts[i].copy_(storage)
-        copies[storage.data_ptr()] = (storage, hosts[i])
-    return list(copies.values())
+        copies.append((storage, hosts[i]))
+    return copies
 
 
 def off_device_between_steps(
@@ -176,8 +187,44 @@ def off_device_between_steps(
     return contender
 
 
+def on_device_between_steps(
+    contender: harness.Contender,
+    tensors: Callable[[], Iterable[torch.Tensor]],
+    device: torch.device,
+) -> harness.Contender:
+    """Leave `contender`'s state on the device (`--resident`). On a GPU its peak memory
+    (`info["peak_bytes"]`) is its long-lived `tensors` plus the most its steps allocated above
+    what was allocated when they began, so the others' state does not count."""
+    if device.type != "cuda":
+        return contender
+    start: list[int] = []
+
+    def enter() -> None:
+        torch.cuda.reset_peak_memory_stats(device)
+        start[:] = [torch.cuda.memory_allocated(device)]
+
+    def leave() -> None:
+        rise = torch.cuda.max_memory_allocated(device) - start[0]
+        own = sum(s.nbytes() for s in _storages(tensors(), device)) + rise
+        contender.info["peak_bytes"] = max(contender.info.get("peak_bytes", 0), own)
+
+    contender.enter, contender.leave = enter, leave
+    return contender
+
+
+def between_steps(
+    contender: harness.Contender,
+    tensors: Callable[[], Iterable[torch.Tensor]],
+    device: torch.device,
+    resident: bool,
+) -> harness.Contender:
+    """Where `contender`'s state waits between its steps: on the device or in host memory."""
+    keep = on_device_between_steps if resident else off_device_between_steps
+    return keep(contender, tensors, device)
+
+
 def megalite_contender(
-    model: argparse.Namespace, device: torch.device, compile: bool
+    model: argparse.Namespace, device: torch.device, compile: bool, resident: bool = False
 ) -> harness.Contender:
     """megalite's training step on `device`, eager or with train.compile."""
     cfg = benchmark_config(model, device, f"train.compile={str(compile).lower()}")
@@ -190,10 +237,12 @@ def megalite_contender(
     def tensors() -> list[torch.Tensor]:
         return [t for part in live_tensors(run).values() for t in part]
 
-    return off_device_between_steps(contender, tensors, device)
+    return between_steps(contender, tensors, device, resident)
 
 
-def hf_contender(model: argparse.Namespace, device: torch.device) -> harness.Contender:
+def hf_contender(
+    model: argparse.Namespace, device: torch.device, resident: bool = False
+) -> harness.Contender:
     """transformers' GPT-2 of the same dimensions, compiled, with torch's fused AdamW."""
     cfg = benchmark_config(model, device)
     torch.manual_seed(cfg.train.seed)
@@ -208,16 +257,16 @@ def hf_contender(model: argparse.Namespace, device: torch.device) -> harness.Con
         state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         return [*hf.parameters(), *hf.buffers(), *grads, *state]
 
-    return off_device_between_steps(contender, tensors, device)
+    return between_steps(contender, tensors, device, resident)
 
 
 def measure_model(args: argparse.Namespace, path: str, device: torch.device) -> list[dict]:
     """The three contenders on one config's model, interleaved: one row each."""
     model = model_args(args, path)
     contenders = [
-        megalite_contender(model, device, compile=False),
-        megalite_contender(model, device, compile=True),
-        hf_contender(model, device),
+        megalite_contender(model, device, compile=False, resident=args.resident),
+        megalite_contender(model, device, compile=True, resident=args.resident),
+        hf_contender(model, device, resident=args.resident),
     ]
     batches = harness.make_batches(model, args.warmup + args.steps, model.micro_batch)
     harness.measure(contenders, [b.to(device) for b in batches], args.warmup)
@@ -295,8 +344,11 @@ def notes(args: argparse.Namespace) -> list[str]:
         "recompute) for every row; MFU: over the device's dense peak for the precision.",
         "compile s: the first step's time minus the median step's (eager rows: the first "
         "step's allocations and kernel selection).",
-        "peak GiB: torch.cuda.max_memory_allocated during the contender's steps, the others' "
-        "state in host memory meanwhile.",
+        "peak GiB: the contender's long-lived state plus the most its steps allocated above "
+        "it (--resident: every contender stays on the device)."
+        if args.resident
+        else "peak GiB: torch.cuda.max_memory_allocated during the contender's steps, the "
+        "others' state in host memory meanwhile.",
         "ratio m/t = step time / transformers compile's (<= 1.00: no slower). transformers: "
         "fp32 weights under bf16 autocast on a GPU, vocabulary unpadded; megalite pads it to "
         "a multiple of 128 rows (padded rows' logits are masked out of the loss).",

@@ -29,7 +29,8 @@ gathered through the sublayer's core backward (attention, activation), one (b, s
 at a time, as a (b, s, out) output gradient is.
 
 Both are opaque to torch.compile (`train.compile`): a compiled block runs eagerly through them,
-so their collectives, overlap and observers stay exactly as written here.
+so their collectives, overlap and observers stay exactly as written here. At tp 1, where there
+is nothing to communicate, a compiled block uses `traced_linear` instead (training/compile.py).
 
 Weight gradients go straight into the fp32 main grad when the gradient buffer gave the
 parameter an `accumulate_main_grad` (data_parallel/grad_buffer.py): no 16-bit `.grad` is made.
