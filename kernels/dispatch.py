@@ -87,7 +87,7 @@ def use_triton(
     the graph in two, and the launches and guards of the pieces cost a small model more than
     a hand-written kernel saves (``train.compile``, training/compile.py).
     """
-    if fusable and requested_backend() == "auto" and torch.compiler.is_compiling():
+    if fusable and torch.compiler.is_compiling() and requested_backend() == "auto":
         return False
     if kernel_backend(*tensors) != "triton":
         return False

@@ -11,6 +11,7 @@ Grid (world size, what it covers), and one resume across layouts at these sizes:
     2  gpt   tp 2            the README's first command; 2 head chunks per micro-batch
     2  gpt   tp 2 sp, mb 5   a ragged last head chunk (1280 tokens in chunks of 1024)
     2  gpt   tp 2 sp compiled  train.compile: every block compiled, the tp linears eager
+    2  llama zero 1 compiled  train.compile at tp 1 (dp 2): linears traced, a block one graph
     4  llama tp 4 sp, mb 16  GQA with kv heads < tp; a rank of mostly padded vocabulary
     4  llama tp 2 zero 1     dp 2 with ZeRO-1 buckets of real-size parameters
     2  gpt   pp 2 gpipe      tied embeddings across stages, 4 micro-batches
@@ -55,6 +56,12 @@ CASES = {
         GPT,
         (),
         ("parallel.tp=2", "parallel.sp=true", "train.compile=true"),
+    ),
+    "llama-dp2-zero1-compiled": (
+        2,
+        LLAMA,
+        _batch(8, 16),
+        ("parallel.zero=1", "train.compile=true"),
     ),
     "llama-tp4-sp-mb16": (4, LLAMA, _batch(16, 16), ("parallel.tp=4", "parallel.sp=true")),
     "llama-tp2-zero1": (4, LLAMA, _batch(8, 16), ("parallel.tp=2", "parallel.zero=1")),
