@@ -5,20 +5,25 @@ it, the PyTorch reference, and a public function that picks between the two at e
 (see :mod:`megalite.kernels.dispatch` for the ``MEGALITE_KERNELS`` switch).
 """
 
-from .cross_entropy import softmax_cross_entropy
-from .dispatch import kernel_backend
-from .flash_attention import (
-    attention_block_backward,
-    attention_block_forward,
-    doc_start_from_cu_seqlens,
-    flash_attention,
-)
-from .gelu import bias_gelu
-from .grouped_gemm import grouped_mm
-from .norms import layer_norm, rms_norm
-from .rotary import rotary_embedding
-from .swiglu import swiglu
-from .wgrad import wgrad_accumulate
+if __name__ != "megalite.kernels":  # its folder imported by the bare name `kernels`
+    from megalite.folder_names import give_way
+
+    give_way(__name__, __file__, "megalite.kernels")
+else:
+    from .cross_entropy import softmax_cross_entropy
+    from .dispatch import kernel_backend
+    from .flash_attention import (
+        attention_block_backward,
+        attention_block_forward,
+        doc_start_from_cu_seqlens,
+        flash_attention,
+    )
+    from .gelu import bias_gelu
+    from .grouped_gemm import grouped_mm
+    from .norms import layer_norm, rms_norm
+    from .rotary import rotary_embedding
+    from .swiglu import swiglu
+    from .wgrad import wgrad_accumulate
 
 __all__ = [
     "attention_block_backward",

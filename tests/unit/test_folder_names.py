@@ -1,0 +1,53 @@
+"""From a checkout's root the top-level folder `kernels/` is importable by its bare name, and
+transformers imports that name when it probes for Hugging Face's `kernels` package. The folder
+then gives the name away (`megalite.folder_names`): its kernels never run twice, and a real
+`kernels` package installed further along sys.path is the one transformers gets."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run_in_checkout(code: str, **env: str) -> dict:
+    """Run `code` with the checkout's root as working directory and first sys.path entry, as
+    `python -m megalite` or `python -m pytest` there do; it prints one JSON object."""
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_transformers_probe_does_not_import_the_kernels_twice():
+    seen = _run_in_checkout(
+        "import json, sys\n"
+        "import transformers.activations  # probes for Hugging Face's `kernels` by importing it\n"
+        "from transformers.utils.import_utils import is_kernels_available\n"
+        "import megalite.kernels\n"
+        "bare = sorted(m for m in sys.modules if m.split('.')[0] == 'kernels')\n"
+        "print(json.dumps({'bare': bare, 'same': sys.modules['kernels'] is megalite.kernels,\n"
+        "                  'hub': is_kernels_available()}))"
+    )
+    # only the name itself, bound to the one package: no `kernels.flash_attention` beside it
+    assert seen == {"bare": ["kernels"], "same": True, "hub": False}
+
+
+def test_an_installed_kernels_package_keeps_its_name(tmp_path):
+    installed = tmp_path / "kernels"
+    installed.mkdir()
+    (installed / "__init__.py").write_text('__version__ = "0.12.0"\nWHO = "the hub package"\n')
+    seen = _run_in_checkout(
+        "import json, sys, kernels\n"
+        "print(json.dumps({'who': kernels.WHO, 'file': kernels.__file__,\n"
+        "                  'ours': sorted(m for m in sys.modules if 'megalite.kernels' in m)}))",
+        PYTHONPATH=str(tmp_path),  # after the working directory, as an installed package is
+    )
+    assert seen == {"who": "the hub package", "file": str(installed / "__init__.py"), "ours": []}
