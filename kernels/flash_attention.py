@@ -517,26 +517,100 @@ def _flash_backward(dout, q, k, v, out, lse, causal: bool, sm_scale: float, shif
     return dq, dk, dv
 
 
+def _attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    doc_start: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton forward of whole-sequence attention: (out, base-2 lse)."""
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    return _flash_forward(q, k, v, causal, scale, doc_start=doc_start)
+
+
+def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                        doc_start: torch.Tensor | None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Its backward: (dq, dk, dv) in the inputs' dtype."""
+    q, k, v, dout = _unit_stride(q), _unit_stride(k), _unit_stride(v), _unit_stride(dout)
+    return _flash_backward(dout, q, k, v, out, lse, causal, scale, doc_start=doc_start)
+
+
+def _save(ctx, q, k, v, out, lse, causal: bool, scale: float, doc_start) -> None:
+    """What backward needs: q, k, v, out, the (batch, heads, seq) fp32 LSE, and the (batch,
+    seq) int32 doc_start when documents mask the attention."""
+    ctx.save_for_backward(q, k, v, out, lse, *(() if doc_start is None else (doc_start,)))
+    ctx.causal, ctx.softmax_scale = causal, scale
+
+
+def _saved_grads(ctx, dout: torch.Tensor, backward) -> tuple[torch.Tensor | None, ...]:
+    """Autograd's gradients of (q, k, v, causal, scale, doc_start) by `backward`."""
+    q, k, v, out, lse, *docs = ctx.saved_tensors
+    doc_start = docs[0] if docs else None
+    grads = backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, doc_start)
+    return *grads, None, None, None
+
+
 class FlashAttentionFunction(torch.autograd.Function):
-    """Triton forward/backward; saves q, k, v, out and the (batch, heads, seq) fp32 LSE (and
-    the (batch, seq) int32 doc_start when documents mask the attention)."""
+    """The Triton forward and backward, run eagerly (outside torch.compile: see `_triton`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, softmax_scale: float, doc_start=None):
-        q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
-        out, lse = _flash_forward(q, k, v, causal, softmax_scale, doc_start=doc_start)
-        ctx.save_for_backward(q, k, v, out, lse, *(() if doc_start is None else (doc_start,)))
-        ctx.causal, ctx.softmax_scale = causal, softmax_scale
+        out, lse = _attention_forward(q, k, v, causal, softmax_scale, doc_start)
+        _save(ctx, q, k, v, out, lse, causal, softmax_scale, doc_start)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, *docs = ctx.saved_tensors
-        grads = _flash_backward(
-            _unit_stride(dout), q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
-            doc_start=docs[0] if docs else None,
-        )  # fmt: skip
-        return *grads, None, None, None
+        return _saved_grads(ctx, dout, _attention_backward)
+
+
+# The same forward and backward as operators (torch.library): inside a compiled region each is
+# one node of the graph, which inductor calls as it is (no tracing into Triton launches, the
+# autotune or their host-side checks) and which does not break the graph.
+_forward_op = torch.library.custom_op("megalite::flash_attention", mutates_args=())(
+    _attention_forward
+)
+_backward_op = torch.library.custom_op("megalite::flash_attention_backward", mutates_args=())(
+    _attention_backward
+)
+
+
+@_forward_op.register_fake
+def _(q, k, v, causal, scale, doc_start):
+    b, s, h, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
+        (b, h, s), dtype=torch.float32
+    )
+
+
+@_backward_op.register_fake
+def _(dout, q, k, v, out, lse, causal, scale, doc_start):
+    contiguous = torch.contiguous_format
+    return tuple(torch.empty_like(t, memory_format=contiguous) for t in (q, k, v))
+
+
+def _setup(ctx, inputs, output) -> None:
+    q, k, v, causal, scale, doc_start = inputs
+    _save(ctx, q, k, v, *output, causal, scale, doc_start)
+
+
+def _op_backward(ctx, dout, _lse_grad):
+    return _saved_grads(ctx, dout, _backward_op)
+
+
+_forward_op.register_autograd(_op_backward, setup_context=_setup)
+
+
+def _triton(q, k, v, causal: bool, scale: float, doc_start=None) -> torch.Tensor:
+    """Attention by the Triton kernels: inside a compiled region the operator, one node of the
+    graph; eagerly the autograd Function, whose dispatch costs a few times less per call."""
+    if torch.compiler.is_compiling():
+        return _forward_op(q, k, v, causal, scale, doc_start)[0]
+    return FlashAttentionFunction.apply(q, k, v, causal, scale, doc_start)
 
 
 def attention_reference(
@@ -816,12 +890,12 @@ def flash_attention(
     scale = _scale(q, softmax_scale)
     if cu_seqlens is None:
         if use_triton(q, k, v, unsupported=_unsupported(q)):
-            return opaque(FlashAttentionFunction.apply)(q, k, v, causal, scale)
+            return _triton(q, k, v, causal, scale)
         return attention_reference(q, k, v, causal, softmax_scale)
     if not causal:  # doc_start bounds the keys from below only: later documents would show
         raise ValueError("cu_seqlens needs causal=True (documents are masked causally)")
     doc_start = doc_start_from_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1]).to(q.device)
     if use_triton(q, k, v, unsupported=_unsupported(q)):
-        return opaque(FlashAttentionFunction.apply)(q, k, v, causal, scale, doc_start)
+        return _triton(q, k, v, causal, scale, doc_start)
     # plain autograd through the masked reference (one (seq x seq) score tensor per head)
     return _block_forward_reference(q, k, v, 0, 0, causal, doc_start, scale)[0]

@@ -4,14 +4,16 @@ pipeline stage and virtual chunk, whatever the schedule runs next.
 
 What is compiled and what is not (DESIGN.md, "A compiled step"):
 - compiled: the compute between the tensor-parallel linears: norms, residual adds, dropout,
-  rotary, bias-GELU / SwiGLU and the attention core's reshapes. The elementwise kernels take
-  their PyTorch references inside the compiled region (`kernels.dispatch.use_triton`'s
-  `fusable`): inductor fuses them with their neighbours, where a Triton launch would cut the
-  graph;
+  rotary, bias-GELU / SwiGLU and the attention core. The elementwise kernels take their
+  PyTorch references inside the compiled region (`kernels.dispatch.use_triton`'s `fusable`):
+  inductor fuses them with their neighbours, where a Triton launch would cut the graph. The
+  Triton attention is an operator (`megalite::flash_attention` and its backward), one node of
+  the graph that inductor calls as it is;
 - eager, as opaque ops between the compiled pieces (graph breaks): the column- and
   row-parallel linears with their collectives and main-grad accumulation
-  (`tensor_parallel/linear.py`), the sequence-parallel mappings, the Triton attention and
-  grouped-GEMM kernels (`kernels.dispatch.opaque`). The linears' communication overlap is
+  (`tensor_parallel/linear.py`), the sequence-parallel mappings, and the other Triton
+  kernels when forced (`MEGALITE_KERNELS=triton`) or without a reference compile could fuse
+  (the grouped GEMM; `kernels.dispatch.opaque`). The linears' communication overlap is
   hand-scheduled (the input gradient's collective in flight under the weight-gradient GEMM),
   their observers count and time every collective, and the gloo / NCCL work objects they
   wait on are not traceable;
@@ -20,8 +22,8 @@ What is compiled and what is not (DESIGN.md, "A compiled step"):
   (`tensor_parallel.linear.traced_linear`), its weight gradient a `.grad` the gradient buffer
   adds into the fp32 main grad (in 16 bits under bf16: rounded once per micro-batch, as torch's
   DDP and FSDP gradients are, where the eager path accumulates in fp32). A block is then one
-  graph (two around the Triton attention on a GPU) instead of a piece between every pair of
-  linears: a small model's step is bound by launches and per-graph overhead, not its GEMMs;
+  graph, on a GPU too, instead of a piece between every pair of linears: a small model's step
+  is bound by launches and per-graph overhead, not by its GEMMs;
 - eager: embedding, LM head and loss, the pipeline's sends and receives, the optimizer.
 
 Shapes are static: every micro-batch of a run has the same shape, so there is nothing to

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 from megalite.kernels import flash_attention
-from megalite.kernels.flash_attention import attention_reference
+from megalite.kernels.flash_attention import _backward_op, _forward_op, attention_reference
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -92,6 +92,41 @@ def test_forward_saves_no_seq_by_seq_tensor(randn):
     saved_bytes = sum(t.numel() * t.element_size() for t in saved)
     assert saved_bytes == 4 * q.nbytes + batch * heads * seq * 4
     assert saved_bytes < batch * heads * seq * seq * 4  # one fp32 score matrix would not fit
+
+
+def test_compiled_triton_attention_is_one_node_of_the_graph(randn):
+    """Inside torch.compile the Triton path is an operator, not a graph break (fullgraph would
+    fail on one), and it computes what the eager Triton path computes, bit for bit."""
+    import torch._dynamo as dynamo  # here: importing it imports Triton
+
+    dynamo.reset()
+    q, k, v = randn(2, 37, 4, 16), randn(2, 37, 2, 16), randn(2, 37, 2, 16)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(q.device)
+    eager = flash_attention(q, k, v)
+    compiled = torch.compile(flash_attention, fullgraph=True, dynamic=False)(q, k, v)
+    assert torch.equal(compiled, eager)
+    grads = torch.autograd.grad(compiled, (q, k, v), dout)
+    for got, want in zip(grads, torch.autograd.grad(eager, (q, k, v), dout)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_attention_operators_pass_opcheck(randn, documents):
+    """torch.library's own check of the two operators: schema, fake (meta) outputs equal to
+    the real ones in shape, dtype and strides, and the registered autograd; on ragged
+    sequences, grouped heads, and with documents."""
+    seq = 45
+    q, k, v = randn(2, seq, 4, 16), randn(2, seq, 2, 16), randn(2, seq, 2, 16)
+    doc_start = None
+    if documents:
+        starts = torch.tensor([0, 0, 0] + [3] * 17 + [20] * 25, dtype=torch.int32)
+        doc_start = torch.stack([starts, torch.zeros(seq, dtype=torch.int32)]).to(q.device)
+    forward = (q, k, v, True, 0.25, doc_start)
+    torch.library.opcheck(_forward_op, forward)
+    with torch.no_grad():
+        out, lse = _forward_op(*forward)
+    backward = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse)
+    torch.library.opcheck(_backward_op, (*backward, True, 0.25, doc_start))
 
 
 def test_reference_gqa_maps_query_head_to_kv_head_by_group(randn, rel_err, monkeypatch):
