@@ -9,7 +9,7 @@ import importlib
 
 import pytest
 import torch
-from megalite.kernels import cross_entropy
+from megalite.kernels import cross_entropy, dispatch
 from megalite.kernels.gelu import BiasGeluFunction
 from megalite.kernels.norms import AddNormFunction
 from megalite.kernels.rotary import RotaryFunction
@@ -21,7 +21,7 @@ from megalite.parallel_state import ParallelState
 from megalite.profiling.activations import Shapes, layer_body
 from megalite.profiling.memory import SavedActivationTracker
 from megalite.tensor_parallel import TPRandom
-from megalite.training.compile import compile_blocks
+from megalite.training.compile import compile_blocks, compiled_graphs
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 MODELS = {
@@ -112,6 +112,35 @@ def test_model_step_with_kernels_matches_reference(arch, dtype, recompute, compi
             continue
         errors[name] = ((grads[name] - want).norm() / want.norm()).item()
     assert max(errors.values()) < tol, errors
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_compiled_block_with_triton_attention_is_one_graph(arch, monkeypatch):
+    """As on a GPU under `auto` (Triton for attention, references for the elementwise kernels
+    inside the compiled region) with traced linears (tp 1): one graph serves every block, with
+    no break, and attention still runs the Triton kernels (its operator, once per block)."""
+    import torch._dynamo as dynamo
+    import torch._dynamo.utils as dynamo_utils
+
+    monkeypatch.setenv("MEGALITE_KERNELS", "torch")
+    ref_loss, ref_grads = _loss_and_grads(arch, torch.float64)
+    monkeypatch.setenv("MEGALITE_KERNELS", "auto")
+    monkeypatch.setattr(dispatch, "kernel_backend", lambda *tensors: "triton")  # as on a GPU
+    launches = _count_launches(monkeypatch, [FLASH])
+    dynamo.reset()
+    breaks_before, graphs_before = (
+        sum(dynamo_utils.counters["graph_break"].values()),
+        compiled_graphs(),
+    )
+    loss, grads = _loss_and_grads(arch, torch.float32, compiled=True)
+    graph_breaks = sum(dynamo_utils.counters["graph_break"].values()) - breaks_before
+    assert (compiled_graphs() - graphs_before, graph_breaks) == (1, 0)
+    assert launches == {FLASH: N_LAYERS}
+    tol = TOLERANCE[torch.float32]
+    assert abs(loss - ref_loss) < tol * ref_loss
+    for name, want in ref_grads.items():
+        if not name.endswith("attn.wk.bias"):  # zero exactly: rounding noise on both sides
+            assert (grads[name] - want).norm() < tol * want.norm(), name
 
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
