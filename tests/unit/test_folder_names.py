@@ -1,7 +1,8 @@
 """From a checkout's root the top-level folder `kernels/` is importable by its bare name, and
 transformers imports that name when it probes for Hugging Face's `kernels` package. The folder
 then gives the name away (`megalite.folder_names`): its kernels never run twice, and a real
-`kernels` package installed further along sys.path is the one transformers gets."""
+`kernels` package installed further along sys.path is the one transformers gets; in a checkout
+where megalite is not installed, the name is an empty module."""
 
 import json
 import os
@@ -12,11 +13,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run_in_checkout(code: str, **env: str) -> dict:
+def _run_in_checkout(code: str, *flags: str, **env: str) -> dict:
     """Run `code` with the checkout's root as working directory and first sys.path entry, as
     `python -m megalite` or `python -m pytest` there do; it prints one JSON object."""
     result = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, *flags, "-c", code],
         cwd=REPO,
         env={**os.environ, **env},
         capture_output=True,
@@ -51,3 +52,15 @@ def test_an_installed_kernels_package_keeps_its_name(tmp_path):
         PYTHONPATH=str(tmp_path),  # after the working directory, as an installed package is
     )
     assert seen == {"who": "the hub package", "file": str(installed / "__init__.py"), "ours": []}
+
+
+def test_without_megalite_installed_the_bare_name_is_an_empty_module():
+    # -S: no site-packages, so no editable install maps megalite.kernels to the folder
+    seen = _run_in_checkout(
+        "import json, sys, kernels\n"
+        "print(json.dumps({'file': getattr(kernels, '__file__', None), 'attributes':\n"
+        "    sorted(a for a in vars(kernels) if not a.startswith('__')),\n"
+        "    'modules': sorted(m for m in sys.modules if 'kernels' in m)}))",
+        "-S",
+    )
+    assert seen == {"file": None, "attributes": [], "modules": ["kernels"]}
