@@ -745,6 +745,25 @@ def build_config(raw: dict[str, Any]) -> Config:
     return config
 
 
+def with_values(config: Config, values: dict[str, Any]) -> Config:
+    """`config` with `section.key` values set, checked as `load_config` checks them: each value
+    against its field, then the sections it changes and the whole config validated again. The
+    other sections are shared with `config` (the planner derives thousands of layouts from one
+    base)."""
+    sections, changes = _sections(), {}
+    for key, value in values.items():
+        section, name = key.split(".")
+        if section not in sections or name not in _section_types(sections[section]):
+            raise _unknown_key(key, _all_keys())
+        changes.setdefault(section, {})[name] = _coerce(
+            key, value, _section_types(sections[section])[name]
+        )
+    replaced = {s: dataclasses.replace(getattr(config, s), **c) for s, c in changes.items()}
+    derived = dataclasses.replace(config, **replaced)
+    derived.explicit = config.explicit | frozenset(values)
+    return derived
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`train.steps=50` -> (['train', 'steps'], 50); the value is parsed as YAML."""
     if "=" not in text:

@@ -30,12 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from megalite.config import (
-    Config,
-    ConfigError,
-    build_config,
-    config_to_dict,
-)
+from megalite.config import Config, ConfigError, config_to_dict, with_values
 from megalite.errors import MegaliteError
 from megalite.parallel_dims import ParallelDims
 
@@ -183,27 +178,15 @@ def layouts(base: Config, world_size: int) -> Iterator[Layout]:
                             )
 
 
-def with_values(base: dict[str, dict[str, Any]], values: dict[str, Any]) -> Config:
-    """The config `base` (as `config_to_dict` gives it) with `section.key` values set, through
-    the same validation as `load_config`."""
-    raw = {section: dict(fields) for section, fields in base.items()}
-    for key, value in values.items():
-        section, name = key.split(".")
-        raw[section][name] = value
-    return build_config(raw)
-
-
 def validated(
-    base: Config, layout: Layout, world_size: int, device: str, raw: dict | None = None
+    base: Config, layout: Layout, world_size: int, device: str
 ) -> tuple[Layout, Config, int, int] | None:
     """(layout, config, dp, micro-batches), or None when validation rejects the layout (with sp
-    tried off when it is on: sp needs the sequence to divide by tp). `raw`: `base` as a dict,
-    when the caller has it already."""
-    raw = raw or config_to_dict(base)
+    tried off when it is on: sp needs the sequence to divide by tp)."""
     tries = (layout, dataclasses.replace(layout, sp=False)) if layout.sp else (layout,)
     for candidate in tries:
         try:
-            cfg = with_values(raw, candidate.values(base, device))
+            cfg = with_values(base, candidate.values(base, device))
             return candidate, cfg, *cfg.layout_for_world(world_size)
         except ConfigError:
             continue
@@ -245,9 +228,9 @@ def plan(
     first; a layout with recompute only where less recompute would not fit."""
     from megalite.profiling.throughput import predict
 
-    ranked, raw = [], config_to_dict(base)
+    ranked = []
     for layout in dict.fromkeys(layouts(base, machine.world_size)):
-        found = validated(base, layout, machine.world_size, machine.device, raw)
+        found = validated(base, layout, machine.world_size, machine.device)
         if found is not None:
             ranked.append((predict(found[1], machine), found))
     if not ranked:
@@ -263,7 +246,7 @@ def plan(
         need = memory(cfg)
         if smallest is None or need < smallest[0]:
             smallest = (need, layout, dp)
-        if need > machine.memory_bytes or _lighter_fits(raw, base, layout, machine, memory):
+        if need > machine.memory_bytes or _lighter_fits(base, layout, machine, memory):
             continue
         reasons = _reasons(layout, prediction, need, machine)
         settings = layout.settings(base, machine.device)
@@ -297,7 +280,7 @@ def _memoised(
 
 
 def _lighter_fits(
-    raw: dict, base: Config, layout: Layout, machine: Machine, memory: Callable[[Config], float]
+    base: Config, layout: Layout, machine: Machine, memory: Callable[[Config], float]
 ) -> bool:
     """Whether the layout with less recompute (none; selective instead of full) also fits:
     then it is at least as fast, and this one is not worth proposing."""
@@ -307,7 +290,6 @@ def _lighter_fits(
             dataclasses.replace(layout, recompute=lighter),
             machine.world_size,
             machine.device,
-            raw,
         )
         if found is not None and memory(found[1]) <= machine.memory_bytes:
             return True

@@ -14,6 +14,7 @@ from megalite.config import (
     load_config,
     parse_override,
     save_config,
+    with_values,
 )
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -496,3 +497,22 @@ def test_override_key_not_section_dot_key(text):
 def test_build_config_from_dict():
     cfg = build_config({"model": {"hidden": 64, "n_heads": 4}, "train": {"steps": 3}})
     assert cfg.model.hidden == 64 and cfg.train.steps == 3 and cfg.optim == Config().optim
+
+
+def test_with_values_checks_like_load_config():
+    """The planner's derived configs: a value is coerced and checked as an override would be,
+    the changed sections and the whole config validated again, the rest shared."""
+    base = load_config(CONFIGS / "llama-tiny.yaml", ["train.steps=3"])
+    overrides = {"parallel.tp": 2, "parallel.sp": True, "optim.lr": "3e-3"}
+    derived = with_values(base, overrides)
+    texts = [f"{key}={value}" for key, value in overrides.items()]
+    assert derived == load_config(CONFIGS / "llama-tiny.yaml", ["train.steps=3", *texts])
+    assert derived.optim.lr == 3e-3 and derived.model is base.model
+    assert derived.explicit == base.explicit | set(overrides)
+    assert "parallel.tp" not in base.explicit and base.parallel.tp == 1
+    with pytest.raises(ConfigError, match="parallel.tp=3 must divide model.n_heads"):
+        with_values(base, {"parallel.tp": 3})
+    with pytest.raises(ConfigError, match="train.steps must be int"):
+        with_values(base, {"train.steps": "many"})
+    with pytest.raises(ConfigError, match="did you mean parallel.tp"):
+        with_values(base, {"parallel.tpp": 2})
