@@ -126,6 +126,7 @@ def build_schedule(
     return list(every_rank[pp_rank])
 
 
+@functools.lru_cache(maxsize=1024)
 def compute_order(
     kind: str,
     pp_size: int,
@@ -133,12 +134,12 @@ def compute_order(
     num_microbatches: int,
     vpp: int = 1,
     group_size: int | None = None,
-) -> list[Action]:
+) -> tuple[Action, ...]:
     """The forwards and backwards of `build_schedule`'s list, without its messages: what a walk
     over the activations a rank holds needs, without placing every rank's receives (the memory
-    estimate runs it for thousands of candidate layouts)."""
+    estimate runs it for thousands of candidate layouts, which share schedules: cached)."""
     n = _group_size(kind, pp_size, pp_rank, num_microbatches, vpp, group_size)
-    return _compute_order(kind, pp_size, pp_rank, num_microbatches, vpp, n)
+    return tuple(_compute_order(kind, pp_size, pp_rank, num_microbatches, vpp, n))
 
 
 def _group_size(
