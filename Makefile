@@ -9,6 +9,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 CONFIG ?= configs/gpt-tiny.yaml
 ARGS ?=
+TEST_WORKERS ?= 2
 RUN_DIR ?= runs/$(basename $(notdir $(CONFIG)))-$(shell date +%Y%m%d-%H%M%S)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.megalite-installed
@@ -29,8 +30,12 @@ train: setup
 	$(BIN)/megalite generate --checkpoint $(RUN_DIR) \
 		--prompt "And God said" --max-new-tokens 60 --temperature 0.8 --top-k 40
 
+# The suite runs on TEST_WORKERS processes (pytest-xdist); the tests that assert on wall-clock time
+# (marked serial: time-outs, delays, overlap) run after them, alone, so no other test's load can
+# make them late.
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not serial" tests
+	$(BIN)/python -m pytest -q -m serial tests
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -50,6 +50,7 @@ def _time_to_post_a_send(nccl_like: bool, receiver_delay_s: float) -> float:
     return posted
 
 
+@pytest.mark.serial
 def test_a_send_completes_only_when_its_receive_is_posted():
     """Under NCCL a send's batch ends only when the receiver reaches the receive; gloo's post
     returns at once. (The pipeline tests run every schedule under this rule, where a receive

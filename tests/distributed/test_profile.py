@@ -288,6 +288,7 @@ def _slowed_tp_profile(out_dir: str) -> tuple[dict, dict, dict]:
     return report, parts, {"tp": lifetimes.total_s}
 
 
+@pytest.mark.serial
 def test_tensor_parallel_communication_is_split_into_exposed_and_overlapped(
     builtin_corpus, tmp_path
 ):

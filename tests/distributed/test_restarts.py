@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -43,6 +44,7 @@ def _start(port: int, world_size: int, ranks: range, timeout_s: float = 20.0) ->
     return agreed
 
 
+@pytest.mark.serial
 def test_each_start_agrees_on_a_new_generation_despite_the_keys_of_earlier_ones():
     port = free_port()
     server = dist.TCPStore(  # noqa: F841  (the agent's store: it outlives every start)

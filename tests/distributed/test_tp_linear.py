@@ -33,6 +33,8 @@ from megalite.tensor_parallel import (
 from megalite.tensor_parallel import normal_init as normal
 from megalite.tensor_parallel.deferred import WeightGradQueue, deferring
 
+pytestmark = pytest.mark.serial  # asserts on wall-clock time (Makefile)
+
 B, S, H, OUT = 2, 8, 16, 24
 DELAY_S = 0.5
 

@@ -52,6 +52,7 @@ def _train_until_a_rank_stops(out_dir: str, stopped_rank: int, marks: str) -> No
     loop.train(load_config(None, overrides))
 
 
+@pytest.mark.serial
 def test_a_stopped_rank_is_named_within_the_timeout(builtin_corpus, tmp_path):
     marks = tmp_path / "marks"
     marks.mkdir()

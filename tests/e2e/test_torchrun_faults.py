@@ -130,6 +130,7 @@ def _training(job: subprocess.Popen, out_dir: Path, rows: int = 2) -> dict[int, 
     return worker_pids(job.pid)
 
 
+@pytest.mark.serial
 def test_a_stopped_rank_ends_the_job_within_the_watchdog_time_out(builtin_corpus_8000, tmp_path):
     """Before: the watchdog's rank exited 124 after the time-out, and the stopped rank ignored
     the agent's SIGTERM until its SIGKILL 30 s later. Now a watchdog on its host kills it."""
@@ -149,6 +150,7 @@ def test_a_stopped_rank_ends_the_job_within_the_watchdog_time_out(builtin_corpus
     assert -signal.SIGKILL in worker_exit_codes(console), console
 
 
+@pytest.mark.serial
 def test_the_survivors_of_a_killed_rank_print_one_line_each(builtin_corpus_8000, tmp_path):
     out_dir = tmp_path / "run"
     job = torchrun(out_dir, "train.steps=100000")

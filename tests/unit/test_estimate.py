@@ -154,6 +154,7 @@ def test_zero_paper_example_and_megalite_accounting():
     assert megalite == pytest.approx(zero_paper_bytes(psi, 64, 1) + differences, rel=1e-4)
 
 
+@pytest.mark.serial
 def test_llama_7b_on_64_ranks_estimates_in_well_under_a_second():
     cfg = load_config("configs/llama-7b.yaml")
     start = time.perf_counter()

@@ -89,6 +89,7 @@ def _check_state(ps: Any, rank: int, world_size: int, tp: int, pp: int) -> None:
     ],
     ids=["1024-tp8-pp8", "4-tp2-pp2", *SHIPPED],
 )
+@pytest.mark.serial
 def test_each_group_is_created_once_with_the_timeout_and_none_has_one_rank(
     fake_world, new_group_calls, tp, pp, world_size, ranks
 ):

@@ -10,6 +10,8 @@ from megalite import comm
 from megalite.pipeline.executor import IntervalTimer, StepTimes
 from megalite.profiling.step_timing import CommTimer
 
+pytestmark = pytest.mark.serial  # asserts on wall-clock time (Makefile)
+
 
 def test_host_timer_sums_each_name_on_cpu():
     timer = IntervalTimer(torch.device("cpu"))
