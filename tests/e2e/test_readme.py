@@ -214,6 +214,27 @@ def _argv(command: str, workspace: Path) -> tuple[list[str], Path, dict[str, str
     return [*launcher, *words[1:]], workspace, env
 
 
+def _collected(options: list[str]) -> list[str]:
+    """The test ids that pytest with `options` selects (collected only, in one process)."""
+    at = options.index("-n") if "-n" in options else len(options)
+    options = options[:at] + options[at + 2 :]  # the workers do not change the selection
+    options = [option for option in options if option != "-q"]  # -qq would print counts
+    argv = [sys.executable, "-m", "pytest", *options, "--collect-only", "-q"]
+    found = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
+    assert found.returncode == 0, found.stdout[-2000:] + found.stderr[-2000:]
+    return [line for line in found.stdout.splitlines() if "::" in line]
+
+
+def _check_every_test_runs_once(recipe: str) -> None:
+    """The pytest commands of `make test` (the parallel pass and the serial one) select every
+    test of the suite, none twice: a marker expression that drops tests would pass CI unseen."""
+    passes = [shlex.split(line) for line in recipe.splitlines() if " pytest " in line]
+    selected = [test_id for argv in passes for test_id in _collected(argv[3:])]
+    assert [argv[1:3] for argv in passes] == [["-m", "pytest"]] * 2, passes
+    assert len(selected) == len(set(selected)), passes
+    assert sorted(selected) == sorted(_collected(["tests"]))
+
+
 @pytest.mark.parametrize("command", readme_commands())
 def test_readme_command_runs(command, workspace):
     if command == "make test":
@@ -221,6 +242,7 @@ def test_readme_command_runs(command, workspace):
         assert "\nmake test\n" in ci, ".ci/run must run the README's test command"
         dry = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True)
         assert dry.returncode == 0 and "pytest" in dry.stdout, dry.stdout + dry.stderr
+        _check_every_test_runs_once(dry.stdout)
         return
     argv, cwd, env = _argv(command, workspace)
     result = subprocess.run(
