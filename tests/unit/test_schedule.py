@@ -306,11 +306,16 @@ def test_every_layout_runs(kind: str, pp: int, vpp: int):
             run(kind, pp, m, vpp, group, p2p=0.3)
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
-@pytest.mark.parametrize("pp", [1, 2, 4])
+@pytest.mark.parametrize(
+    ("kind", "pp"),
+    [
+        (kind, pp)
+        for pp in (1, 2, 4)
+        for kind in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+        if kind != "zb-v" or pp > 1  # zb-v's two chunks need a pipeline
+    ],
+)
 def test_compute_order_is_the_schedule_without_its_messages(kind: str, pp: int):
-    if kind == "zb-v" and pp == 1:
-        return  # two chunks need a pipeline
     for vpp, m in valid_layouts(kind, pp) if pp > 1 else [(1, 1), (1, 5)]:
         for rank in range(pp):
             actions = build_schedule(kind, pp, rank, m, vpp)
