@@ -753,11 +753,10 @@ def with_values(config: Config, values: dict[str, Any]) -> Config:
     sections, changes = _sections(), {}
     for key, value in values.items():
         section, name = key.split(".")
-        if section not in sections or name not in _section_types(sections[section]):
+        hints = _section_types(sections[section]) if section in sections else {}
+        if name not in hints:
             raise _unknown_key(key, _all_keys())
-        changes.setdefault(section, {})[name] = _coerce(
-            key, value, _section_types(sections[section])[name]
-        )
+        changes.setdefault(section, {})[name] = _coerce(key, value, hints[name])
     replaced = {s: dataclasses.replace(getattr(config, s), **c) for s, c in changes.items()}
     derived = dataclasses.replace(config, **replaced)
     derived.explicit = config.explicit | frozenset(values)
