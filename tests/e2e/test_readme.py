@@ -229,8 +229,8 @@ def _check_every_test_runs_once(recipe: str) -> None:
     """The pytest commands of `make test` (the parallel pass and the serial one) select every
     test of the suite, none twice: a marker expression that drops tests would pass CI unseen."""
     passes = [shlex.split(line) for line in recipe.splitlines() if " pytest " in line]
-    selected = [test_id for argv in passes for test_id in _collected(argv[3:])]
     assert [argv[1:3] for argv in passes] == [["-m", "pytest"]] * 2, passes
+    selected = [test_id for argv in passes for test_id in _collected(argv[3:])]
     assert len(selected) == len(set(selected)), passes
     assert sorted(selected) == sorted(_collected(["tests"]))
 
