@@ -31,6 +31,11 @@ def _add_input(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--text-field", default="text", help="the JSON field or Parquet/Arrow column of the text"
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace what --out names if it exists (runs that read it will see other data)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -84,7 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_tokenizer(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     model = train_tokenizer(
-        args.input, args.out, args.vocab_size, args.text_field, args.glob, args.kind
+        args.input, args.out, args.vocab_size, args.text_field, args.glob, args.kind, args.overwrite
     )
     print(f"wrote {model} ({args.vocab_size} pieces) in {time.perf_counter() - start:.1f}s")
     return 0
@@ -100,6 +105,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         text_field=args.text_field,
         glob=args.glob,
         workers=args.workers,
+        overwrite=args.overwrite,
     )
     print(
         f"wrote {corpus_paths(args.out)[0]}: {meta['n_tokens']:,} {meta['dtype']} tokens in "

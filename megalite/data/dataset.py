@@ -29,6 +29,7 @@ import torch
 from megalite.data.blend import Interleave
 from megalite.data.errors import DataError
 from megalite.data.prepare import FORMAT, FORMAT_VERSION, corpus_paths, token_dtype
+from megalite.data.tokenizer import PROBE, HFTokenizer, Tokenizer, open_tokenizer
 
 SPLITS = ("train", "val")
 
@@ -117,17 +118,26 @@ class BlendedDataset:
     def __init__(self, datasets: Sequence[TokenDataset], weights: Sequence[float]) -> None:
         self.datasets, self.weights = list(datasets), list(weights)
         self.interleave = Interleave(self.weights)
-        first = self.datasets[0]
-        for other in self.datasets[1:]:
-            if (other.meta["vocab_size"], other.meta["eos_id"]) != (
-                first.meta["vocab_size"],
-                first.meta["eos_id"],
-            ):
+        self.tokenizer_path = self.datasets[0].tokenizer_path
+        """The tokenizer the first corpus names; `check_tokenizer` holds every corpus to one."""
+
+    def check_tokenizer(self, tokenizer: Tokenizer | HFTokenizer) -> None:
+        """Fail unless every corpus was prepared with `tokenizer`: its vocabulary size, end of
+        document and the ids it gives the probe text. Corpora prepared before the metadata
+        recorded those ids are compared with the tokenizer they name, where it is."""
+        ids = tokenizer.encode(PROBE)
+        for dataset in self.datasets:
+            recorded = dataset.meta.get("tokenizer_probe")
+            if recorded is None and dataset.tokenizer_path.is_file():
+                recorded = open_tokenizer(dataset.tokenizer_path).encode(PROBE)
+            meta = (dataset.meta["vocab_size"], dataset.meta["eos_id"])
+            if meta != (tokenizer.vocab_size, tokenizer.eos_id) or recorded not in (None, ids):
                 raise DataError(
-                    f"a blend needs one tokenizer, but {other.prefix} and {first.prefix} were "
-                    "prepared with different ones; prepare both with the same --tokenizer"
+                    f"{dataset.prefix} was prepared with another tokenizer than {tokenizer.path} "
+                    "(it encodes differently); one run reads its data with one tokenizer: prepare "
+                    f"it with `megalite data prepare --tokenizer {tokenizer.path} ...`, or set "
+                    "data.tokenizer to the tokenizer it was prepared with"
                 )
-        self.tokenizer_path = first.tokenizer_path
 
     @property
     def sizes(self) -> list[int]:
@@ -260,9 +270,19 @@ def _check_index(prefix: Path, meta: dict) -> None:
         problem = f"has {len(idx)} entries, expected n_docs + 1 = {meta['n_docs'] + 1}"
     elif idx[0] != 0 or idx[-1] != meta["n_tokens"]:
         problem = f"runs from {idx[0]} to {idx[-1]}, expected 0 to n_tokens = {meta['n_tokens']}"
-    elif np.any(np.diff(idx) <= 0):
+    elif not _increasing(idx):
         problem = "has document offsets that are not increasing"
     if problem:
         raise DataError(
             f"document index {idx_path} {problem}: truncated or inconsistent; {_fix(prefix)}"
         )
+
+
+def _increasing(idx: np.ndarray, chunk: int = 1 << 20) -> bool:
+    """Whether a memmapped index strictly increases, read a chunk at a time: an index of a
+    billion documents is 8 GB, which every rank of a node would otherwise hold at once."""
+    for start in range(0, len(idx) - 1, chunk):
+        piece = np.asarray(idx[start : start + chunk + 1])  # one entry of overlap
+        if np.any(np.diff(piece) <= 0):
+            return False
+    return True

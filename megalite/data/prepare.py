@@ -5,10 +5,14 @@ A prepared corpus with prefix P is three files:
   vocabulary fits in 16 bits (half the disk and page cache) and uint32 otherwise.
 - `P.idx.npy`: int64 start offset of each document, then a final entry equal to the number of
   tokens, so document d is `tokens[idx[d]:idx[d + 1]]` (its EOS included).
-- `P.json`: metadata; written last, so its presence means the other two are complete.
+- `P.json`: metadata; written last, so its presence means the other two are complete. It
+  names the tokenizer (a path relative to the corpus) and records the ids that tokenizer gives a
+  probe text, so a run can tell the tokenizer it is handed from another one
+  (`dataset.check_tokenizer`).
 
 Every file is written under a temporary name and renamed into place, so a crash, a corrupt input
-or a concurrent reader never sees half a corpus, and a corpus prepared before stays intact.
+or a concurrent reader never sees half a corpus. An existing corpus is replaced only when asked
+(`overwrite`), and an input never.
 Tokens are streamed to disk batch by batch; only the document offsets stay in memory (8 bytes
 per document). Batches are tokenized by a pool of worker processes, a bounded number in flight,
 and written in input order, so the output does not depend on the number of workers.
@@ -29,8 +33,14 @@ import numpy as np
 from tqdm import tqdm
 
 from megalite.data.errors import DataError
-from megalite.data.sources import TEXT_FIELD, expand_inputs, input_bytes, read_chunks
-from megalite.data.tokenizer import HFTokenizer, Tokenizer, open_tokenizer
+from megalite.data.sources import (
+    TEXT_FIELD,
+    check_outputs,
+    expand_inputs,
+    input_bytes,
+    read_chunks,
+)
+from megalite.data.tokenizer import PROBE, HFTokenizer, Tokenizer, open_tokenizer
 
 FORMAT = "megalite-tokens"
 FORMAT_VERSION = 1
@@ -55,14 +65,16 @@ def prepare_corpus(
     text_field: str = TEXT_FIELD,
     glob: str = "*",
     workers: int = 1,
+    overwrite: bool = False,
 ) -> dict:
     """Tokenize `inputs` (files or directories, see `megalite.data.sources`) into the files
     above with `workers` processes. Empty documents are skipped: they would only add a lone EOS.
     Returns the metadata."""
     paths = expand_inputs(inputs, glob)
     out_prefix = Path(out_prefix)
-    out_prefix.parent.mkdir(parents=True, exist_ok=True)
     finals = corpus_paths(out_prefix)
+    check_outputs(finals, paths, overwrite)
+    out_prefix.parent.mkdir(parents=True, exist_ok=True)
     tmps = [p.with_name(f"{p.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}") for p in finals]
     dtype = token_dtype(tokenizer.vocab_size)
     try:
@@ -83,6 +95,7 @@ def prepare_corpus(
             "eos_id": tokenizer.eos_id,
             # Relative, so the corpus and its tokenizer can move together.
             "tokenizer": os.path.relpath(tokenizer.path.resolve(), out_prefix.parent.resolve()),
+            "tokenizer_probe": tokenizer.encode(PROBE),
         }
         tmps[2].write_text(json.dumps(meta, indent=2) + "\n")
         for tmp, final in zip(tmps, finals):
@@ -93,12 +106,14 @@ def prepare_corpus(
     return meta
 
 
-def _batches(paths: list[Path], text_field: str, bar: tqdm) -> Iterator[list[tuple[str, bool]]]:
+def _batches(
+    paths: list[Path], text_field: str, whole_text: bool, bar: tqdm
+) -> Iterator[list[tuple[str, bool]]]:
     """(text, ends_document) pieces of every input, grouped into batches of BATCH_CHARS."""
     batch: list[tuple[str, bool]] = []
     chars = 0
     for path in paths:
-        for text, ends, n_bytes in read_chunks(path, text_field):
+        for text, ends, n_bytes in read_chunks(path, text_field, whole_text):
             batch.append((text, ends))
             chars += len(text)
             if chars >= BATCH_CHARS:
@@ -161,7 +176,8 @@ def _write_tokens(
     with tqdm(
         total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress
     ) as bar:
-        for batch, encoded in _encoded(_batches(paths, text_field, bar), tokenizer, workers):
+        batches = _batches(paths, text_field, not tokenizer.encodes_lines_apart, bar)
+        for batch, encoded in _encoded(batches, tokenizer, workers):
             buf: list[int] = []
             for (_, ends), ids in zip(batch, encoded):
                 if ids and not doc_open:

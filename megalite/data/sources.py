@@ -10,11 +10,13 @@ keeping the names that match a glob. Formats, by suffix (after an optional `.gz`
   separate paragraphs, not documents, so splitting on them would put end-of-document tokens in
   the middle of texts; corpora with many documents should be JSONL, Parquet or Arrow.
 
-Everything streams, so memory does not grow with the corpus: text files are read in chunks of
-whole lines (the tokenizer never merges across a newline, so encoding line-aligned chunks gives
-the same tokens as encoding the file at once), the other formats a document or a batch at a
-time. A file that cannot be read (corrupt compression or Parquet, bad JSON) is one DataError
-naming it.
+Everything streams, so memory does not grow with the corpus: the other formats are read a
+document or a batch at a time, and text files in chunks of whole lines where the tokenizer
+encodes lines apart (megalite's sentencepiece: its newline is a piece of its own, so
+line-aligned chunks give the tokens of the file at once). For any other tokenizer a text file
+is read whole: byte-level BPEs merge runs of newlines, and a sentencepiece without a newline
+piece would prefix every chunk with a space. A file that cannot be read (corrupt compression
+or Parquet, bad JSON) is one DataError naming it.
 """
 
 import contextlib
@@ -58,6 +60,22 @@ def expand_inputs(inputs: Sequence[Path], glob: str = "*") -> list[Path]:
     return found
 
 
+def check_outputs(outputs: Sequence[Path], inputs: Sequence[Path], overwrite: bool) -> None:
+    """Refuse, before any slow work, to write over one of the `inputs` (ever) or over a file
+    that exists (unless `overwrite`): a corpus or tokenizer made before may be what a run in
+    progress reads, and its replacement would change the data under it."""
+    sources = {p.resolve() for p in inputs}
+    for out in outputs:
+        if out.resolve() in sources:
+            raise DataError(f"--out would write {out}, which is an input; choose another --out")
+    existing = [str(out) for out in outputs if out.exists()]
+    if existing and not overwrite:
+        raise DataError(
+            f"{', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}: "
+            "choose another --out, or pass --overwrite to replace it"
+        )
+
+
 def _inputs_under(root: Path, glob: str) -> list[Path]:
     """Files below `root` whose name matches `glob`, and saved datasets (read whole)."""
     found = []
@@ -79,8 +97,11 @@ def input_bytes(path: Path) -> int:
     return path.stat().st_size
 
 
-def read_chunks(path: Path, text_field: str = TEXT_FIELD) -> Iterator[tuple[str, bool, int]]:
-    """Yield (text, ends_document, on-disk bytes consumed) for `path`, in file order."""
+def read_chunks(
+    path: Path, text_field: str = TEXT_FIELD, whole_text: bool = False
+) -> Iterator[tuple[str, bool, int]]:
+    """Yield (text, ends_document, on-disk bytes consumed) for `path`, in file order;
+    `whole_text`: a plain text file in one piece, not in chunks of lines."""
     try:
         if _is_saved_dataset(path):
             for arrow in _saved_dataset_files(path):
@@ -93,8 +114,11 @@ def read_chunks(path: Path, text_field: str = TEXT_FIELD) -> Iterator[tuple[str,
             yield from _arrow_chunks(path, text_field)
         else:
             with _open_stream(path) as (stream, raw):
-                reader = {".jsonl": _jsonl_chunks, ".json": _json_chunks}.get(kind, _text_chunks)
-                yield from reader(stream, raw, path, text_field)
+                if kind in (".jsonl", ".json"):
+                    reader = _jsonl_chunks if kind == ".jsonl" else _json_chunks
+                    yield from reader(stream, raw, path, text_field)
+                else:
+                    yield from _text_chunks(stream, raw, path, whole_text)
     except DataError:
         raise
     except (OSError, EOFError, zlib.error, ValueError, ZstdError) as exc:
@@ -161,14 +185,15 @@ class _ZstdStream(io.RawIOBase):
         return n
 
 
-def _text_chunks(stream, raw, path: Path, _field: str) -> Iterator[tuple[str, bool, int]]:
+def _text_chunks(stream, raw, path: Path, whole: bool) -> Iterator[tuple[str, bool, int]]:
     done = 0
-    lines = stream.readlines(CHUNK_BYTES)
+    size = -1 if whole else CHUNK_BYTES
+    lines = stream.readlines(size)
     if not lines:
         yield "", True, 0
     while lines:
         raw_text = b"".join(lines)
-        lines = stream.readlines(CHUNK_BYTES)
+        lines = stream.readlines(size)
         position = raw.tell()
         yield _decode(raw_text, path), not lines, position - done
         done = position

@@ -28,7 +28,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from megalite.data.errors import DataError
-from megalite.data.sources import TEXT_FIELD, expand_inputs, read_lines
+from megalite.data.sources import TEXT_FIELD, check_outputs, expand_inputs, read_lines
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 NUM_THREADS = 4
@@ -67,17 +67,23 @@ def train_tokenizer(
     text_field: str = TEXT_FIELD,
     glob: str = "*",
     kind: str = "sentencepiece",
+    overwrite: bool = False,
 ) -> Path:
     """Train a tokenizer of exactly `vocab_size` pieces on `inputs` (files or directories, read
     as in `megalite.data.sources`): sentencepiece BPE to `<out_prefix>.model`, or GPT-2-style
-    byte-level BPE to `<out_prefix>.json`, written atomically. Returns the file."""
-    paths = expand_inputs(inputs, glob)
-    if kind == "byte-bpe":
-        out, data = Path(f"{out_prefix}.json"), _train_byte_bpe(paths, vocab_size, text_field)
-    elif kind == "sentencepiece":
-        out, data = Path(f"{out_prefix}.model"), _train_sentencepiece(paths, vocab_size, text_field)
-    else:
+    byte-level BPE to `<out_prefix>.json`, written atomically; an existing one is replaced only
+    if `overwrite`. Returns the file."""
+    trainers = {
+        "byte-bpe": (".json", _train_byte_bpe),
+        "sentencepiece": (".model", _train_sentencepiece),
+    }
+    if kind not in trainers:
         raise DataError(f"unknown tokenizer kind {kind!r}: choose one of {', '.join(KINDS)}")
+    paths = expand_inputs(inputs, glob)
+    suffix, train = trainers[kind]
+    out = Path(f"{out_prefix}{suffix}")
+    check_outputs([out], paths, overwrite)
+    data = train(paths, vocab_size, text_field)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.write_bytes(data)
@@ -151,6 +157,12 @@ class Tokenizer:
         # Models from elsewhere may lack the newline piece: they encode whole texts, slowly.
         newline_id = self._sp.piece_to_id("\n")
         self._newline_id = newline_id if self._sp.id_to_piece(newline_id) == "\n" else None
+
+    @property
+    def encodes_lines_apart(self) -> bool:
+        """Whether a text's ids are its lines' ids joined by the newline's, so a text may be
+        encoded in chunks of whole lines (`megalite.data.prepare`)."""
+        return self._newline_id is not None
 
     @property
     def vocab_size(self) -> int:
@@ -229,6 +241,8 @@ class HFTokenizer:
 
     kind = "huggingface"
     file_name = "tokenizer.json"
+    encodes_lines_apart = False
+    """Byte-level BPEs merge runs of newlines: a text is encoded whole."""
 
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer as HFTokenizerModel

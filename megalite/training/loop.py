@@ -33,8 +33,10 @@ from megalite.data import (
     BlendedDataset,
     DataError,
     GlobalBatchSampler,
+    HFTokenizer,
     TokenBatch,
     TokenDataset,
+    Tokenizer,
     builtin_data,
     open_tokenizer,
     parse_source,
@@ -256,22 +258,31 @@ def open_data(cfg: Config, cache_dir: Path | None = None) -> Data:
         split: BlendedDataset([TokenDataset(p, seq, split, **kwargs) for _, p in blend], weights)
         for split in ("train", "val")
     }
-    tokenizer = Path(tokenizer or splits["train"].tokenizer_path)
-    return Data(splits["train"], splits["val"], _init_from_tokenizer(cfg, tokenizer) or tokenizer)
+    path = Path(tokenizer or splits["train"].tokenizer_path)
+    if not tokenizer and not path.exists():
+        raise DataError(
+            f"{blend[0][1]} names its tokenizer {path} (relative to the data), which is not "
+            "there: copy the tokenizer beside the data, or set data.tokenizer to its path"
+        )
+    data_tokenizer = open_tokenizer(path)
+    splits["train"].check_tokenizer(data_tokenizer)  # val reads the same corpora
+    theirs = _init_from_tokenizer(cfg, data_tokenizer)
+    return Data(splits["train"], splits["val"], path if d.tokenizer or not theirs else theirs)
 
 
-def _init_from_tokenizer(cfg: Config, data_tokenizer: Path) -> Path | None:
-    """A run that starts from another model's weights keeps that model's tokenizer (it is what
-    the embeddings were trained for), and the data must have been prepared with it."""
+def _init_from_tokenizer(cfg: Config, data_tokenizer: Tokenizer | HFTokenizer) -> Path | None:
+    """A run that starts from another model's weights reads its data with that model's
+    tokenizer (it is what the embeddings were trained for): the one the model brings, if any,
+    which must encode as the data's does."""
     init_from = cfg.checkpoint.init_from
-    theirs = find_tokenizer_file(Path(init_from)) if init_from and not cfg.data.tokenizer else None
+    theirs = find_tokenizer_file(Path(init_from)) if init_from else None
     if theirs is None:
         return None
-    if not same_tokenizer(open_tokenizer(theirs), open_tokenizer(data_tokenizer)):
+    if not same_tokenizer(open_tokenizer(theirs), data_tokenizer):
         raise DataError(
             f"checkpoint.init_from={init_from} brings its own tokenizer, but the data was "
-            f"prepared with {data_tokenizer}, which encodes differently: prepare the data with "
-            f"`megalite data prepare --tokenizer {init_from} ...`"
+            f"prepared with {data_tokenizer.path}, which encodes differently: prepare the data "
+            f"with `megalite data prepare --tokenizer {init_from} ...`"
         )
     return theirs
 

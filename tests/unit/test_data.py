@@ -132,9 +132,11 @@ def test_prepare_uses_uint32_for_large_vocabularies(tmp_path, tok):
         """The real tokenizer's ids, claiming a vocabulary too big for uint16."""
 
         path, vocab_size, eos_id = tok.path, 70_000, 69_999
+        encodes_lines_apart = True
         encode_batch = staticmethod(
             lambda texts: [[i + 65_536 for i in tok.encode(t)] for t in texts]
         )
+        encode = staticmethod(lambda text: [i + 65_536 for i in tok.encode(text)])
 
     assert token_dtype(65_536) == np.uint16 and token_dtype(65_537) == np.uint32
     (tmp_path / "a.txt").write_text(builtin_corpus_text()[:5_000])
@@ -309,3 +311,14 @@ def test_cli_tokenizer_then_prepare(tmp_path, capsys):
             "--out",
             str(tmp_path / "c"),
         )
+
+
+def test_the_index_check_reads_the_index_a_chunk_at_a_time_and_sees_across_chunks():
+    from megalite.data.dataset import _increasing
+
+    idx = np.arange(0, 40, 2, dtype=np.int64)
+    assert _increasing(idx, chunk=4) and _increasing(idx[:1], chunk=4)
+    for at in range(1, len(idx)):  # a repeat at every position, chunk boundaries included
+        bad = idx.copy()
+        bad[at] = bad[at - 1]
+        assert not _increasing(bad, chunk=4), at

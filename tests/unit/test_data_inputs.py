@@ -156,6 +156,8 @@ def test_a_corrupt_input_is_named_and_a_prepared_corpus_survives(tmp_path, tok, 
         bad = tmp_path / "bad.parquet"
     bad.write_bytes(data[: len(data) // 2])  # cut short, as by an interrupted download
     with pytest.raises(DataError, match=rf"cannot read {bad}.*corrupt"):
-        prepare_corpus([tmp_path / "good.jsonl", bad], tok, tmp_path / "corpus", progress=False)
+        prepare_corpus(
+            [tmp_path / "good.jsonl", bad], tok, tmp_path / "corpus", False, overwrite=True
+        )
     assert {p: p.read_bytes() for p in corpus_paths(tmp_path / "corpus")} == before
     assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == []

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 from megalite.commands.data import register
 from megalite.data import (
     DataError,
+    HFTokenizer,
     builtin_corpus_text,
     corpus_paths,
     open_tokenizer,
@@ -82,3 +83,35 @@ def test_cli_trains_a_byte_bpe(corpus, tmp_path, capsys):
     args = parser.parse_args([*argv, "500", "--out", str(tmp_path / "t")])
     assert args.func(args) == 0
     assert "t.json (500 pieces)" in capsys.readouterr().out
+
+
+def _gpt2_like(path) -> HFTokenizer:
+    """A byte-level BPE with GPT-2's pre-tokenizer and its one merge of two newlines (GPT-2's
+    token 628), which megalite's own byte-bpe, trained on lines, never learns."""
+    from tokenizers import Tokenizer as Model
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab |= {"ĊĊ": len(vocab), "<|endoftext|>": len(vocab) + 1}
+    model = Model(models.BPE(vocab=vocab, merges=[("Ċ", "Ċ")]))
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    model.save(str(path))
+    return HFTokenizer(path)
+
+
+def test_a_byte_bpe_prepares_a_large_text_file_as_it_encodes_it_whole(tmp_path, monkeypatch):
+    """GPT-2's pre-tokenizer merges a run of newlines but the last, which goes with what
+    follows: a text file cut into chunks of lines (as for megalite's sentencepiece) would
+    tokenize differently wherever a cut falls in such a run. It is read whole."""
+    tok = _gpt2_like(tmp_path / "tokenizer.json")
+    assert tok.encode("\n\n\nA") == tok.encode("\n\n") + tok.encode("\nA")
+    assert tok.encode("\n\n\nA") != tok.encode("\n") + tok.encode("\n\nA")  # a cut's tokens
+    lines = builtin_corpus_text()[:30_000].split("\n")
+    text = "".join(line + ("\n\n\n" if i % 3 == 2 else "\n") for i, line in enumerate(lines))
+    (tmp_path / "book.txt").write_text(text)
+    monkeypatch.setattr("megalite.data.sources.CHUNK_BYTES", 1000)
+    prepare_corpus([tmp_path / "book.txt"], tok, tmp_path / "c", progress=False)
+    tokens = np.fromfile(corpus_paths(tmp_path / "c")[0], dtype=np.uint16).tolist()
+    assert tokens == tok.encode(text) + [tok.eos_id]
+    assert tok.decode(tokens[:-1]) == text
