@@ -129,12 +129,13 @@ def train_step(
     finalize_grads(run.buffers, run.ps)
 
     loss = global_loss(local_loss, run)
+    scale = run.scaler.scale  # what this step's gradients are multiplied by; update() moves it
     skipped = run.scaler.dynamic and run.scaler.update(run.optimizer.found_non_finite())
-    grad_norm = run.optimizer.grad_norm() / run.scaler.scale
+    grad_norm = run.optimizer.grad_norm() / scale
     bad = None if skipped else run.bad_steps.judge(loss, grad_norm, run.ps)
     if not skipped and bad is None:
         coefficient = clip_coefficient(grad_norm, cfg.optim.grad_clip)
-        run.optimizer.step(lr, grad_scale=coefficient / run.scaler.scale)
+        run.optimizer.step(lr, grad_scale=coefficient / scale)
     imbalance, dropped = route_balance(run)
     wait_and_compute = torch.tensor([times.wait_s, times.compute_s], device=run.ps.device)
     comm.all_reduce(wait_and_compute, run.ps.pp_group)

@@ -174,15 +174,18 @@ def test_gradient_accumulation_matches_one_micro_batch(arch):
         assert (ga.grads_flat - gb.grads_flat).abs().max().item() < 1e-5 * scale
 
 
-def test_loss_scaling_does_not_change_the_step():
-    """A power-of-two loss scale is exact in fp32: the scaled step equals the unscaled one."""
+@pytest.mark.parametrize("growth_interval", [1000, 1])
+def test_loss_scaling_does_not_change_the_step(growth_interval):
+    """A power-of-two loss scale is exact in fp32: the scaled step equals the unscaled one,
+    also on the step after which the scale grows (the gradients carry the scale the loss was
+    multiplied by, not the next one)."""
     cfg = tiny_config()
     (tokens,) = token_batches(1, 4)
     plain, scaled = make_run(cfg), make_run(cfg)
-    scaled.scaler = LossScaler(scale=2.0**12, dynamic=True)
+    scaled.scaler = LossScaler(scale=2.0**12, dynamic=True, growth_interval=growth_interval)
     a = train_step(plain, tokens, 1e-3)
     b = train_step(scaled, tokens, 1e-3)
-    assert not b.skipped and scaled.scaler.scale == 2.0**12
+    assert not b.skipped and scaled.scaler.scale == 2.0 ** (12 + (growth_interval == 1))
     assert rel(b.loss, a.loss) < 1e-7 and rel(b.grad_norm, a.grad_norm) < 1e-6
     pa, pb = plain.named_parameters(), scaled.named_parameters()
     assert max((pa[n] - pb[n]).abs().max().item() for n in pa) < 1e-7
