@@ -37,5 +37,9 @@ class LossScaler:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+        """Continue the saved scaler where both runs scale dynamically (fp16). A run resumed in
+        another precision keeps the scaler its own precision starts with: fp16 after bf16 must
+        still scale and skip overflows, bf16 after fp16 must not."""
+        if self.dynamic and state["dynamic"]:
+            for key, value in state.items():
+                setattr(self, key, value)

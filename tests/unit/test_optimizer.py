@@ -252,6 +252,20 @@ def test_loss_scaler_for_precision():
         assert scaler.update(True) is False and scaler.scale == 1.0  # never skips
 
 
+def test_a_resume_in_another_precision_keeps_its_own_scaler():
+    saved = LossScaler(scale=2.0**9, dynamic=True, clean_steps=7, skipped_steps=3)
+    fp16 = LossScaler.for_precision("fp16")
+    fp16.load_state_dict(saved.state_dict())
+    assert fp16 == saved  # fp16 after fp16 continues
+    for precision in ("bf16", "fp32"):
+        resumed = LossScaler.for_precision(precision)
+        resumed.load_state_dict(saved.state_dict())
+        assert resumed == LossScaler.for_precision(precision)
+        fp16 = LossScaler.for_precision("fp16")
+        fp16.load_state_dict(resumed.state_dict())
+        assert fp16 == LossScaler.for_precision("fp16")  # scales and skips overflows
+
+
 def test_loss_scaler_overflow_halves_and_skips():
     scaler = LossScaler(scale=1024.0, dynamic=True, growth_interval=3)
     assert scaler.update(False) is False and scaler.clean_steps == 1
@@ -278,7 +292,7 @@ def test_loss_scaler_grows_after_clean_steps():
 def test_loss_scaler_floor_and_state_round_trip():
     scaler = LossScaler(scale=1.0, dynamic=True)
     assert scaler.update(True) and scaler.scale == 1.0  # never below 1
-    other = LossScaler()
+    other = LossScaler.for_precision("fp16")
     other.load_state_dict(LossScaler(scale=64.0, dynamic=True, clean_steps=5).state_dict())
     assert other == LossScaler(scale=64.0, dynamic=True, clean_steps=5)
 
