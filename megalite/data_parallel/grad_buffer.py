@@ -427,18 +427,27 @@ def _wait_for_parameters(pairs: list[tuple[GradBuffer, Bucket]], *_: Any) -> Non
 
 def _install_gather_waits(chunk: nn.Module, buffers: list[GradBuffer]) -> None:
     """A forward pre-hook on each module of `chunk` that owns parameters waits for their
-    buckets' all-gathers, so a forward blocks only on the parameters it is about to use."""
-    for module in chunk.modules():
-        pairs = {
-            id(bucket): (buffer, bucket)
-            for param in module.parameters(recurse=False)
-            for buffer in buffers
-            if (bucket := buffer.bucket_of.get(param)) is not None
-        }
-        if pairs:
-            module.register_forward_pre_hook(
-                functools.partial(_wait_for_parameters, list(pairs.values()))
-            )
+    buckets' all-gathers, so a forward blocks only on the parameters it is about to use. A
+    module without a forward of its own only holds parameters that its caller reads (MoE's
+    expert weights): the nearest ancestor with a forward waits for them."""
+    waits: dict[nn.Module, dict[int, tuple[GradBuffer, Bucket]]] = {}
+    callers = {chunk: chunk}
+    for name, module in chunk.named_modules():
+        if module is not chunk:
+            parent = chunk.get_submodule(name.rpartition(".")[0])
+            callers[module] = module if _has_forward(module) else callers[parent]
+        for param in module.parameters(recurse=False):
+            for buffer in buffers:
+                if (bucket := buffer.bucket_of.get(param)) is not None:
+                    waits.setdefault(callers[module], {})[id(bucket)] = (buffer, bucket)
+    for module, pairs in waits.items():
+        module.register_forward_pre_hook(
+            functools.partial(_wait_for_parameters, list(pairs.values()))
+        )
+
+
+def _has_forward(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward
 
 
 def build_grad_buffers(

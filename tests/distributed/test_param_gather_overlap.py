@@ -71,3 +71,63 @@ def test_gathers_overlap_the_next_forward_early_layers_first(zero):
     assert step_two.index(("layer 0",)) < step_two.index(("wait", forward_order[-1])), (
         "layer 0 must compute before the last bucket (the head's) was waited for"
     )
+
+
+class _LandsOnWait:
+    """An all-gather as NCCL runs it for the host: its output holds the gathered parameters
+    only once the work is waited on (here: NaN until then, so a read too early shows)."""
+
+    def __init__(self, output: torch.Tensor, gathered: torch.Tensor) -> None:
+        self.output, self.gathered = output, gathered
+
+    def wait(self) -> bool:
+        self.output.copy_(self.gathered)
+        return True
+
+
+def _losses(arch: tuple[str, ...], zero: int, lazy: bool) -> list[float]:
+    overrides = [*TINY, *arch, "parallel.bucket_mb=0.05", f"parallel.zero={zero}"]
+    run = build_run(load_config(None, overrides), build_parallel_state(1, 1, torch.device("cpu")))
+    real_gather = comm.all_gather_flat
+
+    def gather(output, shard, group, async_op=False):
+        gathered = torch.empty_like(output)
+        real_gather(gathered, shard, group)
+        if not async_op:
+            return output.copy_(gathered)
+        output.fill_(float("nan"))
+        return _LandsOnWait(output, gathered)
+
+    if lazy:
+        comm.all_gather_flat = gather
+    try:
+        generator = torch.Generator().manual_seed(run.ps.dp_rank)
+        return [
+            train_step(run, torch.randint(0, 500, (4, 33), generator=generator), 1e-3).loss
+            for _ in range(3)
+        ]
+    finally:
+        comm.all_gather_flat = real_gather
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [
+        ("model.arch=gpt",),
+        ("model.arch=llama", "model.n_kv_heads=2"),
+        (
+            "model.arch=mixtral",
+            "model.n_kv_heads=2",
+            "model.moe_experts=4",
+            "model.moe_shared_experts=1",
+        ),
+    ],
+    ids=["gpt", "llama", "mixtral"],
+)
+@pytest.mark.parametrize("zero", [1, 2])
+def test_every_parameter_is_waited_for_before_it_is_read(arch, zero):
+    """Modules that hold parameters other modules read (MoE's expert weights) included: with
+    gathers that land only when waited on, the losses are those of gathers that land at once."""
+    now = run_ranks(2, _losses, arch, zero, False)
+    on_wait = run_ranks(2, _losses, arch, zero, True)
+    assert on_wait == now and all(loss == loss for rank in now for loss in rank)
