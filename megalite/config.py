@@ -484,7 +484,8 @@ class CheckpointConfig:
     resume: str = "auto"
     """auto (continue from <out_dir>/checkpoints/latest if present), none, or a checkpoint dir."""
     keep: int = 3
-    """Newest checkpoints to keep (older ones are deleted)."""
+    """Newest checkpoints to keep (older ones are deleted), besides the newest good one and the
+    good one before it, which no pruning deletes (the last good state, `checkpoint/writer.py`)."""
     init_from: str | None = None
     """Start a fresh run from these weights (a megalite checkpoint dir or a Hugging Face model
     dir) instead of random ones; the optimizer and data order start anew. The model's

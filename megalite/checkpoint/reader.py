@@ -24,12 +24,22 @@ class CheckpointError(MegaliteError):
 def corrupt(path: Path, problem: str) -> CheckpointError:
     """The error for a damaged file of checkpoint `path` (`problem` names it), pointing at the
     earlier checkpoints beside it."""
-    others = sorted(p.name for p in path.parent.glob("step_*[0-9]") if p != path)
-    hint = f" (earlier checkpoints: {', '.join(others)})" if others else ""
+    step = _step(path)
+    earlier = {p: s for p in path.parent.glob("step_*") if (s := _step(p)) is not None}
+    others = sorted(
+        (p for p, s in earlier.items() if p != path and (step is None or s < step)),
+        key=earlier.get,
+    )
+    hint = f" (earlier checkpoints: {', '.join(p.name for p in others)})" if others else ""
     return CheckpointError(
         f"checkpoint {path} is corrupt: {problem}; resume from an earlier checkpoint with "
         f"checkpoint.resume=<dir>{hint}"
     )
+
+
+def _step(path: Path) -> int | None:
+    digits = path.name.removeprefix("step_")
+    return int(digits) if path.name.startswith("step_") and digits.isdigit() else None
 
 
 def segments(entry: dict, name: str) -> list[list]:

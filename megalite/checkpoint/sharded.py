@@ -199,7 +199,7 @@ def find_checkpoint(root: Path, resume: str) -> Path | None:
 
 def _step_dirs(root: Path) -> list[Path]:
     steps = [p for p in root.glob("step_*") if p.name.removeprefix("step_").isdigit()]
-    return sorted((p for p in steps if p.is_dir()), key=_step_of)
+    return sorted((p for p in steps if p.is_dir()), key=step_of)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -218,7 +218,8 @@ def unfinished_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.glob(f"step_*{UNFINISHED_SUFFIX}") if p.is_dir())
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
+    """The step of a `step_N` directory."""
     return int(path.name.removeprefix("step_"))
 
 
@@ -232,13 +233,22 @@ def is_good(path: Path) -> bool:
     return not isinstance(manifest, dict) or manifest.get("good", True) is not False
 
 
+def latest_name(root: Path) -> str | None:
+    """What the `latest` pointer under `root` names; None when there is none, or it is not
+    text (damaged): the highest good step directory is found without it."""
+    try:
+        return (Path(root) / LATEST).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def newest_good_checkpoint(root: Path) -> Path | None:
     """The checkpoint a run continues from: the one `latest` names when it is complete and
     good, else the highest complete good step_* under `root`; None when there is none."""
     root = Path(root)
-    latest = root / LATEST
-    if latest.is_file():
-        named = root / latest.read_text().strip()
+    name = latest_name(root)
+    if name:
+        named = root / name
         if (named / MANIFEST).is_file() and is_good(named):
             return named
     good = [p for p in reversed(complete_checkpoints(root)) if is_good(p)] if root.is_dir() else []

@@ -33,12 +33,15 @@ from megalite.checkpoint.sharded import (
     UNFINISHED_SUFFIX,
     CheckpointError,
     complete_checkpoints,
+    is_good,
+    latest_name,
     manifest_checksum,
     newest_good_checkpoint,
     optimizer_file,
     rng_file,
     state_name,
     step_dir,
+    step_of,
     sum_over_world,
     unfinished_checkpoints,
     weights_file,
@@ -303,8 +306,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def _latest_name(root: Path) -> str:
-    latest = root / LATEST
-    return latest.read_text().strip() if latest.is_file() else "no checkpoint"
+    return latest_name(root) or "no checkpoint"
 
 
 def _not_saved(snapshot: Snapshot, why: str, no_space: bool, needed: int) -> CheckpointError:
@@ -369,25 +371,85 @@ def _write_manifest(snapshot: Snapshot, world_size: int) -> list[int]:
 
 def _publish(snapshot: Snapshot, keep: int) -> None:
     """Rank 0: rename the complete checkpoint into place, point `latest` at it when it is
-    good, drop the oldest complete ones beyond `keep` except the newest good one."""
+    good, drop the oldest complete ones beyond `keep` except the last good states
+    (`last_good_states`). Pruning is housekeeping: a failure there is reported, and the new
+    checkpoint stays published."""
     root, final = snapshot.root, snapshot.final
-    if final.exists():
-        _discard(final)
+    replaced = _set_aside(final) if final.exists() else None
     snapshot.tmp_dir.rename(final)
     if snapshot.head["good"]:
         write_atomic(root / LATEST, final.name.encode())
-    newest_good = newest_good_checkpoint(root)
-    for old in complete_checkpoints(root)[:-keep]:
-        if old != newest_good:
-            _discard(old)
+    try:
+        if replaced is not None:
+            shutil.rmtree(replaced)
+        protected = last_good_states(root)
+        for old in complete_checkpoints(root)[:-keep]:
+            if old not in protected:
+                _discard(old)
+    except OSError as exc:
+        print(f"warning: checkpoint {final.name} is saved, but pruning failed: {_one_line(exc)}")
+
+
+def last_good_states(root: Path) -> list[Path]:
+    """What pruning keeps whatever `keep` says: the newest good checkpoint, and the newest good
+    one before it. The newest holds weights no step has judged yet; should the next steps go
+    bad until the run stops, it is demoted (`demote_from`) and the one before it is the last
+    good state."""
+    newest = newest_good_checkpoint(root)
+    if newest is None:
+        return []
+    before = [p for p in complete_checkpoints(root) if step_of(p) < step_of(newest)]
+    return [*[p for p in before if is_good(p)][-1:], newest]
+
+
+def adopt_as_latest(root: Path, resumed: Path, ps: ParallelState) -> None:
+    """Rank 0: a run resumed by name from a good checkpoint of its own directory (a rewind past
+    a corrupt or diverged one) points `latest` at it, so that pruning keeps it as the last good
+    state rather than what `latest` named in the run it rewound."""
+    root, resumed = Path(root), Path(resumed)
+    if ps.rank == 0 and resumed.parent.resolve() == root.resolve() and is_good(resumed):
+        write_atomic(root / LATEST, resumed.name.encode())
+
+
+def demote_from(root: Path, step: int, ps: ParallelState) -> Path | None:
+    """Collective in effect (every rank answers alike, rank 0 writes): the checkpoints of `step`
+    and later hold the weights a fatal bad-step streak ran with (a bad step skips its update,
+    so the streak's first step ran with the weights saved at `step`): mark each bad and point
+    `latest` at the newest good checkpoint before them, which is returned (None: there is
+    none)."""
+    root = Path(root)
+    complete = complete_checkpoints(root) if root.is_dir() else []
+    earlier_good = [p for p in complete if step_of(p) < step and is_good(p)]
+    last_good = earlier_good[-1] if earlier_good else None
+    if ps.rank == 0:
+        for path in complete:
+            if step_of(path) >= step and is_good(path):
+                with contextlib.suppress(OSError, ValueError):  # unreadable: loading refuses it
+                    _mark_bad(path)
+        if last_good is not None:
+            write_atomic(root / LATEST, last_good.name.encode())
+    return last_good
+
+
+def _mark_bad(path: Path) -> None:
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["good"] = False
+    manifest[MANIFEST_CHECKSUM] = manifest_checksum(manifest)
+    write_atomic(path / MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename a step directory to an unfinished name, which no resume reads and the next start
+    removes: the first half of discarding it, so a crash midway never leaves a step directory
+    without its manifest."""
+    doomed = path.with_name(f"{path.name}.discarded{UNFINISHED_SUFFIX}")
+    path.rename(doomed)
+    return doomed
 
 
 def _discard(path: Path) -> None:
-    """Remove a step directory: renamed first to an unfinished name, so that a crash midway
-    leaves what the next start removes, never a step directory without its manifest."""
-    doomed = path.with_name(f"{path.name}.discarded{UNFINISHED_SUFFIX}")
-    path.rename(doomed)
-    shutil.rmtree(doomed)
+    """Remove a step directory, set aside first (`_set_aside`)."""
+    shutil.rmtree(_set_aside(path))
 
 
 def remove_unfinished(root: Path, ps: ParallelState) -> list[Path]:

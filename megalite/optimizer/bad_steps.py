@@ -2,16 +2,21 @@
 loss spikes above `fault.loss_spike_factor` times the median of the recent good losses, skips
 its update (weights and optimizer state stay as they were) and is counted; the loop's `BadSteps`
 hook (`training/hooks.py`) reports the count as `bad_steps` and stops the run after
-`fault.max_bad_steps` in a row. fp16 overflow is not a bad step: the loss scaler skips those
-and counts them itself (`skipped_steps`). The policy sits beside the loss scaler, the other
-judge of steps, so that the run state (`checkpoint/state.py`) saves its counters without
-importing the trainer.
+`fault.max_bad_steps` in a row. An fp16 overflow is not a bad step: the loss scaler skips those
+and counts them itself (`skipped_steps`); but a loss that is not finite is one, skipped or not
+(weights that give NaN would otherwise halve the scale forever and be saved as good). The
+policy sits beside the loss scaler, the other judge of steps, so that the run state
+(`checkpoint/state.py`) saves its counters without importing the trainer.
 
 While a streak lasts (`in_a_row` > 0) the weights are the ones that went bad, so the loop saves
 no periodic checkpoint, and a save that must happen (preemption, the last step) is marked bad:
 a run resumes by itself only from a good one. A resume starts the streak at 0: the bad steps
 before it were judged under the configuration the restart usually changed (a lower lr), and a
-carried count would stop the run before it took one step (`load_state_dict`).
+carried count would stop the run before it took one step (`load_state_dict`). A streak runs
+with the weights saved at the step before it began (bad steps skip their updates), perhaps
+saved as good: pruning keeps the good checkpoint before the newest good one for that, and a
+streak that stops the run demotes the saves holding its weights (`checkpoint/writer.py`:
+`last_good_states`, `demote_from`).
 
 Every rank must decide alike, or the replicas' weights part for good. The loss is already global
 (reduced over dp and pp) and so is the history of good losses; the gradient norm, though, is

@@ -54,14 +54,15 @@ def due(step: int, interval: int, last: int) -> bool:
 class BadSteps(Hook):
     """The bad-step policy's (`optimizer/bad_steps.py`) count in the metrics row (`bad_steps`),
     and the stop after fault.max_bad_steps bad steps in a row, naming the step and the last good
-    checkpoint (`last_good`: the newest saved as good, once a save still being written is
-    published). First in the list: the stopping step's row is logged here (`log`, collective),
-    and nothing after it (an evaluation, a save) is worth having."""
+    checkpoint: `last_good(step)` is the newest good one saved before `step`, where the weights
+    the streak ran with were saved (bad steps skip their updates), once a save still being
+    written is published. First in the list: the stopping step's row is logged here (`log`,
+    collective), and nothing after it (an evaluation, a save) is worth having."""
 
     def __init__(
         self,
         policy: BadStepPolicy,
-        last_good: Callable[[], Path | None],
+        last_good: Callable[[int], Path | None],
         log: Callable[[dict[str, float]], None],
     ) -> None:
         self.policy, self.last_good, self.log = policy, last_good, log
@@ -71,7 +72,7 @@ class BadSteps(Hook):
         if record.metrics.bad is None or not self.policy.exhausted:
             return
         self.log(record.row)
-        good = self.last_good()
+        good = self.last_good(record.step - self.policy.in_a_row)
         where = f"{good} (checkpoint.resume={good} continues from it)" if good else "none"
         raise TrainingError(
             f"{self.policy.in_a_row} bad steps in a row, the last at step {record.step} "

@@ -23,11 +23,15 @@ from megalite.checkpoint.sharded import (
     complete_checkpoints,
     find_checkpoint,
     load_checkpoint,
-    newest_good_checkpoint,
     read_manifest,
 )
 from megalite.checkpoint.state import RngStreams, RunState
-from megalite.checkpoint.writer import check_shared_directory, remove_unfinished
+from megalite.checkpoint.writer import (
+    adopt_as_latest,
+    check_shared_directory,
+    demote_from,
+    remove_unfinished,
+)
 from megalite.config import Config, config_to_dict, save_config
 from megalite.data import (
     BlendedDataset,
@@ -97,6 +101,8 @@ def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
     if resume_from is not None and already_trained(resume_from, cfg, ps):
         return {}
     check_shared_directory(ckpt_root, ps)  # every rank writes its own checkpoint files there
+    if resume_from is not None and cfg.checkpoint.resume != "auto":
+        adopt_as_latest(ckpt_root, resume_from, ps)
     cost = StepCost.of(cfg, ps)
     torch.manual_seed(t.seed)  # dropout on tp-replicated activations: same on all ranks
     data = open_data(cfg)
@@ -119,9 +125,9 @@ def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
         run.optimizer.finish_param_gather()  # the overlapped gather: all weights, then save
         return saver.save(state, good=run.bad_steps.in_a_row == 0)
 
-    def last_good() -> Path | None:
+    def last_good(streak_weights: int) -> Path | None:
         saver.finish()  # collective: a save still being written may be the newest good one
-        return newest_good_checkpoint(ckpt_root)
+        return demote_from(ckpt_root, streak_weights, ps)
 
     def streak() -> int:
         return run.bad_steps.in_a_row

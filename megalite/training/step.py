@@ -5,6 +5,7 @@ the optimizer step on this rank's shard."""
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -132,7 +133,9 @@ def train_step(
     scale = run.scaler.scale  # what this step's gradients are multiplied by; update() moves it
     skipped = run.scaler.dynamic and run.scaler.update(run.optimizer.found_non_finite())
     grad_norm = run.optimizer.grad_norm() / scale
-    bad = None if skipped else run.bad_steps.judge(loss, grad_norm, run.ps)
+    # an fp16 overflow the scaler skips is routine; a loss that is not finite is bad all the same
+    judged = not skipped or not math.isfinite(loss)
+    bad = run.bad_steps.judge(loss, grad_norm, run.ps) if judged else None
     if not skipped and bad is None:
         coefficient = clip_coefficient(grad_norm, cfg.optim.grad_clip)
         run.optimizer.step(lr, grad_scale=coefficient / scale)

@@ -2,7 +2,8 @@
 agree, although the NaN reaches only that rank's gradient norm), the step is counted in the
 metrics, no periodic checkpoint is saved during a streak, and max_bad_steps bad steps in a row
 stop the run naming the step and the last good checkpoint, the stopping step's metrics row
-written."""
+written. The streak of steps 5-7 ran with the weights saved at step 4, which is demoted: the last
+good checkpoint is step 2's."""
 
 import hashlib
 import json
@@ -15,6 +16,7 @@ from run_configs import ONE_LAYER
 
 import megalite.training.loop as loop
 import megalite.training.step as step_module
+from megalite.checkpoint.sharded import Checkpoint
 from megalite.config import load_config
 from megalite.launch import run_ranks
 
@@ -70,7 +72,7 @@ def test_nan_gradients_on_one_rank_are_skipped_everywhere_and_stop_the_run(
     builtin_corpus, tmp_path
 ):
     ranks = run_ranks(2, _train_with_nan_grads, str(tmp_path), timeout=120)
-    last_good = tmp_path / "checkpoints" / "step_000004"
+    last_good = tmp_path / "checkpoints" / "step_000002"
     for result in ranks:
         assert result["error"].startswith(
             "3 bad steps in a row, the last at step 7 (gradient norm is not finite): stopping. "
@@ -95,3 +97,4 @@ def test_nan_gradients_on_one_rank_are_skipped_everywhere_and_stop_the_run(
     assert Path(last_good, "manifest.json").is_file()
     saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
     assert saved == ["step_000002", "step_000004"]  # step 6 fell in the streak of 5, 6, 7
+    assert not Checkpoint(tmp_path / "checkpoints" / "step_000004").good

@@ -61,3 +61,63 @@ def test_a_diverged_streak_keeps_the_last_good_checkpoint(builtin_corpus_8000, t
     code, out, err = megalite_train(capsys, tmp_path, "train.steps=32")
     assert code == 0, err
     assert f"resumed from {newest} at step 30" in out and "trained to step 32" in out
+
+
+def test_a_streak_right_after_a_good_save_demotes_it_and_keeps_the_one_before(
+    builtin_corpus_8000, tmp_path, capsys
+):
+    """Faults in combination: lr 1e6 diverges step 8's update, and step 8 is saved (as good:
+    its loss was) with those weights, every step, under keep=2. The streak that follows spans
+    saves and pruning: step 7, the good save before the newest, survives them. The run reaches
+    its last step in the streak; the next run continues from step 8's weights and stops, which
+    demotes step 8 and names step 7; the run after that continues from step 7."""
+    checkpoints = tmp_path / "checkpoints"
+    assert megalite_train(capsys, tmp_path, "train.steps=7")[0] == 0
+
+    every_step = ("checkpoint.interval=1", "fault.max_bad_steps=3")
+    code, out, err = megalite_train(capsys, tmp_path, "train.steps=10", "optim.lr=1e6", *every_step)
+    assert code == 0, err  # steps 9 and 10 bad: fewer than 3, the run reaches its end
+    names = ["step_000007", "step_000008", "step_000010"]
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == names
+    assert [Checkpoint(checkpoints / name).good for name in names] == [True, True, False]
+    assert (checkpoints / "latest").read_text() == "step_000008"
+
+    code, out, err = megalite_train(capsys, tmp_path, "train.steps=30", *every_step)
+    assert code == 2
+    assert f"resumed from {checkpoints / 'step_000008'} at step 8" in out
+    step_7 = checkpoints / "step_000007"
+    assert re.search(r"3 bad steps in a row, the last at step 11 \(loss spike", err), err
+    assert f"Last good checkpoint: {step_7} (checkpoint.resume={step_7} continues" in err
+    assert not Checkpoint(checkpoints / "step_000008").good
+    assert newest_good_checkpoint(checkpoints) == step_7
+
+    code, out, err = megalite_train(capsys, tmp_path, "train.steps=12", *every_step)
+    assert code == 0, err
+    assert f"resumed from {step_7} at step 7" in out and "trained to step 12" in out
+
+
+def test_a_rewound_run_keeps_and_continues_from_the_checkpoint_it_rewound_to(
+    builtin_corpus_8000, tmp_path, capsys
+):
+    """A run resumed by name from step 4 (the way back past a newer checkpoint) points `latest`
+    at it: its own streak's bad last save and the pruning after it keep step 4, and the next
+    run continues from step 4, not from the newer step 6 of the run it rewound."""
+    checkpoints = tmp_path / "checkpoints"
+    every_other = ("checkpoint.interval=2",)
+    assert megalite_train(capsys, tmp_path, "train.steps=6", *every_other)[0] == 0
+    step_4 = checkpoints / "step_000004"
+    code, out, err = megalite_train(
+        capsys,
+        tmp_path,
+        "train.steps=9",
+        "optim.lr=1e6",
+        f"checkpoint.resume={step_4}",
+        *every_other,
+    )
+    assert code == 0, err  # a streak from step 6 on, the last step saved bad
+    assert not Checkpoint(checkpoints / "step_000009").good
+    assert (checkpoints / "latest").read_text() == "step_000004"
+    assert step_4.is_dir()
+    code, out, err = megalite_train(capsys, tmp_path, "train.steps=10", *every_other)
+    assert code == 0, err
+    assert f"resumed from {step_4} at step 4" in out

@@ -203,14 +203,15 @@ def test_a_failed_background_write_is_raised_at_finish_and_publishes_nothing(tmp
 def test_a_run_stopped_by_bad_steps_publishes_its_pending_async_save(
     tmp_path, monkeypatch, builtin_corpus
 ):
-    """The async save of step 4 is not yet published when steps 5-7 turn bad and stop the run:
-    it is published before the error names it as the last good checkpoint."""
+    """The async save of step 4 is not yet published when steps 6-8 turn bad and stop the run:
+    it is published before the error names it as the last good checkpoint (the streak ran
+    with step 5's weights)."""
     real_finalize, steps = step_module.finalize_grads, []
 
     def finalize_grads(buffers, ps):
         real_finalize(buffers, ps)
         steps.append(None)
-        if len(steps) in (5, 6, 7):
+        if len(steps) in (6, 7, 8):
             buffers[0].owned_grads[0] = math.nan
 
     monkeypatch.setattr(step_module, "finalize_grads", finalize_grads)

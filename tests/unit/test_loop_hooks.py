@@ -78,8 +78,8 @@ def test_metrics_row():
 def test_bad_steps_counts_and_stops_after_k_in_a_row_naming_the_last_good_checkpoint():
     policy, logged, asked = BadStepPolicy(max_in_a_row=3), [], []
 
-    def last_good():
-        asked.append(1)
+    def last_good(streak_weights: int):
+        asked.append(streak_weights)
         return Path("ckpt/step_000005")
 
     hook = BadSteps(policy, last_good, logged.append)
@@ -99,7 +99,9 @@ def test_bad_steps_counts_and_stops_after_k_in_a_row_naming_the_last_good_checkp
         hook.after_step(r)
         assert r.row["bad_steps"] == len([s for s in bad_at if s <= step])
     assert [row["step"] for row in logged] == [8] and logged[0]["bad_steps"] == 4
-    assert len(asked) == 1  # asked only when stopping (it publishes a save in flight)
+    # asked only when stopping (it publishes a save in flight), for a checkpoint older than
+    # step 5: the bad steps 6-8 skipped their updates, so they ran with step 5's weights
+    assert asked == [5]
 
 
 def test_bad_steps_before_any_checkpoint_say_there_is_none():
@@ -108,7 +110,7 @@ def test_bad_steps_before_any_checkpoint_say_there_is_none():
     r.metrics.bad = "gradient norm is not finite"
     policy.count(r.metrics.bad, r.metrics.loss)
     with pytest.raises(TrainingError, match=r"at step 1 \(gradient norm is not finite\).*: none;"):
-        BadSteps(policy, lambda: None, lambda row: None).after_step(r)
+        BadSteps(policy, lambda step: None, lambda row: None).after_step(r)
 
 
 def test_evaluation_adds_val_loss_on_its_steps_and_says_so():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from megalite.models.factory import build_chunks
 
+import megalite.training.step as step_module
 from megalite.config import OptimConfig, load_config
 from megalite.optimizer.clip import clip_coefficient
 from megalite.optimizer.loss_scale import LossScaler
@@ -204,6 +205,28 @@ def test_overflow_skips_the_update():
     assert run.optimizer.step_count == 0
     for name, param in run.named_parameters().items():
         assert torch.equal(param, before[name]), name
+
+
+def test_a_loss_that_is_not_finite_is_a_bad_step_even_where_the_scaler_skips(monkeypatch):
+    """An fp16 overflow (finite loss) is the scaler's to skip, and no bad step; weights that
+    give a NaN loss overflow too, and are a bad step all the same, or the streak would never
+    count and its checkpoints would be saved as good."""
+    (tokens,) = token_batches(1, 4)
+    run = make_run(tiny_config())
+    run.scaler = LossScaler(scale=2.0**12, dynamic=True)
+    finalize = step_module.finalize_grads
+
+    def overflowing(buffers, ps):
+        finalize(buffers, ps)
+        buffers[0].owned_grads[0] = math.inf
+
+    monkeypatch.setattr(step_module, "finalize_grads", overflowing)
+    overflow = train_step(run, tokens, 1e-3)
+    assert overflow.skipped and overflow.bad is None and run.bad_steps.in_a_row == 0
+    monkeypatch.setattr(step_module, "global_loss", lambda local, run: math.nan)
+    diverged = train_step(run, tokens, 1e-3)
+    assert diverged.skipped and diverged.bad == "loss is nan" and run.bad_steps.in_a_row == 1
+    assert run.optimizer.step_count == 0
 
 
 # ----------------------------------------------------------------------------- lr schedule

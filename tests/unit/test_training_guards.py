@@ -10,7 +10,7 @@ from run_configs import ONE_LAYER
 
 import megalite.training.loop as loop
 import megalite.training.step as step_module
-from megalite.checkpoint.sharded import read_manifest
+from megalite.checkpoint.sharded import is_good, read_manifest
 from megalite.config import ConfigError, load_config
 from megalite.optimizer.bad_steps import BadStepPolicy
 from megalite.parallel_state import ParallelState
@@ -22,26 +22,31 @@ TINY = ONE_LAYER
 def test_nan_losses_skip_their_updates_then_stop_naming_the_last_good_checkpoint(
     builtin_corpus, tmp_path, monkeypatch
 ):
+    """Steps 5 and 6 run with the weights saved at step 4 (a bad step skips its update) and
+    stop the run: step 4's save is demoted, and the last good state is step 2's."""
     real_loss, losses, runs = step_module.global_loss, [], []
 
-    def nan_from_step_3(local, run):
+    def nan_from_step_5(local, run):
         losses.append(real_loss(local, run))
         runs.append(run)
-        return math.nan if len(losses) >= 3 else losses[-1]
+        return math.nan if len(losses) >= 5 else losses[-1]
 
-    monkeypatch.setattr(step_module, "global_loss", nan_from_step_3)
+    monkeypatch.setattr(step_module, "global_loss", nan_from_step_5)
     overrides = ["train.steps=8", "checkpoint.interval=2", "fault.max_bad_steps=2"]
     cfg = load_config(None, [*TINY, *overrides, f"train.out_dir={tmp_path}"])
-    last_good = tmp_path / "checkpoints" / "step_000002"
+    root = tmp_path / "checkpoints"
+    last_good = root / "step_000002"
     with pytest.raises(
         loop.TrainingError,
-        match=rf"2 bad steps in a row, the last at step 4 \(loss is nan\): stopping. Last good "
+        match=rf"2 bad steps in a row, the last at step 6 \(loss is nan\): stopping. Last good "
         rf"checkpoint: {last_good} \(checkpoint.resume=",
     ):
         loop.train(cfg)
     run = runs[-1]
-    assert run.optimizer.step_count == 2  # steps 3 and 4 skipped their updates
-    assert run.bad_steps.state_dict() == {"total": 2, "in_a_row": 2, "recent": losses[:2]}
+    assert run.optimizer.step_count == 4  # steps 5 and 6 skipped their updates
+    assert (root / "latest").read_text() == "step_000002"
+    assert not is_good(root / "step_000004") and is_good(last_good)
+    assert run.bad_steps.state_dict() == {"total": 2, "in_a_row": 2, "recent": losses[:4]}
 
 
 def test_bad_step_counters_survive_a_resume(builtin_corpus, tmp_path, monkeypatch):
