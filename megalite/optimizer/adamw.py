@@ -18,13 +18,20 @@ the unrounded moments, and the first step equals fp32's exactly), then rounded b
   spacing, and round-to-nearest would freeze it at a stale, too-large value once gradients
   shrink, silently shrinking the steps. Unbiased rounding keeps its expectation exact. Underflow
   is no concern: bf16 has fp32's exponent range, and a v below 1e-16 is dominated by eps^2.
-  The rounding noise is a hash of (step, rank, element index) (`rounding_noise`), not a
+  The rounding noise is a hash of (step, tensor, element index) (`rounding_noise`), not a
   generator's draw: a resumed run gets the same numbers without saving any generator state, a
   piece gives the same result in one chunk or many, and it costs a dozen cheap elementwise
-  passes, where torch's (serial) CPU generator took most of the update's time.
+  passes, where torch's (serial) CPU generator took most of the update's time. The tensor is
+  the global one an element belongs to (a tied copy: the one it copies) and the index is the
+  element's in this rank's piece of it, so every copy of an element (data-parallel replicas
+  without ZeRO, tp-replicated norms and biases, the tied embedding's copies) rounds alike and
+  the copies stay equal (`NoiseSegment`).
 """
 
 from __future__ import annotations
+
+import zlib
+from typing import NamedTuple
 
 import torch
 
@@ -47,10 +54,25 @@ def _int32(value: int) -> int:
 WEYL, FMIX1, FMIX2 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35  # 2^32 / golden ratio; murmur3's
 
 
-def noise_seed(step: int, rank: int) -> int:
-    """The 32-bit seed of a step's rounding noise on a rank: splitmix64's finalizer of
-    (step, rank), so distinct pairs get unrelated seeds."""
-    z = ((step << 32) + rank) & 0xFFFFFFFFFFFFFFFF
+class NoiseSegment(NamedTuple):
+    """Elements [lo, hi) of a flat piece of optimizer state belong to one global tensor: they
+    draw the rounding noise of `tensor_key` from element `index` on."""
+
+    lo: int
+    hi: int
+    tensor_key: int
+    index: int
+
+
+def tensor_key(name: str) -> int:
+    """The 32-bit key of a global tensor's rounding noise: the same on every rank."""
+    return zlib.crc32(name.encode())
+
+
+def noise_seed(step: int, key: int) -> int:
+    """The 32-bit seed of a step's rounding noise for one tensor: splitmix64's finalizer of
+    (step, key), so distinct pairs get unrelated seeds."""
+    z = ((step << 32) + key) & 0xFFFFFFFFFFFFFFFF
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
     z = (z ^ (z >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
     return (z ^ (z >> 31)) & 0xFFFFFFFF
@@ -115,20 +137,15 @@ class AdamW:
     """The update of flat optimizer-state pieces stored on `device` (the run's device, or the
     host under offload), with moments in `state_dtype`."""
 
-    def __init__(
-        self, cfg: OptimConfig, device: torch.device, largest_piece: int, rank: int
-    ) -> None:
-        self.cfg, self.device, self.rank = cfg, device, rank
+    def __init__(self, cfg: OptimConfig, device: torch.device, largest_piece: int) -> None:
+        self.cfg, self.device = cfg, device
         self.state_dtype = STATE_DTYPES[cfg.state_dtype]
         self.chunk = scratch_numel(largest_piece, cfg.state_dtype, device.type)
         self.scratch = torch.empty(
             self.chunk * 3, dtype=torch.float32, device=device
         )  # m, v, noise
         self.step_tensor = torch.zeros((), dtype=torch.float32, device=device)
-        self.seed = 0
-        self.index = 0
-        """Where the next piece starts in the rounding noise's element index: the rank's pieces
-        count one after another, in update order, so no two of a step share noise."""
+        self.step = 0
         self.inverse_scale: torch.Tensor | None = None
 
     def zeros(self, numel: int) -> torch.Tensor:
@@ -137,15 +154,15 @@ class AdamW:
         return torch.zeros(numel, dtype=self.state_dtype, device=self.device)
 
     def begin_step(self, step: int, grad_scale: float) -> None:
-        """Set the step count (for bias correction) and the gradient scale of this step; seed
-        the rounding noise from (step, rank) and restart its element index."""
+        """Set the step count (for bias correction and the rounding noise) and the gradient
+        scale of this step."""
+        self.step = step
         self.step_tensor.fill_(step)
         self.inverse_scale = (
             None
             if grad_scale == 1.0
             else torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=self.device)
         )
-        self.seed, self.index = noise_seed(step, self.rank), 0
 
     @torch.no_grad()
     def update(
@@ -156,24 +173,39 @@ class AdamW:
         exp_avg_sq: torch.Tensor,
         decay: list[tuple[int, int]],
         lr: float,
+        noise: list[NoiseSegment],
     ) -> None:
         """One AdamW step on a flat piece: fp32 master weights and gradient, moments in the
-        state dtype, weight decay on the `decay` ranges."""
-        first, self.index = self.index, self.index + master.numel()
+        state dtype, weight decay on the `decay` ranges; `noise`: whose elements the piece holds
+        (bf16 moments round with their noise; elements outside every segment, the buckets'
+        padding, round down)."""
         if self.state_dtype == torch.float32:
             self._kernel(master, grads, exp_avg, exp_avg_sq, decay, lr)
             return
         n = self.chunk
-        m32, v32, noise = self.scratch[:n], self.scratch[n : 2 * n], self.scratch[2 * n :]
-        noise = noise.view(torch.int32)
+        m32, v32, bits = self.scratch[:n], self.scratch[n : 2 * n], self.scratch[2 * n :]
+        bits = bits.view(torch.int32)
         for lo in range(0, master.numel(), n):
             hi = min(lo + n, master.numel())
             m, v = exp_avg[lo:hi], exp_avg_sq[lo:hi]
             m_up, v_up = m32[: hi - lo].copy_(m), v32[: hi - lo].copy_(v)
             self._kernel(master[lo:hi], grads[lo:hi], m_up, v_up, clip_ranges(decay, lo, hi), lr)
             m.copy_(m_up)  # m32 is free now: the hash's work space
-            bits = rounding_noise(first + lo, self.seed, noise[: hi - lo], m_up.view(torch.int32))
-            v.copy_(stochastic_round_(v_up, bits))
+            chunk_bits = self._noise(noise, lo, hi, bits[: hi - lo], m_up.view(torch.int32))
+            v.copy_(stochastic_round_(v_up, chunk_bits))
+
+    def _noise(
+        self, segments: list[NoiseSegment], lo: int, hi: int, out: torch.Tensor, work: torch.Tensor
+    ) -> torch.Tensor:
+        """The rounding noise of a piece's elements [lo, hi) into `out` (`work`: scratch)."""
+        out.zero_()
+        for segment in segments:
+            a, b = max(segment.lo, lo), min(segment.hi, hi)
+            if a < b:
+                seed = noise_seed(self.step, segment.tensor_key)
+                start = segment.index + a - segment.lo
+                rounding_noise(start, seed, out[a - lo : b - lo], work[a - lo : b - lo])
+        return out
 
     def _kernel(self, master, grads, exp_avg, exp_avg_sq, decay, lr: float) -> None:
         """torch's fused AdamW on the decayed and the undecayed ranges of one fp32 piece."""

@@ -20,7 +20,7 @@ from torch import nn
 from megalite import comm
 from megalite.config import OptimConfig
 from megalite.data_parallel.grad_buffer import GradBuffer
-from megalite.optimizer.adamw import AdamW
+from megalite.optimizer.adamw import AdamW, NoiseSegment, tensor_key
 from megalite.optimizer.clip import sum_of_squares
 from megalite.optimizer.offload import OnDevice, OnHost
 from megalite.parallel_state import ParallelState
@@ -51,6 +51,8 @@ class ShardState:
     counted: list[tuple[int, int]]
     """Ranges this rank counts in the global grad norm: each element of the model exactly once
     (tp-replicated parameters on tp rank 0, tied copies on their owner)."""
+    noise: list[NoiseSegment]
+    """The global tensors whose elements the piece holds, for bf16 moments' rounding noise."""
 
 
 def _ranges(buffer: GradBuffer, start: int, end: int, include) -> list[tuple[int, int]]:
@@ -64,6 +66,22 @@ def _ranges(buffer: GradBuffer, start: int, end: int, include) -> list[tuple[int
             if lo < hi and include(meta):
                 _append_merged(ranges, lo - start, hi - start)
     return sorted(ranges)
+
+
+def _noise_segments(
+    buffer: GradBuffer, start: int, end: int, names: dict[nn.Parameter, str]
+) -> list[NoiseSegment]:
+    """Where each global tensor (a tied copy: the one it copies) meets buffer[start:end],
+    relative to start, with the index in this rank's piece of it where the meeting begins."""
+    segments = []
+    for param in buffer.params:
+        p_start = buffer.offsets[param]
+        for name, meta, part_lo, part_hi in param_parts(names[param], param):
+            lo, hi = max(start, p_start + part_lo), min(end, p_start + part_hi)
+            if lo < hi:
+                key = tensor_key(meta.tied_name or name)
+                segments.append(NoiseSegment(lo - start, hi - start, key, lo - p_start - part_lo))
+    return segments
 
 
 def _append_merged(ranges: list[tuple[int, int]], lo: int, hi: int) -> None:
@@ -95,7 +113,7 @@ class DistributedOptimizer:
             else OnDevice(ps.device)
         )
         largest = max((params.numel() for *_, params in pieces), default=0)
-        self.adamw = AdamW(cfg, self.placement.state_device, largest, ps.rank)
+        self.adamw = AdamW(cfg, self.placement.state_device, largest)
         for i, (buffer, bucket, start, end, params) in enumerate(pieces):
             master = self.placement.master_of(i, params)
             self.states.append(
@@ -109,6 +127,7 @@ class DistributedOptimizer:
                     exp_avg_sq=self.adamw.zeros(master.numel()),
                     decay=_ranges(buffer, start, end, lambda meta: meta.weight_decay),
                     counted=_ranges(buffer, start, end, self._counts_in_norm),
+                    noise=_noise_segments(buffer, start, end, names),
                 )
             )
 
@@ -159,7 +178,9 @@ class DistributedOptimizer:
         placement.gradients_down([state.grads for state in self.states])
         for i, state in enumerate(self.states):
             grads = placement.gradient(i)
-            self.adamw.update(state.master, grads, state.exp_avg, state.exp_avg_sq, state.decay, lr)
+            self.adamw.update(
+                state.master, grads, state.exp_avg, state.exp_avg_sq, state.decay, lr, state.noise
+            )
             placement.parameters_up(i, state.master, state.params)
         placement.finish()
         for buffer in self.buffers:  # chunk order, each in forward order: the next forward's

@@ -1,4 +1,4 @@
-"""Lean optimizer state (optim.state_dtype=bf16): the rounding noise (a hash of step, rank and
+"""Lean optimizer state (optim.state_dtype=bf16): the rounding noise (a hash of step, tensor and
 element index) is uniform, matches its reference, does not depend on chunking and is the same on
 CUDA; stochastic rounding is unbiased and keeps a
 slowly decaying second moment moving where rounding to nearest freezes it; the first step equals
@@ -14,7 +14,13 @@ from megalite.checkpoint.sharded import Checkpoint, load_checkpoint
 from megalite.checkpoint.writer import save_checkpoint
 from megalite.config import OptimConfig, load_config
 from megalite.data import GlobalBatchSampler
-from megalite.optimizer.adamw import AdamW, noise_seed, rounding_noise, stochastic_round_
+from megalite.optimizer.adamw import (
+    AdamW,
+    NoiseSegment,
+    noise_seed,
+    rounding_noise,
+    stochastic_round_,
+)
 from megalite.parallel_state import ParallelState
 from megalite.training.loop import run_state
 from megalite.training.setup import build_run
@@ -73,16 +79,16 @@ def test_rounding_noise_matches_its_reference_and_is_uniform(start):
     assert (bits - 0.5).abs().max().item() < 5 * 0.5 / n**0.5
 
 
-def test_rounding_noise_depends_on_step_rank_and_index_only():
+def test_rounding_noise_depends_on_step_tensor_and_index_only():
     seed = noise_seed(5, 1)
     whole = _noise(1000, 3000, seed)
     pieces = [_noise(1000 + lo, hi - lo, seed) for lo, hi in ((0, 7), (7, 1200), (1200, 3000))]
     assert torch.equal(torch.cat(pieces), whole)  # one chunk or many
     assert torch.equal(_noise(1000, 3000, noise_seed(5, 1)), whole)  # no hidden state
-    seeds = {noise_seed(step, rank) for step in range(1, 200) for rank in range(64)}
+    seeds = {noise_seed(step, key) for step in range(1, 200) for key in range(64)}
     assert len(seeds) == 199 * 64
     others = [_noise(1000, 3000, noise_seed(6, 1)), _noise(1000, 3000, noise_seed(5, 2))]
-    for other in others:  # another step, another rank: unrelated draws
+    for other in others:  # another step, another tensor: unrelated draws
         agree = (other == whole).double().mean().item()
         assert agree < 0.01
         corr = torch.corrcoef(torch.stack([other, whole]).double())[0, 1].item()
@@ -98,13 +104,14 @@ def test_a_bf16_update_is_the_same_in_one_chunk_or_many(monkeypatch):
     for chunk in (None, 1 << 20):
         if chunk:
             monkeypatch.setitem(adamw_module.UPCAST_CHUNK, "cpu", chunk)
-        adamw = AdamW(cfg, torch.device("cpu"), n, rank=0)
+        adamw = AdamW(cfg, torch.device("cpu"), n)
         state = [master.clone(), adamw.zeros(2 * n), adamw.zeros(2 * n)]
         for step in (1, 2):
             adamw.begin_step(step, 1.0)
-            for lo in (0, n):  # two pieces: the second's noise continues the first's index
+            for lo in (0, n):  # two pieces of one tensor: the second's noise continues
                 w, m, v = (t[lo : lo + n] for t in state)
-                adamw.update(w, grads[lo : lo + n], m, v, [(0, n // 2)], lr=1e-3)
+                noise = [NoiseSegment(0, n, 7, lo)]
+                adamw.update(w, grads[lo : lo + n], m, v, [(0, n // 2)], lr=1e-3, noise=noise)
         results.append((adamw.chunk, state))
     (few, a), (one, b) = results
     assert few < n <= one
@@ -124,11 +131,12 @@ def test_the_noise_and_a_bf16_update_are_the_same_on_cuda():
     master, grads = (torch.randn(n, generator=generator) for _ in range(2))
     results = []
     for device in ("cpu", "cuda"):
-        adamw = AdamW(OptimConfig(state_dtype="bf16"), torch.device(device), n, rank=0)
+        adamw = AdamW(OptimConfig(state_dtype="bf16"), torch.device(device), n)
         state = [master.to(device, copy=True), adamw.zeros(n), adamw.zeros(n)]
         for step in (1, 2, 3):
             adamw.begin_step(step, 1.0)
-            adamw.update(state[0], grads.to(device), state[1], state[2], [(0, n // 2)], lr=1e-3)
+            noise = [NoiseSegment(0, n, 7, 0)]
+            adamw.update(*state[:1], grads.to(device), *state[1:], [(0, n // 2)], 1e-3, noise)
         results.append([t.cpu().float() for t in state])
     (cpu_master, *cpu_moments), (gpu_master, *gpu_moments) = results
     # The kernels differ in last bits: a moment rarely rounds the other way (by one ulp), and
@@ -154,13 +162,13 @@ def test_second_moment_keeps_decaying_where_rounding_to_nearest_freezes():
     spacing; rounded to nearest it never moves, rounded stochastically it decays on average."""
     cfg = OptimConfig(beta2=0.999, state_dtype="bf16", weight_decay=0.0)
     n, steps = 4096, 200
-    adamw = AdamW(cfg, torch.device("cpu"), n, rank=0)
+    adamw = AdamW(cfg, torch.device("cpu"), n)
     master, grads = torch.zeros(n), torch.zeros(n)
     exp_avg, exp_avg_sq = adamw.zeros(n), adamw.zeros(n).fill_(1.0)
     nearest = torch.ones(n, dtype=torch.bfloat16)
     for step in range(1, steps + 1):
         adamw.begin_step(step, 1.0)
-        adamw.update(master, grads, exp_avg, exp_avg_sq, [], lr=1e-3)
+        adamw.update(master, grads, exp_avg, exp_avg_sq, [], 1e-3, [NoiseSegment(0, n, 7, 0)])
         nearest = (nearest.float() * cfg.beta2).to(torch.bfloat16)
     assert torch.equal(nearest, torch.ones(n, dtype=torch.bfloat16))
     assert exp_avg_sq.float().mean().item() == pytest.approx(cfg.beta2**steps, rel=0.01)

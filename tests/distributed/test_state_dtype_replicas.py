@@ -1,0 +1,43 @@
+"""Lean optimizer state (optim.state_dtype=bf16) rounds the second moment stochastically: every
+copy of an element must draw the same noise, or copies that must stay equal drift apart and
+nothing ever brings them back (a checkpoint saves one of them). Copies are data-parallel
+replicas without ZeRO, tp-replicated parameters (norms, biases) and the tied embedding's
+copies on the first and last pipeline stage."""
+
+import pytest
+import torch
+from equivalence import TINY
+
+from megalite.config import load_config
+from megalite.launch import run_ranks
+from megalite.parallel_state import build_parallel_state
+from megalite.training.setup import build_run
+from megalite.training.step import train_step
+
+
+def _train(tp: int, pp: int, zero: int) -> dict[str, torch.Tensor]:
+    layout = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.zero={zero}"]
+    cfg = load_config(None, [*TINY, "model.arch=gpt", "optim.state_dtype=bf16", *layout])
+    ps = build_parallel_state(tp, pp, torch.device("cpu"))
+    run = build_run(cfg, ps)
+    generator = torch.Generator().manual_seed(5 + ps.dp_rank)  # replicas see other data
+    for _ in range(6):
+        train_step(run, torch.randint(0, 500, (8 // ps.dp_size, 33), generator=generator), 3e-3)
+    run.optimizer.finish_param_gather()
+    return {name: p.detach().clone() for name, p in run.named_parameters().items()}
+
+
+@pytest.mark.parametrize(
+    "tp, pp, zero, copies",
+    [
+        (1, 1, 0, [("layers.0.mlp.fc.weight",) * 2, ("wte.weight",) * 2]),
+        (2, 1, 1, [("layers.0.attn_norm.weight",) * 2, ("layers.0.attn.wo.bias",) * 2]),
+        (1, 2, 1, [("wte.weight", "lm_head.weight")]),
+    ],
+    ids=["dp replicas", "tp-replicated", "tied copies"],
+)
+def test_every_copy_of_an_element_rounds_alike(tp, pp, zero, copies):
+    first, second = run_ranks(2, _train, tp, pp, zero)
+    for mine, theirs in copies:
+        assert mine in first and theirs in second, (mine, theirs, sorted(first), sorted(second))
+        assert torch.equal(first[mine], second[theirs]), (mine, theirs)
