@@ -149,16 +149,29 @@ def rank(group: Any) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def _require_contiguous(op: str, tensors: list[torch.Tensor]) -> None:
+    """Refuse a strided tensor whatever the backend: NCCL refuses it, or sends its raw memory,
+    where gloo may quietly reduce the wrong elements (`nccl_contract`, item 6)."""
+    for tensor in tensors:
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"{op} of a non-contiguous tensor {tuple(tensor.shape)} (strides "
+                f"{tensor.stride()}): pass .contiguous(), and copy the result back if needed"
+            )
+
+
 def all_reduce(tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
     """Sum `tensor` in place over the group."""
     if size(group) == 1:
         return None
+    _require_contiguous("all_reduce", [tensor])
     call = _enter("all_reduce", tensor, group)
     return _issue(call, lambda a: dist.all_reduce(tensor, group=group, async_op=a), async_op)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: Any) -> None:
     if size(group) > 1:
+        _require_contiguous("all_reduce_max", [tensor])
         call = _enter("all_reduce_max", tensor, group)
         with _blocking(call):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
@@ -466,19 +479,20 @@ def post_p2p(
     its handle (None for an empty batch).
 
     NCCL runs a rank's p2p batches one after another on one stream, and a send completes only
-    when the receiver's stream reaches the matching receive; gloo buffers sends, so a batching
-    that deadlocks on GPUs runs here. With MEGALITE_NCCL_LIKE_P2P=1 (the test suite) the batch
-    goes through `nccl_contract.batch_isend_irecv`, which behaves and returns as NCCL's does.
+    when the receiver's stream reaches the matching receive; gloo runs a rank's batches side by
+    side, so a batching that deadlocks on GPUs runs here. With MEGALITE_NCCL_LIKE_P2P=1 (the
+    test suite) the batch goes through `nccl_contract.batch_isend_irecv`, which behaves and
+    returns as NCCL's does.
     """
+    _require_contiguous("p2p", [t for t, _ in sends + recvs])
     calls = [_enter("send", t, None, peer) for t, peer in sends]
     calls += [_enter("recv", t, None, peer) for t, peer in recvs]
     if not calls:
         return None
     ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-    batch_isend_irecv = (
-        nccl_contract.batch_isend_irecv if nccl_contract.enabled() else dist.batch_isend_irecv
-    )
+    emulated = nccl_contract.enabled(ops[0].group)
+    batch_isend_irecv = nccl_contract.batch_isend_irecv if emulated else dist.batch_isend_irecv
     with _blocking(calls[-1]):
         works = batch_isend_irecv(ops)
     return P2PBatch(list(works), calls[-1])

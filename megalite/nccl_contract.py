@@ -9,9 +9,11 @@ The contract megalite relies on (distributed_c10d.py, ProcessGroupNCCL):
    `cm.works`, the single work of `_end_coalescing`. gloo returns one work per op. megalite treats
    a batch as done when every handle it returned is (`comm.P2PBatch`), so either shape works.
 2. Sends block: NCCL runs a batch as one grouped kernel that ends when every send has met its
-   receive, and a rank's batches run one after another on one stream. gloo buffers sends. The
-   emulation completes a send only once its receiver has posted the receive, and completes each
-   batch before the next starts (the host waits where NCCL's stream would: at least as strict).
+   receive, and a rank's batches run one after another on one stream. On gloo a send's `wait()`
+   also blocks until the receiver posts, but only posting is ordered: a rank's batches run side
+   by side, so a batching that deadlocks on one stream can run there. The emulation completes a
+   send only once its receiver has posted the receive, and completes each batch before the next
+   starts (the host waits where NCCL's stream would: at least as strict).
 3. `wait()` on NCCL makes the current CUDA stream wait for the work; the host goes on. A received
    tensor may be read on the host only after a synchronising call (`.item()`, `.cpu()`), and step
    timers must be CUDA events, not the host clock (`executor.IntervalTimer`). On gloo (CPU) wait
@@ -25,9 +27,14 @@ The contract megalite relies on (distributed_c10d.py, ProcessGroupNCCL):
    the device on CUDA (item 8): the world communicator is connected in `init_process_group` and
    every subgroup's is split from it (`split_group`), so no first operation creates one. gloo
    connects every group when it is made, which is what the test mode then matches.
-6. Tensors must be contiguous and dense, on NCCL and on gloo alike; `all_gather_into_tensor` /
-   `reduce_scatter_tensor` need output = group size x input on both. megalite makes every message
-   contiguous (`executor._post`, `comm.all_gather`) and sizes collectives by global shapes only.
+6. Contiguity differs: NCCL's collectives refuse a strided tensor ("Tensors must be
+   contiguous") and its p2p only warns and sends the raw memory; gloo's `all_reduce` of a
+   strided view silently reduces the first numel elements of its storage, its
+   `all_gather_into_tensor` / `reduce_scatter_tensor` accept one, its all-to-all and p2p refuse.
+   So `comm` refuses a strided tensor on every backend (`comm.all_reduce`, `post_p2p`, ...);
+   callers make messages contiguous (`executor._post`) or hand strided pieces to the calls that
+   copy them (`comm._reduce_scatter`). `all_gather_into_tensor` / `reduce_scatter_tensor` need
+   output = group size x input on both; megalite sizes collectives by global shapes only.
 7. Tensor stashing: NCCL keeps every tensor of an asynchronous op alive until the op completes
    (its work stashes them and records the stream), as gloo's work does; so the executor may drop
    its own reference to a sent activation as soon as the send is posted.
@@ -56,37 +63,52 @@ NCCL_LIKE_P2P_ENV = "MEGALITE_NCCL_LIKE_P2P"
 _HANDSHAKE_TAG = 1  # the program's own messages use tag 0
 
 
-def enabled() -> bool:
-    return os.environ.get(NCCL_LIKE_P2P_ENV) == "1"
+def enabled(group: Any = None) -> bool:
+    """Whether p2p on `group` runs under the emulation: asked for, and on gloo (an NCCL group
+    is NCCL itself)."""
+    return os.environ.get(NCCL_LIKE_P2P_ENV) == "1" and dist.get_backend(group) == "gloo"
 
 
 class CoalescedWork:
-    """NCCL's coalesced work for one batch: completed by the time the emulation returns it (the
-    batch ran to its end as NCCL's stream would before the next one). It holds the batch's
-    tensors, as NCCL's work stashes them (item 7)."""
+    """NCCL's coalesced work for one batch. The batch ran to its end before the emulation
+    returned it (as NCCL's stream would before the next one), but what it received lands in the
+    receive buffers only once the work is seen complete (`wait`, or `is_completed` saying so):
+    until then they hold NaN, as an NCCL buffer holds whatever it held before the kernel wrote
+    it, so a read that skips the wait shows. It holds the batch's tensors, as NCCL's work
+    stashes them (item 7)."""
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.tensors = tensors
+    def __init__(
+        self, tensors: list[torch.Tensor], landing: list[tuple[torch.Tensor, torch.Tensor]]
+    ):
+        self.tensors, self.landing = tensors, landing
 
     def wait(self, timeout: Any = None) -> bool:
+        for buffer, received in self.landing:
+            buffer.copy_(received)
+        self.landing = []
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return self.wait()
 
 
 def batch_isend_irecv(ops: list[dist.P2POp]) -> list[CoalescedWork]:
     """`dist.batch_isend_irecv` as NCCL runs it, on gloo: one work for the batch (item 1), sends
     that complete only when matched and a batch that ends before the next begins (item 2)."""
     group = ops[0].group
-    works, announced = [], []
+    works, announced, landing = [], [], []
     for op in ops:
         if op.op is dist.isend:
             works.append(dist.isend(op.tensor, op.peer, group=group))
             announced.append(dist.irecv(torch.empty(1), op.peer, group=group, tag=_HANDSHAKE_TAG))
         else:
-            works.append(dist.irecv(op.tensor, op.peer, group=group))
+            received = torch.empty_like(op.tensor)
+            landing.append((op.tensor, received))
+            works.append(dist.irecv(received, op.peer, group=group))
             announced.append(dist.isend(torch.ones(1), op.peer, group=group, tag=_HANDSHAKE_TAG))
     for work in works + announced:
         work.wait()
-    return [CoalescedWork([op.tensor for op in ops])]
+    for buffer, _ in landing:
+        if buffer.is_floating_point():
+            buffer.fill_(float("nan"))
+    return [CoalescedWork([op.tensor for op in ops], landing)]

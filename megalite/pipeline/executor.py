@@ -6,9 +6,10 @@ The p2p actions between two compute steps are posted as one batch (`schedule.p2p
 a compute waits only for the receive it needs, and that waiting is the measured pipeline bubble.
 An output is freed as soon as its send is posted: the backward needs only its autograd graph,
 and the communication library holds the sent tensor until the send completes (gloo's work
-object, NCCL's stash); Megatron-LM's deallocate_output_tensor. Where two consecutive stages are
-chunks of this rank (the middle of zb-v's V), the output and its gradient are handed over in
-memory instead.
+object, NCCL's stash); Megatron-LM's deallocate_output_tensor. (A gloo send reports completion
+only once waited on, so on CPU the sent tensors of a step are held until its end.) Where two
+consecutive stages are chunks of this rank (the middle of zb-v's V), the output and its
+gradient are handed over in memory instead.
 A schedule with W steps splits the backward: its B runs under `deferred.deferring`, so the
 linears leave their weight gradients, and the gradient buffers the arrival of every gradient, to
 the (micro-batch, chunk)'s W step, which is then the step that completes its gradients.

@@ -85,3 +85,37 @@ def test_post_p2p_receives_are_ready_after_the_batch(nccl_like):
         [1.0, 11.0, 21.0],
         [0.0, 10.0, 20.0],
     ]
+
+
+def _received_before_and_after_the_wait() -> tuple[bool, bool]:
+    """Each rank receives the other's ones through `comm.post_p2p` under the emulation."""
+    rank = dist.get_rank()
+    received = torch.zeros(4)
+    batch = comm.post_p2p([(torch.ones(4), 1 - rank)], [(received, 1 - rank)])
+    before = bool(received.isnan().all())
+    batch.wait()
+    return before, bool((received == 1).all())
+
+
+def test_a_receive_lands_only_when_its_work_is_seen_complete(monkeypatch):
+    """On NCCL a receive buffer holds its old contents until the work completes; the emulation
+    holds NaN there until the work is waited on (or polled complete), so a read that skips
+    the wait fails a test here rather than a run on GPUs."""
+    monkeypatch.setenv(nccl_contract.NCCL_LIKE_P2P_ENV, "1")
+    assert run_ranks(2, _received_before_and_after_the_wait, timeout=60) == [(True, True)] * 2
+
+
+def _reduce_a_strided_view() -> str:
+    column = torch.arange(12.0).view(3, 4)[:, 1]
+    try:
+        comm.all_reduce(column, dist.group.WORLD)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_a_strided_tensor_is_refused_on_every_backend():
+    """gloo's all_reduce of a strided view sums the wrong elements of its storage; NCCL refuses
+    it: megalite refuses it on both."""
+    for said in run_ranks(2, _reduce_a_strided_view, timeout=60):
+        assert said.startswith("all_reduce of a non-contiguous tensor (3,)"), said
