@@ -86,8 +86,13 @@ def _run_in(root: Path, args: argparse.Namespace) -> list[dict]:
 
 
 def _prepare(root: Path, tokenizer: Path, workers: int) -> int:
-    meta = prepare_corpus(
-        [root / "corpus.jsonl"], open_tokenizer(tokenizer), root / "out", False, workers=workers
+    meta = prepare_corpus(  # the scratch corpus of the last contender's run is replaced
+        [root / "corpus.jsonl"],
+        open_tokenizer(tokenizer),
+        root / "out",
+        False,
+        workers=workers,
+        overwrite=True,
     )
     return meta["n_tokens"] - meta["n_docs"]  # without the end-of-document tokens
 

@@ -47,13 +47,13 @@ def _text(tmp_path) -> Path:
 
 @pytest.fixture
 def saved(tmp_path):
-    """A run state two steps in, with a loss scaler that has seen overflows, saved."""
+    """A run state two steps in, with an fp16 loss scaler that has seen overflows, saved."""
     run, state = fresh_state()
     for _ in range(2):
         state.sampler.next_batch()
         train_step(run, torch.randint(0, 500, (2, 17)), 1e-3)
     state.step = 2
-    state.scaler.scale, state.scaler.skipped_steps = 1024.0, 3
+    state.scaler.scale, state.scaler.skipped_steps, state.scaler.dynamic = 1024.0, 3, True
     tokenizer = train_tokenizer([_text(tmp_path)], tmp_path / "tok", 400, kind="byte-bpe")
     path = save_checkpoint(tmp_path / "checkpoints", state, keep=1, tokenizer=tokenizer)
     return path, state, torch.get_rng_state(), state.rng.tp_random.state.clone()
@@ -67,6 +67,7 @@ def test_a_loaded_state_is_the_saved_one(saved):
             param.normal_()  # anything but the saved values
     torch.manual_seed(12345)
     state.rng.tp_random.state = torch.Generator().manual_seed(1).get_state()
+    state.scaler.dynamic = True  # an fp16 run, as the saved one was
 
     ckpt = load_checkpoint(path, state)
     assert ckpt.step == state.step == 2
