@@ -455,11 +455,24 @@ def _discard(path: Path) -> None:
 def remove_unfinished(root: Path, ps: ParallelState) -> list[Path]:
     """Rank 0 deletes the checkpoint directories an earlier run left unfinished (killed or
     preempted mid-save: never renamed into place, so never resumed from) and says so; returns
-    them. Call it while holding the run lock and before any rank writes a checkpoint."""
+    them. One that holds its manifest was complete (rank 0 writes it once every rank's files
+    are there) and only missed its rename: it is published instead (renamed into place, and
+    named by `latest` when good and newer than what `latest` names), unless its step is there
+    already. Call it while holding the run lock and before any rank writes a checkpoint."""
     if ps.rank != 0:
         return []
-    leftovers = unfinished_checkpoints(Path(root))
-    for path in leftovers:
+    leftovers = []
+    for path in unfinished_checkpoints(Path(root)):
+        final = path.with_name(path.name.removesuffix(UNFINISHED_SUFFIX))
+        step = final.name.removeprefix("step_")
+        if step.isdigit() and (path / MANIFEST).is_file() and not final.exists():
+            current = newest_good_checkpoint(root)
+            path.rename(final)
+            if is_good(final) and (current is None or step_of(final) > step_of(current)):
+                write_atomic(Path(root) / LATEST, final.name.encode())
+            print(f"published {final}: complete, but an earlier run stopped before its rename")
+            continue
         shutil.rmtree(path, ignore_errors=True)
         print(f"removed {path}: an unfinished checkpoint of an earlier run (stopped mid-save)")
+        leftovers.append(path)
     return leftovers

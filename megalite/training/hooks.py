@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from megalite.checkpoint.sharded import is_good, newest_good_checkpoint
 from megalite.errors import MegaliteError
 from megalite.optimizer.bad_steps import BadStepPolicy
 from megalite.training.metrics import MetricsLogger, summary_line
@@ -182,6 +183,9 @@ class Summary(Hook):
         line = summary_line(
             self.step, steps_run, self.loss, self.val_loss, throughput, self.checkpoint
         )
+        if self.checkpoint is not None and not is_good(self.checkpoint):
+            good = newest_good_checkpoint(self.checkpoint.parent) or "none"
+            line += f" (saved in a bad-step streak, so marked bad; the newest good one: {good})"
         if self.compiled is not None:
             seconds, recompiles = self.compiled
             line += f" (train.compile: {seconds:.1f} s compiling, {recompiles} recompiles)"

@@ -77,6 +77,10 @@ def test_a_streak_right_after_a_good_save_demotes_it_and_keeps_the_one_before(
     every_step = ("checkpoint.interval=1", "fault.max_bad_steps=3")
     code, out, err = megalite_train(capsys, tmp_path, "train.steps=10", "optim.lr=1e6", *every_step)
     assert code == 0, err  # steps 9 and 10 bad: fewer than 3, the run reaches its end
+    assert out.rstrip().endswith(
+        f"checkpoint {checkpoints / 'step_000010'} (saved in a bad-step streak, so marked bad; "
+        f"the newest good one: {checkpoints / 'step_000008'})"
+    ), out
     names = ["step_000007", "step_000008", "step_000010"]
     assert sorted(p.name for p in checkpoints.glob("step_*")) == names
     assert [Checkpoint(checkpoints / name).good for name in names] == [True, True, False]

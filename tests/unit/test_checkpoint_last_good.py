@@ -122,3 +122,20 @@ def _record(step: int) -> StepRecord:
     )
     metrics.bad = "loss spike"
     return StepRecord(step, metrics, 1e-3, 0.5, {"step": step})
+
+
+def test_a_complete_checkpoint_that_missed_its_rename_is_published_at_the_next_start(
+    tmp_path, capsys
+):
+    """A kill between the manifest (written once every rank's files are there) and the rename
+    leaves a complete `.tmp`: the next start renames it into place. Without a manifest, or set
+    aside while a newer save replaced it, it is removed."""
+    _checkpoints(tmp_path, {2: True, 4: True, 6: True}, latest=2)
+    (tmp_path / "step_000004").rename(tmp_path / "step_000004.tmp")
+    (tmp_path / "step_000006").rename(tmp_path / "step_000006.discarded.tmp")
+    (tmp_path / "step_000008.tmp").mkdir()  # a save killed before its manifest
+    removed = writer.remove_unfinished(tmp_path, ParallelState.single())
+    assert _names(removed) == ["step_000006.discarded.tmp", "step_000008.tmp"]
+    assert f"published {tmp_path / 'step_000004'}: complete" in capsys.readouterr().out
+    assert _names(sorted(tmp_path.glob("step_*"))) == ["step_000002", "step_000004"]
+    assert newest_good_checkpoint(tmp_path) == tmp_path / "step_000004"  # latest names it
