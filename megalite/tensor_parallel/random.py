@@ -71,7 +71,7 @@ def draw_shard(
     length = meta.global_shape[dim] // tp_size if split else meta.global_shape[dim]
     start = tp_rank * length if split else 0
     real = meta.init_rows or meta.global_shape[dim]  # padded vocabulary rows stay zero
-    end = min(start + length, real)
+    end = max(min(start + length, real), start)  # a rank of padding rows alone draws nothing
 
     def along_dim(size: int) -> list[int]:
         return [size if d == dim else n for d, n in enumerate(meta.global_shape)]
@@ -79,7 +79,7 @@ def draw_shard(
     shard = torch.zeros(along_dim(length))
     per_block = slices_per_block(math.prod(along_dim(1)), values_per_block)
     first_seed = param_seed(seed, name)
-    for k in range(start // per_block, -(-end // per_block)):
+    for k in range(start // per_block, -(-end // per_block) if end > start else 0):
         lo, hi = k * per_block, min((k + 1) * per_block, real)  # the block's global slices
         block = torch.empty(along_dim(hi - lo))
         meta.init(block, torch.Generator().manual_seed((first_seed + k) % 2**32))

@@ -108,7 +108,7 @@ def _counted(std: float = 1.0):
 
 @pytest.mark.parametrize(
     ("shape", "split_dim", "init_rows"),
-    [((256, 64), 0, None), ((64, 96), 1, None), ((128, 64), 0, 90)],
+    [((256, 64), 0, None), ((64, 96), 1, None), ((128, 64), 0, 90), ((256, 4), 0, 97)],
 )
 def test_a_rank_draws_only_the_blocks_its_shard_overlaps(shape, split_dim, init_rows):
     tp_size = 4
@@ -126,6 +126,7 @@ def test_a_rank_draws_only_the_blocks_its_shard_overlaps(shape, split_dim, init_
         assert max(drawn, default=0) <= block
     if init_rows is not None:
         assert drawn == []  # the last vocabulary shard is all padding: nothing to draw
+        # (97 of 256 rows: shards 2 and 3 are padding inside the block of the real rows)
 
 
 def test_replicated_and_split_forms_of_one_weight_start_equal():
