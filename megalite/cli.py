@@ -55,6 +55,14 @@ def _leave_world() -> bool:
     return False
 
 
+def non_negative_int(text: str) -> int:
+    """An integer >= 0, for argparse (which turns the ValueError into a usage error)."""
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
 def _generate(args: argparse.Namespace) -> int:
     from megalite.generate import sample_text
 
@@ -103,7 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", default="", help="text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
-    gen.add_argument("--top-k", type=int, default=50)
+    gen.add_argument(
+        "--top-k",
+        type=non_negative_int,
+        default=50,
+        help="sample among the k likeliest tokens (0: all of them)",
+    )
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_generate)
 

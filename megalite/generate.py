@@ -20,9 +20,9 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Extend ids (b, s) by max_new_tokens; temperature 0 means greedy. The context is the
-    last max_positions tokens: all the positions the model has, even beyond its training
-    seq_len."""
+    """Extend ids (b, s) by max_new_tokens; temperature 0 means greedy; `top_k` None or 0
+    samples from the whole vocabulary (transformers' convention). The context is the last
+    max_positions tokens: all the positions the model has, even beyond its training seq_len."""
     context = model.ctx.cfg.max_positions
     for _ in range(max_new_tokens):
         logits = model(ids[:, -context:])[:, -1, :].float()  # (b, vocab)
@@ -30,7 +30,7 @@ def generate(
             next_id = logits.argmax(dim=-1, keepdim=True)
         else:
             logits = logits / temperature
-            if top_k is not None:
+            if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             next_id = torch.multinomial(logits.softmax(-1), 1, generator=generator)

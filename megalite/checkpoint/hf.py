@@ -11,14 +11,16 @@ way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
-from collections.abc import Collection
+import tempfile
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from megalite import architectures
 from megalite.checkpoint.sharded import Checkpoint, CheckpointError, resolve_checkpoint
@@ -69,11 +71,15 @@ def export_hf(checkpoint: Path, out: Path, dtype: str = "fp32") -> Path:
     state = mapping.for_model(mapping.to_hf(params, m), hf.state_dict().keys(), m)
     hf.load_state_dict(state, strict=True)
     hf.to(DTYPES[dtype])
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    hf.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_for_transformers(tmp)
-    tmp.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))  # this call's own
+    try:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_for_transformers(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary directory
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -160,9 +166,15 @@ def read_hf(
             f"{path} has no model.safetensors: megalite does not unpickle pytorch_model.bin; "
             "re-save the model with save_pretrained(..., safe_serialization=True)"
         )
+    absent = [file for file in files if not (path / file).is_file()]
+    if absent:
+        raise CheckpointError(
+            f"{path} lacks {', '.join(absent)}, which its model.safetensors.index.json lists: "
+            "download the model again"
+        )
     stored: dict[str, tuple[str, str]] = {}  # full Hugging Face name -> (file, name in file)
     for file in files:
-        with safe_open(str(path / file), framework="pt") as f:
+        with _opened(path / file) as f:
             stored.update({name: (file, name) for name in f.keys()})
     mapping = hf_mapping(m.arch)
     base = mapping.base_prefix
@@ -182,6 +194,17 @@ def read_hf(
         by_file.setdefault(file, []).append((name, key))
     state = {}
     for file, entries in by_file.items():
-        with safe_open(str(path / file), framework="pt") as f:
+        with _opened(path / file) as f:
             state.update({name: f.get_tensor(key) for name, key in entries})
     return mapping.from_hf(state, m, names)
+
+
+@contextlib.contextmanager
+def _opened(file: Path) -> Iterator[Any]:
+    """A safetensors file open for reading; a damaged one (truncated, not safetensors) is one
+    CheckpointError naming it."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{file} cannot be read ({exc}): download the model again") from None

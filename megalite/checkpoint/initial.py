@@ -130,13 +130,20 @@ def adoption_line(adopted: dict[str, Any]) -> str:
 
 @torch.no_grad()
 def load_initial_weights(
-    path: Path, params: dict[str, nn.Parameter], ps: ParallelState, model: ModelConfig
+    path: Path,
+    params: dict[str, nn.Parameter],
+    routing: dict[str, torch.Tensor],
+    ps: ParallelState,
+    model: ModelConfig,
 ) -> None:
-    """Fill this rank's parameters (global name -> local piece) from `path`."""
+    """Fill this rank's parameters (global name -> local piece) from `path`, and from a megalite
+    checkpoint the MoE routers' balancing biases (`routing`, which steer its routing as the
+    weights do; Hugging Face Mixtral has none)."""
     if _kind(path) == "megalite":
         saved = Checkpoint(path)
         check_saved_model(path, saved.config["model"], model)
         saved.load_parameters(params, ps)
+        saved.load_routing(routing)
     else:
         pieces = global_tensors(params)  # a fused parameter by parts, as HF stores them
         sources = {name: piece.meta.tied_name or name for name, piece in pieces.items()}

@@ -46,7 +46,7 @@ from torch import nn
 from megalite import comm
 from megalite.checkpoint.files import CorruptFile, verify_file
 from megalite.checkpoint.reader import CheckpointError, SavedTensors, corrupt
-from megalite.checkpoint.state import RunState
+from megalite.checkpoint.state import RunState, routing_tensors
 from megalite.config import ROPE_SCALING_KEYS, build_config
 from megalite.data.tokenizer import HFTokenizer, Tokenizer, open_tokenizer
 from megalite.models.causal_lm import CausalLM
@@ -85,7 +85,16 @@ SHAPE_KEYS = (
 )
 """The model settings that decide which tensors a checkpoint holds and their shapes."""
 
-MODEL_IDENTITY = (*SHAPE_KEYS, "norm_eps", "rope_theta", "rope_scaling", *ROPE_SCALING_KEYS)
+MOE_KEYS = ("moe_experts", "moe_top_k", "moe_router", "moe_shared_experts", "moe_routed_scale")
+"""The routing a mixture-of-experts model's weights were trained under."""
+MODEL_IDENTITY = (
+    *SHAPE_KEYS,
+    "norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    *ROPE_SCALING_KEYS,
+    *MOE_KEYS,
+)
 """The model settings that change the function a checkpoint's weights compute: resuming with any
 of them changed would reinterpret the weights (another head split, other rotary frequencies) or
 silently drop some (fewer layers) whenever the tensor shapes happen to fit, so a resume refuses
@@ -355,7 +364,16 @@ class Checkpoint:
         # The checkpoint fills every weight: no random init to throw away.
         (model,) = build_chunks(cfg, ps, TPRandom(cfg.train.seed, ps), random_init=False)
         self.load_parameters(dict(model.named_parameters()), ps)
+        self.load_routing(routing_tensors([model]))
         return model.eval()
+
+    @torch.no_grad()
+    def load_routing(self, routing: dict[str, torch.Tensor]) -> None:
+        """Fill the MoE routers' balancing biases (`RunState.routing`) with their saved values
+        (checkpoints from before the biases have none: they stay as they are)."""
+        for name, tensor in routing.items():
+            if name in self._manifest["tensors"]:
+                tensor.copy_(self.tensor(name))
 
     @torch.no_grad()
     def load_parameters(self, params: dict[str, nn.Parameter], ps: ParallelState) -> None:
@@ -441,9 +459,7 @@ def _load_tensors(ckpt: Checkpoint, state: RunState) -> None:
         ckpt.check_present()
         ckpt.verify_tokenizer()
     ckpt.load_parameters(state.params, ps)
-    for name, tensor in state.routing.items():  # absent from checkpoints before MoE biases
-        if name in manifest["tensors"]:
-            tensor.copy_(ckpt.tensor(name))
+    ckpt.load_routing(state.routing)
 
     def read_state(name: str, tensor: torch.Tensor, kind: str, lo: int, hi: int) -> torch.Tensor:
         source = state_name(tensor.meta.tied_name or name, kind)

@@ -19,6 +19,17 @@ from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import TPRandom
 
 
+def routing_tensors(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """The MoE routers' balancing biases of `chunks`, by global name (`RunState.routing`): what
+    a model's routing depends on besides its parameters."""
+    return {
+        f"{name}.expert_bias": module.expert_bias
+        for chunk in chunks
+        for name, module in chunk.named_modules()
+        if hasattr(module, "take_load")
+    }
+
+
 @dataclass
 class RngStreams:
     """The random streams a rank draws from while training: torch's default generator (and the

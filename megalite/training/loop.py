@@ -25,7 +25,7 @@ from megalite.checkpoint.sharded import (
     load_checkpoint,
     read_manifest,
 )
-from megalite.checkpoint.state import RngStreams, RunState
+from megalite.checkpoint.state import RngStreams, RunState, routing_tensors
 from megalite.checkpoint.writer import (
     adopt_as_latest,
     check_shared_directory,
@@ -234,7 +234,7 @@ def run_state(run: Run, sampler: GlobalBatchSampler) -> RunState:
         scaler=run.scaler,
         bad_steps=run.bad_steps,
         config=config_to_dict(run.cfg),
-        routing={f"{name}.expert_bias": m.expert_bias for name, m in run.moe_layers.items()},
+        routing=routing_tensors(run.chunks),
     )
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from megalite.checkpoint.initial import load_initial_weights
+from megalite.checkpoint.state import routing_tensors
 from megalite.config import Config
 from megalite.context_parallel.layout import SequenceCut
 from megalite.data_parallel.grad_buffer import GradBuffer, build_grad_buffers
@@ -124,7 +125,7 @@ def build_run(
     chunks = build_chunks(cfg, ps, tp_random, random_init and init_from is None)
     if init_from is not None:
         named = {name: p for chunk in chunks for name, p in chunk.named_parameters()}
-        load_initial_weights(init_from, named, ps, cfg.model)
+        load_initial_weights(init_from, named, routing_tensors(chunks), ps, cfg.model)
     for chunk in chunks:
         chunk.to(DTYPES[precision])
     names = {param: name for chunk in chunks for name, param in chunk.named_parameters()}

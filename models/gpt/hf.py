@@ -71,6 +71,8 @@ class GPT2Mapping(HFMapping):
     def config_from_hf(self, raw: dict[str, Any]) -> dict[str, Any]:
         if not raw.get("scale_attn_weights", True) or raw.get("scale_attn_by_inverse_layer_idx"):
             raise ValueError("GPT-2 attention scaling other than 1/sqrt(head_dim)")
+        if not raw.get("tie_word_embeddings", True):
+            raise ValueError("an LM head of its own (tie_word_embeddings false): GPT's is wte")
         activation = raw.get("activation_function")
         if activation not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"activation {activation!r} is not one megalite implements")

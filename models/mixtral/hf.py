@@ -83,6 +83,8 @@ class MixtralMapping(LlamaMapping):
         return found | {
             "moe_experts": raw["num_local_experts"],
             "moe_top_k": raw["num_experts_per_tok"],
+            "moe_router": "softmax",
+            "moe_shared_experts": 0,
         }  # router_aux_loss_coef is a training setting: megalite's own config sets it
 
 
