@@ -15,8 +15,11 @@ attention lets token i see key position j only if doc_start[b, i] <= j <= its ow
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
+
+from megalite import comm
 
 
 def chunk_ids(cp: int, cp_rank: int) -> tuple[int, ...]:
@@ -39,6 +42,26 @@ def shard_sequence(
     if len(chunks) == 1 and chunks[0] == (0, x.shape[dim]):
         return x
     return torch.cat([x.narrow(dim, start, length) for start, length in chunks], dim=dim)
+
+
+def gather_windows(local: torch.Tensor, group: Any) -> torch.Tensor:
+    """The whole windows (b, s, ...) from every cp rank's chunks of them (b, s/cp, ...), in
+    window order: `shard_sequence` undone over the group. Forward only (no gradient)."""
+    cp = comm.size(group)
+    if cp == 1:
+        return local
+    flat = local.contiguous().flatten()
+    gathered = flat.new_empty(cp * flat.numel())
+    comm.all_gather_flat(gathered, flat, group)
+    pieces = gathered.view(cp, *local.shape)
+    seq_len = cp * local.shape[1]
+    windows = local.new_empty((local.shape[0], seq_len, *local.shape[2:]))
+    for rank, piece in enumerate(pieces):
+        at = 0
+        for start, length in local_chunks(seq_len, cp, rank):
+            windows[:, start : start + length] = piece[:, at : at + length]
+            at += length
+    return windows
 
 
 def document_starts(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:

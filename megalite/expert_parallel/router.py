@@ -121,17 +121,12 @@ def capacity(tokens: int, num_experts: int, k: int, factor: float) -> int:
     return math.ceil(round(factor * tokens * k / num_experts, 6))
 
 
-def drop_over_capacity(
-    experts: torch.Tensor, gates: torch.Tensor, capacity: int
-) -> tuple[torch.Tensor, int]:
+def drop_over_capacity(experts: torch.Tensor, capacity: int) -> tuple[torch.Tensor, int]:
     """Which (token, choice) pairs of (tokens, k) `experts` fit in their expert's `capacity`.
     Each expert keeps the first `capacity` pairs routed to it in GShard's priority order: every
     token's first choice before any second choice, then token order. Returns the (tokens, k)
-    keep mask and the number of pairs dropped; the caller zeroes the dropped gates and does not
-    dispatch those pairs. `gates` (tokens, k) must match `experts`; the order does not read
-    them."""
-    if gates.shape != experts.shape:
-        raise ValueError(f"gates {tuple(gates.shape)} do not match experts {tuple(experts.shape)}")
+    keep mask and the number of pairs dropped; the caller does not dispatch the dropped pairs
+    (their output is zero)."""
     tokens, k = experts.shape
     by_priority = experts.t().flatten()  # (k * tokens,): all first choices, then all second, ...
     order = torch.argsort(by_priority, stable=True)  # grouped by expert, priority kept within

@@ -51,16 +51,13 @@ def route_balance(run: Run) -> tuple[float | None, int | None]:
     """After the step, the MoE layers' routing over the global batch, in one collective for
     all of them: each layer's bias update (DeepSeek-V3's balancing), and (the busiest expert's
     load over the mean, the worst layer's; (token, choice) pairs dropped), or Nones without
-    experts. The loads were summed over the token shards (SP, cp) as they were counted; the
-    drops, counted on each shard's own tokens, are summed here."""
+    experts. The loads were summed over the token shards (SP, cp) as they were counted, and
+    every rank of a replica counted its micro-batches' drops whole (`MoE.within_capacity`)."""
     layers = list(run.moe_layers.values())
     if not layers:
         return None, None
     ps = run.ps
     dropped = torch.stack([layer.dropped for layer in layers])
-    if run.cfg.model.moe_capacity_factor is not None:
-        comm.all_reduce(dropped, ps.tp_group if run.cfg.parallel.sp else None)
-        comm.all_reduce(dropped, ps.cp_group)
     stats = torch.cat([torch.stack([layer.load for layer in layers]), dropped[:, None]], dim=1)
     comm.all_reduce(stats, ps.dp_group)
     for layer, row in zip(layers, stats):

@@ -29,6 +29,7 @@ from torch import nn
 
 from megalite import comm
 from megalite.config import ModelConfig
+from megalite.context_parallel.layout import gather_windows, local_chunks, shard_sequence
 from megalite.expert_parallel.aux_loss import attach_aux_loss
 from megalite.expert_parallel.dispatch import Dispatch
 from megalite.expert_parallel.router import (
@@ -131,19 +132,13 @@ class MoE(nn.Module):
         ctx, cfg = self.ctx, self.cfg
         b, s, h = x.shape
         routing, logits = self.route(x.flatten(0, 1))
-        gates, experts = routing.gates, routing.experts
-        if cfg.moe_capacity_factor is not None:
-            limit = capacity(b * s, cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor)
-            keep, dropped = drop_over_capacity(experts, gates, limit)
-            gates = gates * keep
-            if self.training and not replaying():
-                self.dropped += dropped
         aux = self.aux_loss(routing, logits, b)
         # the tokens of the whole tp group, and their gates and choices with them
         tokens = tp_input(x, ctx.ps, ctx.sequence_parallel).flatten(0, 1)
-        gates = tp_input(gates.view(b, s, -1).to(x.dtype), ctx.ps, ctx.sequence_parallel)
-        experts = self.gather_choices(experts.view(b, s, -1))
-        out = self.experts(tokens, experts.flatten(0, 1), gates.flatten(0, 1))
+        gates = tp_input(routing.gates.view(b, s, -1).to(x.dtype), ctx.ps, ctx.sequence_parallel)
+        experts = self.gather_choices(routing.experts.view(b, s, -1))
+        keep = None if cfg.moe_capacity_factor is None else self.within_capacity(experts)
+        out = self.experts(tokens, experts.flatten(0, 1), gates.flatten(0, 1), keep)
         if self.shared_gate_up is not None:
             out = out + self.shared(tokens)
         out = tp_output(out.view(b, -1, h), ctx.ps, ctx.sequence_parallel)
@@ -155,18 +150,42 @@ class MoE(nn.Module):
             return experts
         return all_gather_sequence(experts, self.ctx.ps.tp_group)
 
+    def within_capacity(self, experts: torch.Tensor) -> torch.Tensor:
+        """Which of the tp group's (token, choice) pairs (b, s', k) fit in their expert's
+        capacity over the micro-batch's whole windows, as one process decides it: under cp the
+        windows' choices are gathered from the cp ranks and put back in order first, and this
+        rank's chunks of the mask are returned. Every rank counts the micro-batch's drops."""
+        cfg, ps = self.cfg, self.ctx.ps
+        windows = gather_windows(experts, ps.cp_group)
+        b, s, k = windows.shape
+        limit = capacity(b * s, cfg.moe_experts, k, cfg.moe_capacity_factor)
+        keep, dropped = drop_over_capacity(windows.flatten(0, 1), limit)
+        if self.training and not replaying():
+            self.dropped += dropped
+        chunks = local_chunks(s, comm.size(ps.cp_group), comm.rank(ps.cp_group))
+        return shard_sequence(keep.view(b, s, k), chunks).flatten(0, 1)
+
     def experts(
-        self, tokens: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        experts: torch.Tensor,
+        gates: torch.Tensor,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """sum_j gate_j * expert_j(token) for every token (its k choices): this rank's tp slice
         of every expert, a partial sum over tp. With expert parallelism the rows travel to the
-        ep rank holding their expert and back (`dispatch.Dispatch`)."""
+        ep rank holding their expert and back (`dispatch.Dispatch`). `keep` (tokens, k): the
+        pairs within capacity; the others are neither dispatched nor computed (their output is
+        zero)."""
         k = experts.shape[1]
         local = len(self.local_experts)
-        order = torch.argsort(experts.flatten(), stable=True)  # (token, choice) pairs by expert
-        counts = expert_counts(experts, self.cfg.moe_experts)
-        token_of = order // k
-        rows = tokens[token_of]
+        pairs = experts.flatten()
+        if keep is not None:  # dropped pairs sort after every expert's
+            pairs = torch.where(keep.flatten(), pairs, self.cfg.moe_experts)
+        order = torch.argsort(pairs, stable=True)  # (token, choice) pairs by expert
+        counts = expert_counts(pairs, self.cfg.moe_experts + 1)[:-1]
+        routed = order if keep is None else order[: int(keep.sum())]
+        rows = tokens[routed // k]
         exchange = None
         if self.ctx.ps.ep_size > 1:
             exchange = Dispatch.plan(counts, self.ctx.ps.ep_group)
@@ -178,6 +197,8 @@ class MoE(nn.Module):
         y = grouped_mm(swiglu(gate, up), down, counts)
         if exchange is not None:
             y = exchange.combine(y)
+        if keep is not None:  # the dropped pairs' rows, zero
+            y = torch.cat([y, y.new_zeros(order.numel() - routed.numel(), y.shape[1])])
         # back to (token, choice) order, weighted by the gates, summed over the k choices:
         # indexing and sum keep no activation for backward (index_add_ would keep the rows)
         by_token = y[torch.argsort(order)].view(*experts.shape, -1)

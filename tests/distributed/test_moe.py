@@ -169,3 +169,64 @@ def test_resume_restores_the_routing_biases(builtin_corpus, tmp_path):
     resumed, _ = run_layout(1, TINY + DEEPSEEK + SAVE_AT_5, tmp_path)
     ref_losses, _ = reference(TINY + DEEPSEEK)
     assert_same_losses(resumed, ref_losses[5:], norm_rtol=NORM_RTOL)
+
+
+CAPPED = (*MIXTRAL, "model.moe_capacity_factor=1.0")
+
+
+def _dropped(out_dir) -> list[int]:
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row["dropped_tokens"] for row in rows]
+
+
+@pytest.mark.parametrize(
+    "world,layout",
+    [
+        (2, ("parallel.tp=2", "parallel.sp=true")),
+        (2, ("parallel.cp=2",)),
+        (4, ("parallel.ep=2", "parallel.cp=2")),
+    ],
+    ids=["tp2-sp", "cp2", "ep2-cp2"],
+)
+def test_capacity_is_taken_over_the_micro_batch_in_every_layout(
+    builtin_corpus, tmp_path, world, layout
+):
+    """GShard's capacity is over a micro-batch's tokens in window order, as one process takes
+    it, whichever ranks hold them (SP shards, cp chunks): the same pairs are dropped, and the
+    same count is reported. (Weights within 5e-5, not 3e-5: an expert the capacity starves
+    gets gradients from a few tokens, and Adam's division by sqrt(v) magnifies their rounding;
+    seen 3.2e-5 at tp 2 + SP, with every loss within 1e-7 and the same drops at every step.)"""
+    assert_equivalent(
+        world, CAPPED, layout, tmp_path / "layout", weight_rtol=5e-5, norm_rtol=NORM_RTOL
+    )
+    run_layout(1, TINY + CAPPED, tmp_path / "single")
+    assert _dropped(tmp_path / "layout") == _dropped(tmp_path / "single")
+    assert sum(_dropped(tmp_path / "single")) > 0
+
+
+def test_dropped_pairs_are_not_computed(builtin_corpus, monkeypatch):
+    """A capacity bounds the experts' work: the grouped GEMMs see the kept pairs alone."""
+    import math
+
+    import megalite.models.mixtral.moe as moe_module
+    import torch
+
+    from megalite.config import load_config
+    from megalite.parallel_state import ParallelState
+    from megalite.training.setup import build_run
+    from megalite.training.step import train_step
+
+    rows, real = [], moe_module.grouped_mm
+
+    def counted(x, weight, counts):
+        rows.append(x.shape[0])
+        return real(x, weight, counts)
+
+    monkeypatch.setattr(moe_module, "grouped_mm", counted)
+    cfg = load_config(None, [*TINY, *MIXTRAL, "model.moe_capacity_factor=0.5"])
+    run = build_run(cfg, ParallelState.single())
+    metrics = train_step(run, torch.randint(0, 500, (8, cfg.model.seq_len + 1)), 1e-3)
+    m = cfg.model
+    tokens = cfg.train.micro_batch_size * m.seq_len
+    most = m.moe_experts * math.ceil(0.5 * tokens * m.moe_top_k / m.moe_experts)
+    assert metrics.dropped_tokens > 0 and rows and max(rows) <= most

@@ -203,18 +203,16 @@ def test_drop_over_capacity_hand_worked():
     within) expert 0 gets t1c0, t2c0, t0c1, t3c1 and keeps the first two; token order would
     have kept t0c1 over t2c0. Experts 1 (t0c0, t2c1) and 2 (t3c0, t1c1) keep theirs."""
     experts = torch.tensor([[1, 0], [0, 2], [0, 1], [2, 0]])
-    keep, dropped = drop_over_capacity(experts, torch.rand(4, 2), capacity=2)
+    keep, dropped = drop_over_capacity(experts, capacity=2)
     assert keep.tolist() == [[True, False], [True, True], [True, True], [True, False]]
     assert dropped == 2
-    with pytest.raises(ValueError, match="do not match"):
-        drop_over_capacity(experts, torch.rand(4, 1), capacity=2)
 
 
 def test_drop_over_capacity_against_a_loop():
     num_experts, k, tokens = 5, 3, 40
     experts = softmax_top_k(_logits(tokens, num_experts), k).experts
     cap = capacity(tokens, num_experts, k, factor=1.0)
-    keep, dropped = drop_over_capacity(experts, torch.ones(tokens, k), cap)
+    keep, dropped = drop_over_capacity(experts, cap)
     taken = [0] * num_experts
     expected = torch.zeros(tokens, k, dtype=torch.bool)
     for choice in range(k):
@@ -229,7 +227,7 @@ def test_drop_over_capacity_against_a_loop():
 
 def test_no_drops_when_capacity_is_large():
     experts = softmax_top_k(_logits(40, 5), 2).experts
-    keep, dropped = drop_over_capacity(experts, torch.ones(40, 2), capacity(40, 5, 2, 5.0))
+    keep, dropped = drop_over_capacity(experts, capacity(40, 5, 2, 5.0))
     assert bool(keep.all()) and dropped == 0
 
 
@@ -249,7 +247,7 @@ def test_zero_tokens(device):
         part = balancing_loss(routing.probs, routing.experts, 4, 8, counts + 4)
         assert loss.item() == part.item() == z_loss(logits, 0).item() == 0.0
         (loss + part + z_loss(logits, 8)).backward()
-        keep, dropped = drop_over_capacity(routing.experts, routing.gates, capacity=1)
+        keep, dropped = drop_over_capacity(routing.experts, capacity=1)
         assert keep.shape == (0, 2) and dropped == 0
 
 
@@ -261,7 +259,7 @@ def test_device_results_match_cpu(device):
     def step(device):
         routing = sigmoid_top_k(logits.to(device), 2, bias.to(device), scale=2.0)
         counts = expert_counts(routing.experts, 8)
-        keep, dropped = drop_over_capacity(routing.experts, routing.gates, capacity(64, 8, 2, 1.0))
+        keep, dropped = drop_over_capacity(routing.experts, capacity(64, 8, 2, 1.0))
         updated = bias.to(device).clone()
         update_bias(updated, counts, rate=1e-3)
         loss = balancing_loss(routing.probs, routing.experts, 8, 64) + z_loss(logits.to(device), 64)
