@@ -14,9 +14,11 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from megalite.commands import data as data_commands
 from megalite.commands import estimate as estimate_command
+from megalite.commands import non_negative_int
 from megalite.commands import plan as plan_command
 from megalite.commands import plot as plot_command
 from megalite.commands import profile as profile_command
@@ -55,14 +57,6 @@ def _leave_world() -> bool:
     return False
 
 
-def non_negative_int(text: str) -> int:
-    """An integer >= 0, for argparse (which turns the ValueError into a usage error)."""
-    value = int(text)
-    if value < 0:
-        raise ValueError(text)
-    return value
-
-
 def _generate(args: argparse.Namespace) -> int:
     from megalite.generate import sample_text
 
@@ -92,8 +86,18 @@ CHECKPOINT_HELP = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error once for the job: under torchrun every rank parses the same command line,
+    so global rank 0 prints it and the others exit with the same code, silently."""
+
+    def error(self, message: str) -> NoReturn:
+        if int(os.environ.get("RANK", 0)) == 0:
+            super().error(message)
+        self.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megalite", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="megalite", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = commands.add_parser("train", help="train a model from a YAML config")
@@ -109,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="sample text from a checkpoint")
     gen.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     gen.add_argument("--prompt", default="", help="text to continue")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=non_negative_int, default=64)
     gen.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     gen.add_argument(
         "--top-k",

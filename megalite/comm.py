@@ -498,6 +498,18 @@ def post_p2p(
     return P2PBatch(list(works), calls[-1])
 
 
+def any_rank(flag: bool) -> bool:
+    """Collective over the world, and a barrier: whether `flag` holds on any rank (one rank's
+    failure stops every rank alike, where a barrier would leave them waiting for it)."""
+    if not dist.is_initialized():
+        return flag
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    found = torch.tensor([float(flag)], device=device)
+    all_reduce_max(found, dist.group.WORLD)
+    return bool(found.item())
+
+
 def barrier(group: Any = None) -> None:
     if dist.is_initialized():
         call = _enter("barrier", None, group)

@@ -189,6 +189,11 @@ class ModelConfig:
             f"only in {_one_of(grouped)}",
         )
         _require(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+        for name in ("norm_eps", "rope_theta"):
+            _require(
+                getattr(self, name) > 0, f"model.{name} must be > 0, got {getattr(self, name)}"
+            )
+        _require(self.init_std >= 0, f"model.init_std must be >= 0, got {self.init_std}")
         self._check_rope_scaling(arch)
         self._check_experts(arch)
 
@@ -699,15 +704,26 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             number = math.nan
         if math.isfinite(number):
             return number
-    if annotation is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
-        return str(value)
-    raise ConfigError(f"{key} must be {getattr(annotation, '__name__', annotation)}, got {value!r}")
+    if annotation is str and isinstance(value, str):
+        return value
+    if annotation is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        raise ConfigError(  # YAML 1.1 read it as a number: 007 is 7, 0755 is 493, 12:30 is 750
+            f'{key} must be text, but YAML read {value!r} as a number: quote it ({key}: "...")'
+        )
+    none = " (write null for none)" if value == "None" and args else ""
+    raise ConfigError(
+        f"{key} must be {getattr(annotation, '__name__', annotation)}, got {value!r}{none}"
+    )
 
 
 def _unknown_key(key: str, valid: list[str]) -> ConfigError:
-    """Suggest the closest keys, comparing field names within the same section."""
+    """Suggest the key of that name in another section, else the closest keys, comparing field
+    names within the same section."""
     section, _, name = key.rpartition(".")
+    elsewhere = [v for v in valid if section and v.rpartition(".")[2] == name]
     same_section = [v for v in valid if section and v.startswith(section + ".")]
+    if elsewhere:
+        return ConfigError(f"unknown config key {key!r}; did you mean {', '.join(elsewhere)}?")
     if same_section:
         names = {v.rpartition(".")[2]: v for v in same_section}
         close = [names[n] for n in difflib.get_close_matches(name, list(names), n=3, cutoff=0.5)]
@@ -758,21 +774,48 @@ def with_values(config: Config, values: dict[str, Any]) -> Config:
         if name not in hints:
             raise _unknown_key(key, _all_keys())
         changes.setdefault(section, {})[name] = _coerce(key, value, hints[name])
-    replaced = {s: dataclasses.replace(getattr(config, s), **c) for s, c in changes.items()}
+    replaced = {}
+    for section, changed in changes.items():  # rebuilt, so that derived fields follow
+        old = getattr(config, section)
+        kept = {
+            field.name: getattr(old, field.name)
+            for field in dataclasses.fields(old)
+            if f"{section}.{field.name}" in config.explicit and field.name not in changed
+        }
+        replaced[section] = type(old)(**kept, **changed)
     derived = dataclasses.replace(config, **replaced)
     derived.explicit = config.explicit | frozenset(values)
     return derived
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """`train.steps=50` -> (['train', 'steps'], 50); the value is parsed as YAML."""
+    """`train.steps=50` -> (['train', 'steps'], 50); the value is parsed as YAML, except that
+    a text field takes the text as typed (YAML would read `train.out_dir=007` as 7), `null`
+    and an empty value meaning none."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value")
     key, value = text.split("=", 1)
     parts = key.strip().split(".")
     if len(parts) != 2:
         raise ConfigError(f"override key {key!r} must be section.key, e.g. train.steps")
-    return parts, yaml.safe_load(value) if value.strip() else None
+    raw = value.strip()
+    if not raw or raw in ("null", "~"):
+        return parts, None
+    if _is_text(*parts) and raw[0] not in "'\"":
+        return parts, raw
+    try:
+        return parts, yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        raise ConfigError(
+            f"override {text!r}: the value is not valid YAML ({_yaml_problem(exc)}); quote it"
+        ) from None
+
+
+def _is_text(section: str, name: str) -> bool:
+    """Whether config field section.name holds text (str, or str | None)."""
+    cls = _sections().get(section)
+    annotation = _section_types(cls).get(name) if cls else None
+    return str in (annotation, *typing.get_args(annotation))
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megalite.errors import MegaliteError
+from megalite.errors import ConfigError, MegaliteError
 from megalite.parallel_dims import ParallelDims
 
 
@@ -138,7 +138,7 @@ def choose_device(requested: str = "auto") -> torch.device:
     """CUDA when present (or asked for), else CPU; the code path is the same."""
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise MegaliteError("train.device=cuda but CUDA is not available: use auto or cpu")
+            raise ConfigError("train.device=cuda but CUDA is not available: use auto or cpu")
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         return torch.device("cuda", local_gpu(local_rank, torch.cuda.device_count()))
     return torch.device("cpu")

@@ -17,6 +17,8 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
+from megalite.commands import non_negative_float, positive_int
+
 if TYPE_CHECKING:  # the CLI imports this module for its parser: keep torch out of that
     from megalite.profiling.estimate import LayoutEstimate, StageEstimate
 
@@ -196,7 +198,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0],
     )
     cmd.add_argument("--config", help="YAML config (see configs/); defaults when omitted")
-    cmd.add_argument("--world-size", type=int, required=True, metavar="N", help="ranks in all")
+    cmd.add_argument(
+        "--world-size", type=positive_int, required=True, metavar="N", help="ranks in all"
+    )
     cmd.add_argument(
         "--device",
         choices=("cuda", "cpu"),
@@ -205,7 +209,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     cmd.add_argument(
         "--cuda-context",
-        type=float,
+        type=non_negative_float,
         metavar="GIB",
         help="CUDA context per process added to the nvidia-smi view (default 0.75)",
     )

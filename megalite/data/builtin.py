@@ -71,7 +71,14 @@ def _build(build: Path, vocab_size: int) -> None:
         f.writelines(
             json.dumps({"text": book.strip("\n") + "\n"}) + "\n" for book in text.split("\n\n")
         )
-    model = train_tokenizer([build / "kjv.txt"], build / "tokenizer", vocab_size)
+    try:
+        model = train_tokenizer([build / "kjv.txt"], build / "tokenizer", vocab_size)
+    except DataError as error:
+        raise DataError(
+            f"the builtin corpus cannot train a tokenizer of model.vocab_size={vocab_size} "
+            "pieces: choose another model.vocab_size (the tiny configs use 8000), or prepare "
+            f"data of your own ({error})"
+        ) from None
     prepare_corpus([books], Tokenizer(model), build / "tokens", progress=False)
     (build / "kjv.txt").unlink()
     books.unlink()

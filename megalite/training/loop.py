@@ -143,18 +143,20 @@ def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
         preemption,  # last: it sees whether this step was saved
     ]
     try:
-        row = run_steps(run, state, data.train, cost, hooks)
-    except Preempted as stop:  # a clean stop, its step saved: close the logs and sum up
-        summary.checkpoint = stop.checkpoint
-        close_run(hooks, summary, ps)
-        raise
-    except TrainingError:  # every rank stops alike: publish the save still being written
-        saver.finish()
-        raise
+        try:
+            row = run_steps(run, state, data.train, cost, hooks)
+        except Preempted as stop:  # a clean stop, its step saved: close the logs and sum up
+            summary.checkpoint = stop.checkpoint
+            close_run(hooks, summary, ps)
+            raise
+        except TrainingError:  # every rank stops alike: publish the save still being written
+            saver.finish()
+            raise
+        finally:
+            watchdog.close()  # its threads must not outlive the steps, however they end
+        close_run(hooks, summary, ps)  # a signal now waits for the last save's publishing
     finally:
-        watchdog.close()  # its threads must not outlive the steps, however they end
-        preemption.close()  # nor its signal handlers
-    close_run(hooks, summary, ps)
+        preemption.close()  # its signal handlers must not outlive the run
     return row
 
 
@@ -251,9 +253,16 @@ def open_data(cfg: Config, cache_dir: Path | None = None) -> Data:
     several (`data.source="0.7 a 0.3 b"`). Collective."""
     d, seq = cfg.data, cfg.model.seq_len
     if d.source == "builtin":
+        failure = None
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one process per node builds the cache
-            builtin_data(cfg.model.vocab_size, cache_dir)
-        comm.barrier()
+            try:
+                builtin_data(cfg.model.vocab_size, cache_dir)
+            except DataError as error:
+                failure = error
+        if comm.any_rank(failure is not None):  # the others wait here, as at a barrier
+            echo = DataError("the builtin corpus could not be made (a node's first rank says why)")
+            echo.same_on_every_rank = True
+            raise failure or echo
         prefix, tokenizer = builtin_data(cfg.model.vocab_size, cache_dir)
         blend = [(1.0, prefix)]
     else:

@@ -99,22 +99,27 @@ def _same_file(fd: int, path: Path) -> bool:
 
 def lock_out_dir(out_dir: Path, ps: ParallelState) -> RunLock | None:
     """Collective: global rank 0 takes the lock of `out_dir` (and returns it; the other ranks
-    get None); if another run holds it, every rank raises RunLockError, rank 0's naming the
-    holder."""
+    get None); if another run holds it, or the directory cannot be made or locked, every rank
+    raises RunLockError, rank 0's saying why."""
     lock, error = None, None
     if ps.rank == 0:
         try:
             lock = RunLock.acquire(out_dir)
         except RunLockError as exc:
             error = exc
+        except OSError as exc:  # not a directory, no permission, no flock on this filesystem
+            error = RunLockError(
+                f"cannot use train.out_dir={out_dir}: {exc.strerror or exc} "
+                f"({exc.filename or out_dir}); choose another train.out_dir"
+            )
     refused = torch.tensor(float(error is not None), device=ps.device)
     comm.all_reduce_max(refused, ps.world_group)
     if error is not None:
         raise error
     if refused.item():
         echo = RunLockError(
-            f"another run is using {Path(out_dir)} (rank 0 says which): wait for it to end, "
-            "stop it, or use another train.out_dir"
+            f"rank 0 cannot take {Path(out_dir)} for this run (it says why): wait for the run "
+            "using it to end, or use another train.out_dir"
         )
         echo.same_on_every_rank = True  # rank 0 prints its own message, naming the holder
         raise echo

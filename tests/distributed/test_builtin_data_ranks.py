@@ -28,3 +28,21 @@ def test_local_rank_zero_builds_the_builtin_cache_alone(tmp_path):
     results = run_ranks(3, _open_and_count, str(tmp_path))
     assert [builds for builds, _ in results] == [1, 0, 0]
     assert len({windows for _, windows in results}) == 1 and results[0][1] > 0
+
+
+def _open_unbuildable(cache: str) -> str:
+    from megalite.data import DataError
+
+    try:
+        open_data(load_config(None, [*TINY, "model.vocab_size=1000000"]), cache_dir=Path(cache))
+    except DataError as error:
+        return f"{'echo' if error.same_on_every_rank else 'own'}: {error}"
+    return "opened"
+
+
+def test_a_cache_that_cannot_be_built_stops_every_rank_with_the_fix(tmp_path):
+    """Local rank 0 fails to build it: every rank stops with a DataError (rank 0 its own, naming
+    model.vocab_size; the others an echo that only rank 0 would print), none left waiting."""
+    own, echo = run_ranks(2, _open_unbuildable, str(tmp_path))
+    assert own.startswith("own: the builtin corpus cannot train a tokenizer of model.vocab_size")
+    assert echo == "echo: the builtin corpus could not be made (a node's first rank says why)"

@@ -92,3 +92,34 @@ def test_sigterm_to_a_process_exits_with_the_preemption_code_after_saving(builti
         step_dir(tmp_path / "checkpoints", last_step)
     ]
     assert f"preempted (SIGTERM) after step {last_step}" in out
+
+
+LATE_SIGNAL = """
+import os, signal, sys
+from megalite.checkpoint.saver import CheckpointSaver
+finish = CheckpointSaver.finish
+def signalled(self):  # the signal arrives while the last step's save is still being written
+    if self._pending is not None:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return finish(self)
+CheckpointSaver.finish = signalled
+from megalite.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_signal_while_the_last_save_is_written_waits_for_it(builtin_corpus, tmp_path):
+    """After the last step, the handlers stay in until its (background) save is published: a
+    preemption signal then finds a finished run, which exits 0 with its checkpoint, rather
+    than one killed with the save half written."""
+    extra = ["train.steps=3", "checkpoint.async_save=true", f"train.out_dir={tmp_path}"]
+    job = subprocess.run(
+        [sys.executable, "-c", LATE_SIGNAL, "train", *CONFIG, *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert complete_checkpoints(tmp_path / "checkpoints")[-1] == step_dir(
+        tmp_path / "checkpoints", 3
+    )

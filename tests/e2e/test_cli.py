@@ -1,6 +1,7 @@
 """End to end through the real command line, `python -m megalite ...` in subprocesses: training
 both architectures (each run ending with its summary line), sampling from a run directory,
-resuming after a crash, and the one-line errors for bad input.
+resuming after a crash, and the one-line errors for bad input (usage errors in-process, through
+`cli.main`).
 
 Independent commands run concurrently (each with one thread) to keep the wall time down."""
 
@@ -12,6 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from megalite.cli import main
 
 VOCAB = 500
 TIMEOUT_S = 240
@@ -259,3 +263,34 @@ def test_export_hf_gives_the_same_logits_in_transformers(runs, arch, tmp_path):
         f"error: {hf_dir} already exists: choose another --out, or remove it first"
     ]
     assert {p.name: p.stat().st_mtime_ns for p in hf_dir.iterdir()} == before
+
+
+def test_a_usage_error_is_printed_by_rank_0_alone(monkeypatch, capsys):
+    """torchrun starts every rank with the same command line: one usage error for the job."""
+    for rank, printed in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_:
+            main(["train", "--confg", "configs/gpt-tiny.yaml"])
+        assert exit_.value.code == 2
+        assert ("unrecognized arguments: --confg" in capsys.readouterr().err) == printed
+
+
+def test_flags_out_of_range_are_usage_errors(capsys):
+    for argv, said in [
+        (["estimate", "--world-size", "0"], "--world-size: invalid positive int value: '0'"),
+        (["estimate", "--world-size", "2", "--cuda-context", "-5"], "non-negative number"),
+        (["generate", "--checkpoint", "x", "--top-k", "-1"], "invalid non-negative int value"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
+def test_cuda_asked_for_where_there_is_none_is_a_config_error():
+    from megalite.errors import ConfigError
+    from megalite.parallel_state import choose_device
+
+    with pytest.raises(ConfigError, match="CUDA is not available") as info:
+        choose_device("cuda")
+    assert info.value.same_on_every_rank  # printed once for the job

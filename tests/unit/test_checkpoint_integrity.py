@@ -135,6 +135,14 @@ def test_a_second_run_on_an_out_dir_is_refused_and_a_killed_runs_lock_does_not_b
     assert not (halfway / LOCK_FILE).exists()  # a run that ends removes its lock
 
 
+def test_an_out_dir_that_cannot_be_made_is_one_error(tmp_path):
+    """Under a file, or where mkdir is refused: one line naming the directory, before any work."""
+    (tmp_path / "file").write_text("")
+    for out_dir in (tmp_path / "file" / "run", Path("/proc/megalite-run")):
+        with pytest.raises(RunLockError, match=rf"cannot use train.out_dir={out_dir}: .*another"):
+            train(config(out_dir))
+
+
 # ----------------------------------------------------------------------------- metrics rows
 
 
