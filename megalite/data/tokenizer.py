@@ -212,7 +212,8 @@ class Tokenizer:
 
     def save_for_transformers(self, directory: Path) -> None:
         """The model as `tokenizer.model`, with a config that lets `AutoTokenizer` encode exactly
-        as megalite does: no BOS/EOS added, no space prefixed, pieces taken as they are."""
+        as megalite does: no BOS/EOS added, no space prefixed, pieces taken as they are, and the
+        text "</s>" read as text (sentencepiece never makes a special token of it)."""
         shutil.copyfile(self.path, Path(directory) / self.file_name)
         special = {"unk_token": self.unk_id, "bos_token": self.bos_id, "eos_token": self.eos_id}
         config = {
@@ -221,6 +222,7 @@ class Tokenizer:
             "add_eos_token": False,
             "add_prefix_space": False,
             "legacy": True,
+            "split_special_tokens": True,
             **{name: self.piece(i) for name, i in special.items() if i >= 0},
         }
         (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config, indent=2))

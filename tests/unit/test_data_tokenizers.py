@@ -20,6 +20,7 @@ from megalite.data import (
 )
 
 TEXTS = ["In the beginning God created\n\nthe heaven.", "  spaces,\ttabs, café 漢字 🙂\n", ""]
+SPECIALS = ["<s> literal", "a </s> b <unk>"]  # text: megalite's sentencepiece reads it as text
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def test_each_kind_round_trips_and_loads_in_transformers(corpus, tmp_path, kind)
     (tmp_path / "hf").mkdir()
     tok.save_for_transformers(tmp_path / "hf")
     auto = AutoTokenizer.from_pretrained(tmp_path / "hf")
-    for text in TEXTS:
+    for text in TEXTS + (SPECIALS if kind == "sentencepiece" else []):
         assert auto(text)["input_ids"] == tok.encode(text), text
     assert auto.eos_token_id == tok.eos_id
     assert open_tokenizer(tmp_path / "hf").encode(TEXTS[0]) == tok.encode(TEXTS[0])
