@@ -155,6 +155,8 @@ def _run(argv: list[str] | None) -> tuple[int, bool]:
     except MegaliteError as exc:
         report_error(exc)
         code = 2
+    except SystemExit as stop:  # a preemption (75): through entry_point's exit like any code
+        code = stop.code
     finally:
         joined = _leave_world()
     return code, joined
