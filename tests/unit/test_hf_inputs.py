@@ -17,9 +17,18 @@ from megalite.config import config_to_dict, load_config
 from megalite.generate import generate
 from megalite.training.loop import train
 
-LLAMA = ["model.arch=llama", "model.n_layers=1", "model.hidden=32", "model.n_heads=4"]
-LLAMA += ["model.n_kv_heads=2", "model.ffn_hidden=64", "model.vocab_size=100", "model.seq_len=16"]
-LLAMA += ["model.norm_eps=1e-6"]  # transformers' default
+SHAPE = ["model.hidden=32", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2"]
+SHAPE += ["model.ffn_hidden=64", "model.vocab_size=100"]
+HF_SHAPE = dict(
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    vocab_size=100,
+)
+"""One tiny model's shape, as megalite's overrides and as transformers' config fields."""
+LLAMA = ["model.arch=llama", *SHAPE, "model.seq_len=16", "model.norm_eps=1e-6"]
 
 
 def _gpt2(tmp_path: Path, **settings) -> dict:
@@ -40,19 +49,9 @@ def test_a_gpt2_with_a_head_of_its_own_is_refused(tmp_path):
 def test_a_mixtral_asked_to_route_otherwise_names_the_settings(tmp_path):
     from transformers import MixtralConfig
 
-    raw = MixtralConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    ).to_dict()
-    overrides = ["model.arch=mixtral", "model.hidden=32", "model.n_layers=1", "model.n_heads=4"]
-    overrides += ["model.n_kv_heads=2", "model.ffn_hidden=64", "model.vocab_size=100"]
-    overrides += ["model.moe_experts=4", "model.moe_router=sigmoid", "model.moe_shared_experts=1"]
+    raw = MixtralConfig(**HF_SHAPE, num_local_experts=4, num_experts_per_tok=2).to_dict()
+    overrides = ["model.arch=mixtral", *SHAPE, "model.moe_experts=4", "model.moe_router=sigmoid"]
+    overrides += ["model.moe_shared_experts=1"]
     m = load_config(None, overrides).model
     with pytest.raises(
         CheckpointError, match="model.moe_router=softmax model.moe_shared_experts=0"
@@ -73,15 +72,7 @@ def _llama_shards(tmp_path: Path) -> Path:
     """A tiny Llama saved in two shards with their index, as published models are."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-        max_position_embeddings=16,
-    )
+    config = LlamaConfig(**HF_SHAPE, max_position_embeddings=16)
     LlamaForCausalLM(config).save_pretrained(tmp_path, max_shard_size="20KB")
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
     return tmp_path
