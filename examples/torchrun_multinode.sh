@@ -10,7 +10,9 @@
 #   shards there (megalite checks this at start).
 # - Restarts: when a rank dies, torchrun stops the others and restarts all of them (up to
 #   MAX_RESTARTS times); they resume from the newest complete checkpoint, losing at most the
-#   steps since it (keep checkpoint.interval short enough for that to be cheap).
+#   steps since it (keep checkpoint.interval short enough for that to be cheap). torchrun
+#   restarts on a bad config too (exit 2): check a new one first with
+#   `megalite estimate --config ... --world-size N`, which refuses what train would.
 # - Elastic: NNODES=2:4 lets the job run on 2 to 4 nodes; after a node is lost or added, it
 #   resumes in the layout the config gives for the new world size with the same global batch
 #   (more or fewer micro-batches per step), and rank 0 prints what changed. tp * pp must divide
