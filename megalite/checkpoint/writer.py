@@ -364,9 +364,14 @@ def _write_manifest(snapshot: Snapshot, world_size: int) -> list[int]:
         (tmp_dir / index_file(rank)).unlink()
     for entry in manifest["tensors"].values():
         entry["segments"].sort()
-    manifest[MANIFEST_CHECKSUM] = manifest_checksum(manifest)
-    write_atomic(tmp_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+    _save_manifest(tmp_dir, manifest)
     return []
+
+
+def _save_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """`manifest` into checkpoint `directory`, with its own checksum, atomically."""
+    manifest[MANIFEST_CHECKSUM] = manifest_checksum(manifest)
+    write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
 def _publish(snapshot: Snapshot, keep: int) -> None:
@@ -398,8 +403,8 @@ def last_good_states(root: Path) -> list[Path]:
     newest = newest_good_checkpoint(root)
     if newest is None:
         return []
-    before = [p for p in complete_checkpoints(root) if step_of(p) < step_of(newest)]
-    return [*[p for p in before if is_good(p)][-1:], newest]
+    before = _newest_good_before(root, step_of(newest))
+    return [newest] if before is None else [before, newest]
 
 
 def adopt_as_latest(root: Path, resumed: Path, ps: ParallelState) -> None:
@@ -418,11 +423,11 @@ def demote_from(root: Path, step: int, ps: ParallelState) -> Path | None:
     `latest` at the newest good checkpoint before them, which is returned (None: there is
     none)."""
     root = Path(root)
-    complete = complete_checkpoints(root) if root.is_dir() else []
-    earlier_good = [p for p in complete if step_of(p) < step and is_good(p)]
-    last_good = earlier_good[-1] if earlier_good else None
+    if not root.is_dir():
+        return None
+    last_good = _newest_good_before(root, step)
     if ps.rank == 0:
-        for path in complete:
+        for path in complete_checkpoints(root):
             if step_of(path) >= step and is_good(path):
                 with contextlib.suppress(OSError, ValueError):  # unreadable: loading refuses it
                     _mark_bad(path)
@@ -434,8 +439,13 @@ def demote_from(root: Path, step: int, ps: ParallelState) -> Path | None:
 def _mark_bad(path: Path) -> None:
     manifest = json.loads((path / MANIFEST).read_text())
     manifest["good"] = False
-    manifest[MANIFEST_CHECKSUM] = manifest_checksum(manifest)
-    write_atomic(path / MANIFEST, json.dumps(manifest, indent=1).encode())
+    _save_manifest(path, manifest)
+
+
+def _newest_good_before(root: Path, step: int) -> Path | None:
+    """The newest complete checkpoint under `root` saved as good before `step`."""
+    good = [p for p in complete_checkpoints(root) if step_of(p) < step and is_good(p)]
+    return good[-1] if good else None
 
 
 def _set_aside(path: Path) -> Path:

@@ -128,8 +128,9 @@ class BlendedDataset:
         ids = tokenizer.encode(PROBE)
         for dataset in self.datasets:
             recorded = dataset.meta.get("tokenizer_probe")
-            if recorded is None and dataset.tokenizer_path.is_file():
-                recorded = open_tokenizer(dataset.tokenizer_path).encode(PROBE)
+            named = dataset.tokenizer_path
+            if recorded is None and named.is_file() and named.resolve() != tokenizer.path.resolve():
+                recorded = open_tokenizer(named).encode(PROBE)
             meta = (dataset.meta["vocab_size"], dataset.meta["eos_id"])
             if meta != (tokenizer.vocab_size, tokenizer.eos_id) or recorded not in (None, ids):
                 raise DataError(

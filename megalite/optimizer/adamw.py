@@ -93,6 +93,12 @@ def rounding_noise(start: int, seed: int, out: torch.Tensor, work: torch.Tensor)
     logical by masking."""
     torch.arange(out.numel(), out=out)
     out.mul_(_int32(WEYL)).add_(_int32(start * WEYL + seed))
+    return _mix(out, work)
+
+
+def _mix(out: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+    """`rounding_noise` from the Weyl values (index * WEYL + seed) in `out`: their fmix32, top
+    16 bits."""
     for shift, multiplier in ((16, FMIX1), (13, FMIX2)):  # h ^= h >> s; h *= c
         torch.bitwise_right_shift(out, shift, out=work).bitwise_and_((1 << 32 - shift) - 1)
         out.bitwise_xor_(work).mul_(_int32(multiplier))
@@ -197,15 +203,18 @@ class AdamW:
     def _noise(
         self, segments: list[NoiseSegment], lo: int, hi: int, out: torch.Tensor, work: torch.Tensor
     ) -> torch.Tensor:
-        """The rounding noise of a piece's elements [lo, hi) into `out` (`work`: scratch)."""
-        out.zero_()
+        """The rounding noise of a piece's elements [lo, hi) into `out` (`work`: scratch): each
+        segment's `rounding_noise`, in one hash of the chunk. Element p of a segment has Weyl
+        value (index + p - segment.lo) * WEYL + its seed, which is p * WEYL plus the segment's
+        constant: one add per segment, then one mix for all (padding mixes p * WEYL, which any
+        noise leaves at zero)."""
+        torch.arange(lo, hi, out=out).mul_(_int32(WEYL))
         for segment in segments:
             a, b = max(segment.lo, lo), min(segment.hi, hi)
             if a < b:
                 seed = noise_seed(self.step, segment.tensor_key)
-                start = segment.index + a - segment.lo
-                rounding_noise(start, seed, out[a - lo : b - lo], work[a - lo : b - lo])
-        return out
+                out[a - lo : b - lo].add_(_int32((segment.index - segment.lo) * WEYL + seed))
+        return _mix(out, work)
 
     def _kernel(self, master, grads, exp_avg, exp_avg_sq, decay, lr: float) -> None:
         """torch's fused AdamW on the decayed and the undecayed ranges of one fp32 piece."""

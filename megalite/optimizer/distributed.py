@@ -55,33 +55,41 @@ class ShardState:
     """The global tensors whose elements the piece holds, for bf16 moments' rounding noise."""
 
 
-def _ranges(buffer: GradBuffer, start: int, end: int, include) -> list[tuple[int, int]]:
-    """Where the global tensors `include` selects by their meta (a fused parameter's parts
-    each by its own) meet buffer[start:end], relative to start, with adjacent ranges merged."""
-    ranges: list[tuple[int, int]] = []
+def _meetings(
+    buffer: GradBuffer, start: int, end: int, names: dict[nn.Parameter, str]
+) -> Iterator[tuple[str, ParamMeta, nn.Parameter, int, int, int]]:
+    """Where each global tensor (a fused parameter's parts each by its own) meets
+    buffer[start:end]: (its global name, its meta, the parameter holding it, lo, hi relative to
+    start, and the index in the tensor's local piece, flattened, where the meeting begins)."""
     for param in buffer.params:
-        for _, meta, part_lo, part_hi in param_parts("", param):
-            lo = max(start, buffer.offsets[param] + part_lo)
-            hi = min(end, buffer.offsets[param] + part_hi)
-            if lo < hi and include(meta):
-                _append_merged(ranges, lo - start, hi - start)
+        p_start = buffer.offsets[param]
+        for name, meta, part_lo, part_hi in param_parts(names[param], param):
+            lo, hi = max(start, p_start + part_lo), min(end, p_start + part_hi)
+            if lo < hi:
+                yield name, meta, param, lo - start, hi - start, lo - p_start - part_lo
+
+
+def _ranges(
+    buffer: GradBuffer, start: int, end: int, names: dict[nn.Parameter, str], include
+) -> list[tuple[int, int]]:
+    """Where the global tensors `include` selects by their meta meet buffer[start:end],
+    relative to start, with adjacent ranges merged."""
+    ranges: list[tuple[int, int]] = []
+    for _, meta, _, lo, hi, _ in _meetings(buffer, start, end, names):
+        if include(meta):
+            _append_merged(ranges, lo, hi)
     return sorted(ranges)
 
 
 def _noise_segments(
     buffer: GradBuffer, start: int, end: int, names: dict[nn.Parameter, str]
 ) -> list[NoiseSegment]:
-    """Where each global tensor (a tied copy: the one it copies) meets buffer[start:end],
-    relative to start, with the index in this rank's piece of it where the meeting begins."""
-    segments = []
-    for param in buffer.params:
-        p_start = buffer.offsets[param]
-        for name, meta, part_lo, part_hi in param_parts(names[param], param):
-            lo, hi = max(start, p_start + part_lo), min(end, p_start + part_hi)
-            if lo < hi:
-                key = tensor_key(meta.tied_name or name)
-                segments.append(NoiseSegment(lo - start, hi - start, key, lo - p_start - part_lo))
-    return segments
+    """Where each global tensor (a tied copy: the one it copies) meets buffer[start:end], for
+    the rounding noise of its elements."""
+    return [
+        NoiseSegment(lo, hi, tensor_key(meta.tied_name or name), index)
+        for name, meta, _, lo, hi, index in _meetings(buffer, start, end, names)
+    ]
 
 
 def _append_merged(ranges: list[tuple[int, int]], lo: int, hi: int) -> None:
@@ -125,8 +133,8 @@ class DistributedOptimizer:
                     master=master,
                     exp_avg=self.adamw.zeros(master.numel()),
                     exp_avg_sq=self.adamw.zeros(master.numel()),
-                    decay=_ranges(buffer, start, end, lambda meta: meta.weight_decay),
-                    counted=_ranges(buffer, start, end, self._counts_in_norm),
+                    decay=_ranges(buffer, start, end, names, lambda meta: meta.weight_decay),
+                    counted=_ranges(buffer, start, end, names, self._counts_in_norm),
                     noise=_noise_segments(buffer, start, end, names),
                 )
             )
@@ -216,19 +224,11 @@ class DistributedOptimizer:
         owns, with no gather over dp."""
         for state in self.states:
             end = state.start + state.master.numel()
-            for param in state.buffer.params:
-                name, p_start = self.names[param], state.buffer.offsets[param]
-                pieces = global_tensors({name: param})
-                for part_name, _, part_lo, part_hi in param_parts(name, param):
-                    lo = max(state.start, p_start + part_lo)
-                    hi = min(end, p_start + part_hi)
-                    if lo < hi:
-                        views = {
-                            k: getattr(state, k)[lo - state.start : hi - state.start]
-                            for k in STATE_KINDS
-                        }
-                        start = p_start + part_lo
-                        yield part_name, pieces[part_name], lo - start, hi - start, views
+            meetings = _meetings(state.buffer, state.start, end, self.names)
+            for name, _, param, lo, hi, index in meetings:
+                views = {kind: getattr(state, kind)[lo:hi] for kind in STATE_KINDS}
+                piece = global_tensors({self.names[param]: param})[name]
+                yield name, piece, index, index + hi - lo, views
 
     @torch.no_grad()
     def load_pieces(

@@ -39,23 +39,22 @@ class Preempted(SystemExit):
     """Raised on every rank once the preempted step is saved; exits the process with
     PREEMPTED_EXIT_CODE (a SystemExit: no traceback)."""
 
-    def __init__(
-        self, reason: str, step: int, checkpoint: Path | None, continues_from: Path | None
-    ) -> None:
+    def __init__(self, reason: str, step: int, checkpoint: Path | None) -> None:
         super().__init__(PREEMPTED_EXIT_CODE)
         self.reason, self.step, self.checkpoint = reason, step, checkpoint
-        self.continues_from = continues_from
-        """What the same command resumes from: the save itself, or (saved during a bad-step
-        streak, so marked bad) the newest good checkpoint; None where there is none."""
 
     def __str__(self) -> str:
+        """The line rank 0 prints, with what the same command continues from: the save itself,
+        or (saved during a bad-step streak, so marked bad) the newest good checkpoint, read from
+        their directory here, by the one rank that says it."""
         saved = f"preempted ({self.reason}) after step {self.step}, saved as {self.checkpoint}"
-        if self.continues_from == self.checkpoint:
+        if self.checkpoint is None or is_good(self.checkpoint):
             return (
                 f"{saved}; exit code {PREEMPTED_EXIT_CODE}: run the same command again to continue"
             )
         bad = f"{saved}, marked bad (a bad-step streak was running)"
-        if self.continues_from is None:
+        continues_from = newest_good_checkpoint(self.checkpoint.parent)
+        if continues_from is None:
             return (
                 f"{bad}; exit code {PREEMPTED_EXIT_CODE}, but there is no good checkpoint to "
                 f"continue from: continue the streak with checkpoint.resume={self.checkpoint}, "
@@ -63,7 +62,7 @@ class Preempted(SystemExit):
             )
         return (
             f"{bad}; exit code {PREEMPTED_EXIT_CODE}: the same command continues from "
-            f"{self.continues_from}, the newest good checkpoint"
+            f"{continues_from}, the newest good checkpoint"
         )
 
 
@@ -127,9 +126,7 @@ class Preemption(Hook):
         checkpoint = self.finish() or checkpoint  # an asynchronous save is published here
         reason = self.signals.received or "a signal to another rank"
         self.signals.restore()
-        good = checkpoint is None or is_good(checkpoint)
-        continues_from = checkpoint if good else newest_good_checkpoint(checkpoint.parent)
-        stop = Preempted(reason, record.step, checkpoint, continues_from)
+        stop = Preempted(reason, record.step, checkpoint)
         if self.ps.rank == 0:
             print(stop, flush=True)
         raise stop

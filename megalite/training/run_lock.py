@@ -15,8 +15,6 @@ import socket
 import time
 from pathlib import Path
 
-import torch
-
 from megalite import comm
 from megalite.errors import MegaliteError
 from megalite.parallel_state import ParallelState
@@ -112,15 +110,11 @@ def lock_out_dir(out_dir: Path, ps: ParallelState) -> RunLock | None:
                 f"cannot use train.out_dir={out_dir}: {exc.strerror or exc} "
                 f"({exc.filename or out_dir}); choose another train.out_dir"
             )
-    refused = torch.tensor(float(error is not None), device=ps.device)
-    comm.all_reduce_max(refused, ps.world_group)
-    if error is not None:
-        raise error
-    if refused.item():
+    if comm.any_rank(error is not None):
         echo = RunLockError(
             f"rank 0 cannot take {Path(out_dir)} for this run (it says why): wait for the run "
             "using it to end, or use another train.out_dir"
         )
         echo.same_on_every_rank = True  # rank 0 prints its own message, naming the holder
-        raise echo
+        raise error or echo
     return lock

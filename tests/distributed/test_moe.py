@@ -9,7 +9,11 @@ import json
 import shutil
 
 import pytest
+import torch
 from equivalence import TINY, assert_equivalent, assert_same_losses, reference, run_layout
+
+from megalite.context_parallel.layout import local_chunks, shard_sequence
+from megalite.launch import run_ranks
 
 MIXTRAL = (
     "model.arch=mixtral",
@@ -193,9 +197,10 @@ def test_capacity_is_taken_over_the_micro_batch_in_every_layout(
 ):
     """GShard's capacity is over a micro-batch's tokens in window order, as one process takes
     it, whichever ranks hold them (SP shards, cp chunks): the same pairs are dropped, and the
-    same count is reported. (Weights within 5e-5, not 3e-5: an expert the capacity starves
-    gets gradients from a few tokens, and Adam's division by sqrt(v) magnifies their rounding;
-    seen 3.2e-5 at tp 2 + SP, with every loss within 1e-7 and the same drops at every step.)"""
+    same count is reported. (Weights within 5e-5, not 3e-5: seen 3.2e-5 at tp 2 + SP, against
+    6.6e-6 dropless, in the expert whose tokens the capacity cuts, whose few gradients Adam's
+    division by sqrt(v) magnifies; the losses are equal, and the keep masks are the single
+    process's mask for mask: `test_capacity_keeps_the_pairs_one_process_keeps`.)"""
     assert_equivalent(
         world, CAPPED, layout, tmp_path / "layout", weight_rtol=5e-5, norm_rtol=NORM_RTOL
     )
@@ -230,3 +235,45 @@ def test_dropped_pairs_are_not_computed(builtin_corpus, monkeypatch):
     tokens = cfg.train.micro_batch_size * m.seq_len
     most = m.moe_experts * math.ceil(0.5 * tokens * m.moe_top_k / m.moe_experts)
     assert metrics.dropped_tokens > 0 and rows and max(rows) <= most
+
+
+def _keep_masks(tp: int, cp: int) -> list:
+    """Every training forward's keep mask (this rank's tokens) over 4 steps of fixed windows."""
+    import megalite.models.mixtral.moe as moe_module
+
+    from megalite.config import load_config
+    from megalite.parallel_state import build_parallel_state
+    from megalite.training.setup import build_run
+    from megalite.training.step import train_step
+
+    layout = [f"parallel.tp={tp}", f"parallel.sp={str(tp > 1).lower()}", f"parallel.cp={cp}"]
+    cfg = load_config(None, [*TINY, *CAPPED, *layout])
+    run = build_run(cfg, build_parallel_state(tp, 1, torch.device("cpu"), cp=cp))
+    masks, decide = [], moe_module.MoE.within_capacity
+
+    def recorded(moe, experts):
+        keep = decide(moe, experts)
+        if moe.training:
+            masks.append(keep.view(-1, cfg.model.seq_len // cp, keep.shape[-1]).clone())
+        return keep
+
+    moe_module.MoE.within_capacity = recorded
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        train_step(
+            run, torch.randint(0, 500, (8, cfg.model.seq_len + 1), generator=generator), 3e-3
+        )
+    return masks
+
+
+@pytest.mark.parametrize("tp, cp", [(2, 1), (1, 2)], ids=["tp2-sp", "cp2"])
+def test_capacity_keeps_the_pairs_one_process_keeps(tp, cp):
+    """Mask for mask, every layer and micro-batch: the tp group's tokens under SP, and under cp
+    this rank's chunks of the single process's windows."""
+    (single,) = run_ranks(1, _keep_masks, 1, 1)
+    assert sum(int((~mask).sum()) for mask in single) > 0
+    for rank, masks in enumerate(run_ranks(tp * cp, _keep_masks, tp, cp)):
+        chunks = local_chunks(single[0].shape[1], cp, rank if cp > 1 else 0)
+        expected = [shard_sequence(mask, chunks) for mask in single]
+        assert len(masks) == len(expected)
+        assert all(map(torch.equal, masks, expected)), rank

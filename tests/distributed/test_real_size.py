@@ -25,6 +25,8 @@ Grid (world size, what it covers), and one resume across layouts at these sizes:
     4  llama cp 2 pp 2, document masks: the data path of masking (the last stage reads the
                              tokens too, both stages carry the layout; few windows hold a book's
                              end, so the boundaries themselves are test_document_mask's)
+    8  mixtral ep 2 cp 2 tp 2 sp, capacity 1.0: the drops decided over the whole windows from
+                             32-token SP shards of 64-token cp chunks, 8 experts
     8  gpt   tp 2 sp pp 2 zero 1 (dp 2)   the README's 8-rank example
 """
 
@@ -114,6 +116,12 @@ CASES = {
         MIXTRAL,
         _batch(8, 16),
         ("parallel.ep=2", "parallel.tp=2", "parallel.sp=true"),
+    ),
+    "mixtral-capped-ep2-cp2-tp2-sp": (
+        8,
+        MIXTRAL,
+        _batch(8, 16) + ("model.moe_capacity_factor=1.0",),
+        ("parallel.ep=2", "parallel.cp=2", "parallel.tp=2", "parallel.sp=true"),
     ),
     "gpt-3d-readme": (
         8,

@@ -230,3 +230,25 @@ def test_a_checkpoint_resumes_into_the_other_state_dtype(tmp_path, saved_as, res
         assert torch.equal(mine, saved.to(dtype))  # bf16 -> fp32 exact, fp32 -> bf16 rounded
     for mine, saved in zip(resumed.optimizer.states, run.optimizer.states, strict=True):
         assert torch.equal(mine.master, saved.master)
+
+
+def test_a_piece_draws_each_tensors_noise_in_one_hash():
+    """A piece of three tensors' elements and padding, in chunks that cut the segments: each
+    segment's noise is `rounding_noise` of its tensor from its index on (the padding's is any),
+    whatever the chunk."""
+    segments = [NoiseSegment(0, 700, 11, 300), NoiseSegment(700, 701, 12, 0)]
+    segments += [NoiseSegment(705, 2000, 13, 40)]  # elements 701-704: padding
+    adamw = AdamW(OptimConfig(state_dtype="bf16"), torch.device("cpu"), 2000)
+    adamw.begin_step(9, 1.0)
+    for chunk in (2000, 333):
+        pieces = []
+        for lo in range(0, 2000, chunk):
+            hi = min(lo + chunk, 2000)
+            out, work = (torch.empty(hi - lo, dtype=torch.int32) for _ in range(2))
+            pieces.append(adamw._noise(segments, lo, hi, out, work))
+        noise = torch.cat(pieces)
+        for segment in segments:
+            expected = _noise(
+                segment.index, segment.hi - segment.lo, noise_seed(9, segment.tensor_key)
+            )
+            assert torch.equal(noise[segment.lo : segment.hi], expected), (chunk, segment)
