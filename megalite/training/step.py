@@ -47,9 +47,10 @@ class StepMetrics:
     this rank's layers."""
 
 
-def route_balance(run: Run) -> tuple[float | None, int | None]:
+def route_balance(run: Run, updated: bool) -> tuple[float | None, int | None]:
     """After the step, the MoE layers' routing over the global batch, in one collective for
-    all of them: each layer's bias update (DeepSeek-V3's balancing), and (the busiest expert's
+    all of them: each layer's bias update (DeepSeek-V3's balancing) when the step `updated` the
+    weights (a skipped step changes no state), and (the busiest expert's
     load over the mean, the worst layer's; (token, choice) pairs dropped), or Nones without
     experts. The loads were summed over the token shards (SP, cp) as they were counted, and
     every rank of a replica counted its micro-batches' drops whole (`MoE.within_capacity`)."""
@@ -61,7 +62,7 @@ def route_balance(run: Run) -> tuple[float | None, int | None]:
     stats = torch.cat([torch.stack([layer.load for layer in layers]), dropped[:, None]], dim=1)
     comm.all_reduce(stats, ps.dp_group)
     for layer, row in zip(layers, stats):
-        layer.take_load(row[:-1])
+        layer.take_load(row[:-1], updated)
     load = stats[:, :-1].double()
     worst = (load.amax(dim=1) / load.mean(dim=1).clamp_min(1e-9)).amax().view(1)
     lost = stats[:, -1].sum().view(1)
@@ -133,10 +134,11 @@ def train_step(
     # an fp16 overflow the scaler skips is routine; a loss that is not finite is bad all the same
     judged = not skipped or not math.isfinite(loss)
     bad = run.bad_steps.judge(loss, grad_norm, run.ps) if judged else None
-    if not skipped and bad is None:
+    updated = not skipped and bad is None
+    if updated:
         coefficient = clip_coefficient(grad_norm, cfg.optim.grad_clip)
         run.optimizer.step(lr, grad_scale=coefficient / scale)
-    imbalance, dropped = route_balance(run)
+    imbalance, dropped = route_balance(run, updated)
     wait_and_compute = torch.tensor([times.wait_s, times.compute_s], device=run.ps.device)
     comm.all_reduce(wait_and_compute, run.ps.pp_group)
     bubble = bubble_fraction(*wait_and_compute.tolist())  # of the whole pipeline

@@ -232,11 +232,12 @@ class MoE(nn.Module):
             loss = loss + cfg.moe_z_loss_coef * z_loss(logits, total)
         return loss
 
-    def take_load(self, load: torch.Tensor) -> None:
+    def take_load(self, load: torch.Tensor, updated: bool) -> None:
         """After a step, with this step's routed (token, choice) pairs per expert over the whole
         global batch (`training.step.route_balance` sums them): move the routing bias towards
-        balance (`moe_bias_update_rate`) and start counting afresh."""
-        if self.cfg.moe_bias_update_rate:
+        balance (`moe_bias_update_rate`) if the step `updated` the weights (a skipped step, an
+        fp16 overflow or a bad step, leaves the bias too), and start counting afresh."""
+        if self.cfg.moe_bias_update_rate and updated:
             update_bias(self.expert_bias, load, self.cfg.moe_bias_update_rate)
         self.load.zero_()
         self.dropped.zero_()

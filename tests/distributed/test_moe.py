@@ -146,9 +146,9 @@ def test_bias_balancing_moves_the_routing_bias(builtin_corpus):
     loads = []
     for moe in moes:  # record each layer's load as the step hands it over
 
-        def recorded(load, original=moe.take_load):
+        def recorded(load, updated, original=moe.take_load):
             loads.append(load.clone())
-            return original(load)
+            return original(load, updated)
 
         moe.take_load = recorded
     metrics = train_step(run, tokens, lr=1e-3)
@@ -157,6 +157,26 @@ def test_bias_balancing_moves_the_routing_bias(builtin_corpus):
         expected = 0.01 * torch.sign(load.float().mean() - load)
         assert torch.allclose(moe.expert_bias, expected), (moe.expert_bias, load)
         assert load.sum() == 8 * cfg.model.seq_len * cfg.model.moe_top_k
+
+
+def test_a_skipped_step_leaves_the_routing_bias(builtin_corpus):
+    """A step the bad-step policy skips changes no state: the routing bias stays where it was
+    (and the next step counts its load afresh), as the weights do."""
+    import torch
+
+    from megalite.config import load_config
+    from megalite.parallel_state import ParallelState
+    from megalite.training.setup import build_run
+    from megalite.training.step import train_step
+
+    cfg = load_config(None, [*TINY, *DEEPSEEK, "model.moe_aux_loss_coef=0"])
+    run = build_run(cfg, ParallelState.single())
+    tokens = torch.randint(0, cfg.model.vocab_size, (8, cfg.model.seq_len + 1))
+    run.bad_steps.judge = lambda loss, grad_norm, ps: "a spike"
+    metrics = train_step(run, tokens, lr=1e-3)
+    assert metrics.bad == "a spike"
+    for moe in run.moe_layers.values():
+        assert not moe.expert_bias.any() and not moe.load.any()
 
 
 def test_resume_restores_the_routing_biases(builtin_corpus, tmp_path):
