@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from megalite.commands import data as data_commands
 from megalite.commands import estimate as estimate_command
-from megalite.commands import non_negative_int
+from megalite.commands import non_negative_float, non_negative_int
 from megalite.commands import plan as plan_command
 from megalite.commands import plot as plot_command
 from megalite.commands import profile as profile_command
@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     gen.add_argument("--prompt", default="", help="text to continue")
     gen.add_argument("--max-new-tokens", type=non_negative_int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    gen.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 means greedy")
     gen.add_argument(
         "--top-k",
         type=non_negative_int,

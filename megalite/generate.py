@@ -23,6 +23,8 @@ def generate(
     """Extend ids (b, s) by max_new_tokens; temperature 0 means greedy; `top_k` None or 0
     samples from the whole vocabulary (transformers' convention). The context is the last
     max_positions tokens: all the positions the model has, even beyond its training seq_len."""
+    if not temperature >= 0:  # a negative one would sample the least likely tokens
+        raise ValueError(f"temperature must be 0 (greedy) or more, not {temperature}")
     context = model.ctx.cfg.max_positions
     for _ in range(max_new_tokens):
         logits = model(ids[:, -context:])[:, -1, :].float()  # (b, vocab)
@@ -43,7 +45,9 @@ def sample_text(
 ) -> str:
     checkpoint = Checkpoint(resolve_checkpoint(Path(path)))
     model, tokenizer = checkpoint.model(), checkpoint.tokenizer
-    ids = torch.tensor([tokenizer.encode(prompt) or [tokenizer.bos_id]])
+    # no prompt: start where every training document starts, after a document's end (the
+    # prepared data separates documents by EOS alone; BOS never appears in it)
+    ids = torch.tensor([tokenizer.encode(prompt) or [tokenizer.eos_id]])
     generator = torch.Generator().manual_seed(seed)
     out = generate(model, ids, max_new_tokens, temperature, top_k, generator)
     return tokenizer.decode(out[0].tolist())

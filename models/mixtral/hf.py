@@ -69,7 +69,8 @@ class MixtralMapping(LlamaMapping):
             **hf_settings(m),
             num_local_experts=m.moe_experts,
             num_experts_per_tok=m.moe_top_k,
-            router_aux_loss_coef=m.moe_aux_loss_coef,
+            # Hugging Face's balancing loss is top_k times megalite's (`router.balancing_loss`)
+            router_aux_loss_coef=m.moe_aux_loss_coef / m.moe_top_k,
         )
 
     def config_from_hf(self, raw: dict[str, Any]) -> dict[str, Any]:

@@ -280,6 +280,7 @@ def test_flags_out_of_range_are_usage_errors(capsys):
         (["estimate", "--world-size", "0"], "--world-size: invalid positive int value: '0'"),
         (["estimate", "--world-size", "2", "--cuda-context", "-5"], "non-negative number"),
         (["generate", "--checkpoint", "x", "--top-k", "-1"], "invalid non-negative int value"),
+        (["generate", "--checkpoint", "x", "--temperature", "-0.5"], "non-negative number"),
     ]:
         with pytest.raises(SystemExit) as exit_:
             main(argv)

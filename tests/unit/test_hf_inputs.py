@@ -59,6 +59,24 @@ def test_a_mixtral_asked_to_route_otherwise_names_the_settings(tmp_path):
         check_hf_config(raw, tmp_path, m)
 
 
+def test_an_exported_mixtral_weighs_its_balancing_loss_as_megalite_did():
+    """transformers' Mixtral balancing loss is top_k times megalite's, so the exported
+    coefficient is megalite's over top_k: fine-tuning the export weighs the loss the same."""
+    from megalite.models.mixtral.hf import MAPPING
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from megalite.expert_parallel.router import balancing_loss, softmax_top_k
+
+    moe = ["model.moe_experts=8", "model.moe_top_k=2", "model.moe_aux_loss_coef=0.02"]
+    m = load_config(None, ["model.arch=mixtral", *SHAPE, *moe]).model
+    exported = MAPPING.hf_config(m)
+    logits = torch.randn(64, m.moe_experts)
+    routing = softmax_top_k(logits, m.moe_top_k)
+    ours = m.moe_aux_loss_coef * balancing_loss(routing.probs, routing.experts, 8, 64)
+    theirs = exported.router_aux_loss_coef * load_balancing_loss_func((logits,), 8, 2)
+    assert torch.allclose(ours, theirs, rtol=1e-5), (ours, theirs)
+
+
 def test_a_resume_that_routes_otherwise_is_refused():
     overrides = ["model.arch=mixtral", "model.n_kv_heads=2", "model.moe_experts=4"]
     saved = config_to_dict(load_config(None, overrides))
@@ -113,6 +131,24 @@ def test_top_k_zero_samples_from_every_token(trained):
     ids = torch.zeros((2, 3), dtype=torch.int64)
     out = generate(model, ids, 5, 1.0, 0, torch.Generator().manual_seed(0))
     assert out.shape == (2, 8) and torch.equal(out[:, :3], ids)
+
+
+def test_sampling_refuses_a_negative_temperature(trained):
+    model = Checkpoint(trained / "checkpoints" / "step_000002").model()
+    with pytest.raises(ValueError, match="temperature must be 0 .greedy. or more, not -0.5"):
+        generate(model, torch.zeros((1, 2), dtype=torch.int64), 1, -0.5)
+
+
+def test_an_empty_prompt_starts_where_training_documents_start(trained, monkeypatch):
+    """Prepared data separates documents by EOS alone: that, not BOS (which training never
+    saw, and which a tokenizer may lack), is what unprompted sampling continues from."""
+    import megalite.generate as sampling
+
+    started = []
+    monkeypatch.setattr(sampling, "generate", lambda model, ids, *rest: started.append(ids) or ids)
+    checkpoint = trained / "checkpoints" / "step_000002"
+    sampling.sample_text(checkpoint, "", 4, 0.0, None, 0)
+    assert started[0].tolist() == [[Checkpoint(checkpoint).tokenizer.eos_id]]
 
 
 def test_a_sigmoid_routed_model_is_sampled_and_started_from_with_its_routing_biases(
