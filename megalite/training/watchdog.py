@@ -42,6 +42,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -125,7 +126,8 @@ def hang_report(
 ) -> str:
     """The watchdog's message: this rank's state, then the ranks that went silent (their
     heartbeat older than `stale_after_s`, or none ever), else the ranks outside any
-    collective, else a hint that the ranks wait in different collectives. `others`: None when
+    collective, else this rank itself when only it is outside one (its peers wait for it),
+    else a hint that the ranks wait in different collectives. `others`: None when
     the store did not answer."""
     lines = [
         f"watchdog: rank {me.rank} made no progress for {me.idle_s:.1f} s "
@@ -142,7 +144,14 @@ def hang_report(
         lines += _listed(sorted(silent.items()), lambda r, b: _silent_line(r, b, now), "silent")
         if not silent:
             lines += _listed(sorted(busy.items()), _busy_line, "outside any collective")
-        if not silent and not busy:
+        if not silent and not busy and me.blocked_in is None:
+            # the reporter is the first to time out: the rank whose own work stopped
+            lines.append(
+                f"rank {me.rank} (this one) is the only rank outside a collective, and the "
+                "others wait for it: its work outside the collectives stopped (I/O, a lock, a "
+                "loop; its stack below shows where)"
+            )
+        elif not silent and not busy:
             lines.append(
                 "every rank is alive and waits in a collective: they disagree on which one "
                 "(rerun with MEGALITE_COLLECTIVE_TRACE=<dir> to record and compare them)"
@@ -349,5 +358,16 @@ class Watchdog(Hook):
         killed = kill_silent_siblings(beats or {}, now, self.stale_after_s)
         if beats is not None and not read["reporter"]:
             return "\n".join([detector_line(me, self.timeout_s), *killed])
+        # stuck outside the collectives, the reporter says where (inside one, the call is named)
+        stack = [] if me.blocked_in is not None else training_stack()
         lines = hang_report(me, beats, now, self.timeout_s, self.stale_after_s).splitlines()
-        return "\n".join([*lines[:-1], *killed, lines[-1]])
+        return "\n".join([*lines[:-1], *stack, *killed, lines[-1]])
+
+
+def training_stack(frames: int = 12) -> list[str]:
+    """Where the training (main) thread is now, its innermost `frames` calls, as lines."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return []
+    calls = "".join(traceback.format_stack(frame)[-frames:]).rstrip().splitlines()
+    return ["the training thread's stack, innermost call last:", *calls]

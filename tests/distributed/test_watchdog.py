@@ -154,6 +154,22 @@ def test_a_heartbeat_never_written_is_found_in_a_bounded_number_of_requests(job_
     assert len(store.requests) <= 2 + 4 * 10, store.requests
 
 
+def test_a_reporter_stuck_outside_the_collectives_names_itself_and_where(job_store):
+    """The rank whose own work stopped (I/O, a lock) times out first, while its peers wait in a
+    collective for it: the report blames it, with its training thread's stack, instead of
+    saying that the ranks disagree on a collective."""
+    now = time.time()
+    waiting = watchdog.Heartbeat(1, 7, "all_reduce", "all_reduce", 0.5, now, "node", 1001)
+    job_store.set(watchdog.heartbeat_key(1), waiting.to_json())
+    wd = watchdog.Watchdog(10.0, SimpleNamespace(rank=0, world_size=2), step=7)
+    report = wd.report(job_store.clone())
+    assert "rank 0 (this one) is the only rank outside a collective" in report, report
+    assert "disagree" not in report, report
+    stack = report.split("the training thread's stack, innermost call last:\n", 1)[1]
+    assert "test_a_reporter_stuck_outside_the_collectives_names_itself_and_where" in stack
+    assert "1 other rank(s) alive and waiting in a collective" in report, report
+
+
 def test_only_a_silent_sibling_on_this_host_is_killed():
     """A stale heartbeat naming a process that is not this one's sibling (here: its child) is
     left alone: the pid in a heartbeat is trusted only under the same parent."""
