@@ -130,8 +130,9 @@ class CommObserver:
 
 class Progress(CommObserver):
     """This process's last call entered, the call it is blocked in (None when it is not), and
-    when it last moved on (time.monotonic()). Written by the training thread; read by the
-    watchdog's threads (single attribute reads and writes: no lock needed)."""
+    when it last moved on (time.monotonic()). Written by the training thread (and a checkpoint
+    writer's thread, `moved_on`); read by the watchdog's threads (single attribute reads and
+    writes: no lock needed)."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -143,7 +144,7 @@ class Progress(CommObserver):
         self.entered_call, self.moved_at = call, time.monotonic()
 
     def moved_on(self) -> None:
-        """Progress that is no collective (a finished step)."""
+        """Progress that is no collective (a finished step, a piece of a checkpoint written)."""
         self.moved_at = time.monotonic()
 
     def idle_s(self) -> float:

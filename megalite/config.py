@@ -551,8 +551,8 @@ class FaultConfig:
     """End the job when a rank makes no progress (no collective entered or completed, no step
     finished) for this long, naming the rank that went silent, its step and the last collective
     it entered; 0 turns the watchdog off, None means a third of collective_timeout_s. Must
-    exceed the longest pause between collectives (a checkpoint save, the first step's
-    compilation) and stay below collective_timeout_s."""
+    exceed the longest pause between collectives (the first step's compilation; a checkpoint
+    save counts each 64 MiB it writes as progress) and stay below collective_timeout_s."""
     max_bad_steps: int = 5
     """Stop the run after this many bad steps in a row (a NaN/inf loss or gradient norm, or a
     loss spike), naming the step and the last good checkpoint. A bad step skips its update; no

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from megalite.comm_trace import progress
+
 Chunk = bytes | np.ndarray
 """Something a file write and a hash take as it is (the buffer protocol)."""
 
@@ -27,6 +29,10 @@ FileDigest = str | dict[str, Any]
 
 MIN_BLOCK = 4096
 MAX_BLOCKS = 1024
+WRITE_PIECE = 64 << 20
+"""Bytes written at a time. Each piece written is progress for the watchdog (from the
+background writer too), so a long save, at a preemption say, is not taken for a hang, while a
+write that stalls still is."""
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -70,15 +76,18 @@ def write_atomic(path: Path, *chunks: Chunk) -> dict[str, Any]:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         for chunk in chunks:
-            f.write(chunk)
-            view = memoryview(chunk).cast("B")
-            while len(view):
-                digest.update(view[:room])
-                taken = min(room, len(view))
-                view, room = view[taken:], room - taken
-                if room == 0:
-                    digests.append(digest.hexdigest())
-                    digest, room = hashlib.sha256(), block
+            whole = memoryview(chunk).cast("B")
+            for start in range(0, len(whole), WRITE_PIECE):
+                view = whole[start : start + WRITE_PIECE]
+                f.write(view)
+                progress.moved_on()
+                while len(view):
+                    digest.update(view[:room])
+                    taken = min(room, len(view))
+                    view, room = view[taken:], room - taken
+                    if room == 0:
+                        digests.append(digest.hexdigest())
+                        digest, room = hashlib.sha256(), block
         f.flush()
         os.fsync(f.fileno())
     if room < block:  # the last, partial block

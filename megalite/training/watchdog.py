@@ -6,12 +6,12 @@ Which rank detects what. A rank stopped outright (SIGSTOP, a frozen node) cannot
 peers speak for it. Every rank publishes a heartbeat to the job's store (torch.distributed's
 default TCPStore) a few times per time-out: its step, the call it is blocked in, the last call
 it entered, how long it has been idle, and the wall-clock time it wrote. A rank whose training
-thread has made no progress (no call entered or completed, no step finished:
-`comm_trace.progress`) for the time-out, typically because it waits in a collective a peer never
-joins, reads every heartbeat: ranks whose heartbeat went stale are silent (stopped or dead);
-the others wait in a collective or work outside one. It prints the report and exits with
-HANG_EXIT_CODE; torchrun then tears the job down (or restarts it). The process group's own
-time-out (`fault.collective_timeout_s`, longer) stays the backstop.
+thread has made no progress (no call entered or completed, no step finished, no piece of a
+checkpoint written: `comm_trace.progress`) for the time-out, typically because it waits in a
+collective a peer never joins, reads every heartbeat: ranks whose heartbeat went stale are
+silent (stopped or dead); the others wait in a collective or work outside one. It prints the
+report and exits with HANG_EXIT_CODE; torchrun then tears the job down (or restarts it). The
+process group's own time-out (`fault.collective_timeout_s`, longer) stays the backstop.
 
 On NCCL a collective returns once queued and the host waits later (for a result it reads),
 so there a stuck rank shows as outside any collective, idle since the last call it entered.

@@ -17,6 +17,7 @@ import torch
 from run_configs import ONE_LAYER, TWO_LAYERS
 from safetensors.torch import load_file
 
+import megalite.checkpoint.files as files
 import megalite.checkpoint.saver as saver_module
 import megalite.training.step as step_module
 from megalite.checkpoint.files import safetensors_chunks, write_atomic
@@ -255,3 +256,20 @@ def test_streamed_safetensors_files_read_back_exactly(tmp_path):
     assert sorted(back) == sorted(tensors)
     for name, tensor in tensors.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+
+def test_each_piece_a_save_writes_is_progress_for_the_watchdog(tmp_path, monkeypatch):
+    """A long save (a preemption's, waited for) is not taken for a hang: every piece written
+    moves the watchdog's clock, and writing in pieces leaves the blocks' checksums as they were
+    (pieces of 1,000 bytes, blocks of 8,192: pieces straddle the blocks)."""
+    monkeypatch.setattr(files, "WRITE_PIECE", 1000)
+    monkeypatch.setattr(files, "MAX_BLOCKS", 2)
+    moves = []
+    monkeypatch.setattr(files.progress, "moved_on", lambda: moves.append(len(moves)))
+    body = torch.randint(0, 256, (12_500,), dtype=torch.uint8).numpy()
+    digest = write_atomic(tmp_path / "f", b"head", body)
+    assert len(moves) == 1 + 13
+    data = (tmp_path / "f").read_bytes()
+    assert data == b"head" + body.tobytes() and digest["block"] == 8192
+    blocks = [data[:8192], data[8192:]]
+    assert digest["sha256"] == [hashlib.sha256(b).hexdigest() for b in blocks]
