@@ -132,7 +132,7 @@ def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
     def streak() -> int:
         return run.bad_steps.in_a_row
 
-    preemption = Preemption(ps, save, saver.finish)
+    preemption = Preemption(ps, save, saver.finish, t.steps)
     hooks = [
         watchdog,
         BadSteps(run.bad_steps, last_good, logger.log),

@@ -98,18 +98,21 @@ class StopSignals:
 
 
 class Preemption(Hook):
-    """After every step: if any rank caught a preemption signal, every rank saves this step
-    (unless the checkpoint hook just did), completes the save, and raises `Preempted`.
-    Collective: one max all-reduce of a flag per step over the world."""
+    """After every step but the last: if any rank caught a preemption signal, every rank saves
+    this step (unless the checkpoint hook just did), completes the save, and raises `Preempted`.
+    After the last step the run ends anyway, exiting 0 once its last save is published: a
+    requeue would only find it done. Collective: one max all-reduce of a flag per step over
+    the world."""
 
     def __init__(
         self,
         ps: ParallelState,
         save: Callable[[], Path],
         finish: Callable[[], Path | None],
+        last_step: int,
         signals: StopSignals | None = None,
     ) -> None:
-        self.ps, self.save, self.finish = ps, save, finish
+        self.ps, self.save, self.finish, self.last_step = ps, save, finish, last_step
         self.signals = (signals or StopSignals()).install()
 
     def stop_requested(self) -> bool:
@@ -120,7 +123,7 @@ class Preemption(Hook):
         return bool(flag.item())
 
     def after_step(self, record: StepRecord) -> None:
-        if not self.stop_requested():
+        if record.step == self.last_step or not self.stop_requested():
             return
         checkpoint = record.checkpoint or self.save()
         checkpoint = self.finish() or checkpoint  # an asynchronous save is published here

@@ -123,3 +123,33 @@ def test_a_signal_while_the_last_save_is_written_waits_for_it(builtin_corpus, tm
     assert complete_checkpoints(tmp_path / "checkpoints")[-1] == step_dir(
         tmp_path / "checkpoints", 3
     )
+
+
+LAST_STEP_SIGNAL = """
+import os, signal, sys
+import megalite.training.loop as loop
+train_step, steps = loop.train_step, []
+def signalled(run, batch, lr):  # the signal arrives during the run's last step
+    steps.append(1)
+    if len(steps) == run.cfg.train.steps:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return train_step(run, batch, lr)
+loop.train_step = signalled
+from megalite.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_signal_during_the_last_step_ends_the_run_as_finished(builtin_corpus, tmp_path):
+    """The run ends after that step anyway: it saves it and exits 0, not with the code that
+    asks a scheduler to requeue a run that has nothing left to do."""
+    extra = ["train.steps=3", "checkpoint.async_save=true", f"train.out_dir={tmp_path}"]
+    job = subprocess.run(
+        [sys.executable, "-c", LAST_STEP_SIGNAL, "train", *CONFIG, *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert "SIGTERM received" in job.stderr and "preempted" not in job.stdout
+    assert complete_checkpoints(tmp_path / "checkpoints") == [step_dir(tmp_path / "checkpoints", 3)]

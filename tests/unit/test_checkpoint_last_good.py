@@ -96,7 +96,7 @@ def test_a_failed_prune_leaves_the_new_checkpoint_published(builtin_corpus, tmp_
 def test_a_preemption_during_a_streak_says_where_the_same_command_continues(tmp_path, earlier_good):
     _checkpoints(tmp_path, {2: True, 4: False} if earlier_good else {4: False})
     bad = tmp_path / "step_000004"
-    hook = Preemption(ParallelState.single(), lambda: bad, lambda: None, StopSignals())
+    hook = Preemption(ParallelState.single(), lambda: bad, lambda: None, 10, StopSignals())
     hook.signals.received = "SIGTERM"
     try:
         with pytest.raises(Preempted) as stop:

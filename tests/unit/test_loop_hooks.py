@@ -223,6 +223,7 @@ def test_preemption_saves_the_signalled_step_once_and_exits_with_its_code():
         ParallelState.single(),
         save=lambda: saved.append(1) or Path("checkpoints/step_000004"),
         finish=lambda: finished.append(1),
+        last_step=10,
         signals=StopSignals(),
     )
     try:
@@ -240,7 +241,7 @@ def test_preemption_saves_the_signalled_step_once_and_exits_with_its_code():
     assert signal.getsignal(signal.SIGTERM) is before
 
     saved.clear()
-    hook = Preemption(ParallelState.single(), lambda: saved.append(1), lambda: None)
+    hook = Preemption(ParallelState.single(), lambda: saved.append(1), lambda: None, 10)
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         already = record(5)
