@@ -34,7 +34,9 @@ def routing_tensors(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
 class RngStreams:
     """The random streams a rank draws from while training: torch's default generator (and the
     GPU's on CUDA) and the tensor-parallel dropout stream. They continue only in the layout they
-    were saved in: another layout draws different numbers anyway."""
+    were saved in (another layout draws different numbers anyway) and, but for the CPU
+    generator, on the device type they were saved on: a GPU's generator state is not a CPU's
+    (a run saved on CUDA holds `torch_cuda`)."""
 
     tp_random: TPRandom
 
@@ -48,8 +50,10 @@ class RngStreams:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         device = self.tp_random.device
         torch.set_rng_state(state["torch_cpu"])
+        if ("torch_cuda" in state) != (device.type == "cuda"):
+            return  # saved on the other device type: this run's fresh streams stand
         self.tp_random.state = state["tp_stream"].to(self.tp_random.state.device)
-        if device.type == "cuda" and "torch_cuda" in state:
+        if device.type == "cuda":
             torch.cuda.set_rng_state(state["torch_cuda"], device)
 
 

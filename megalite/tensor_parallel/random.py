@@ -1,4 +1,5 @@
-"""Randomness that does not depend on the parallel layout.
+"""Randomness: weights that do not depend on the parallel layout, and dropout streams kept as
+Megatron-LM's RNG tracker keeps them (the masks, like Megatron's, do depend on the layout).
 
 - Weights: a parameter's global tensor is cut into blocks of whole slices along its tp split
   dim (dim 0 when it is replicated), and block k is drawn from its own generator, seeded by

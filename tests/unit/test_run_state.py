@@ -83,6 +83,22 @@ def test_a_loaded_state_is_the_saved_one(saved):
     assert state.sampler.next_batch() == before.sampler.next_batch()  # the same data from here
 
 
+def test_streams_saved_on_a_gpu_leave_a_cpu_runs_own_dropout_stream():
+    """A GPU's generator state (16 bytes) is no CPU generator's: a CUDA run's checkpoint resumed
+    on a laptop restores the CPU generator and keeps its own tp stream, which dropout then
+    draws from (restoring the GPU's crashed the first dropout)."""
+    _, state = fresh_state()
+    own_stream = state.rng.tp_random.state.clone()
+    cpu = torch.Generator().manual_seed(7).get_state()
+    gpu_like = torch.zeros(16, dtype=torch.uint8)
+    saved = {"torch_cpu": cpu, "tp_stream": gpu_like, "torch_cuda": gpu_like}
+    state.rng.load_state_dict(saved)
+    assert torch.equal(torch.get_rng_state(), cpu)
+    assert torch.equal(state.rng.tp_random.state, own_stream)
+    with state.rng.tp_random.fork():
+        torch.nn.functional.dropout(torch.ones(8), 0.5)
+
+
 def test_a_resume_speaks_before_a_refused_data_order_stops_it(saved):
     path, before, _, _ = saved
     _, state = fresh_state(global_batch_size=4)
