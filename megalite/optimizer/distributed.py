@@ -236,7 +236,10 @@ class DistributedOptimizer:
     ) -> None:
         """Restore the owned state; `read(name, tensor, kind, lo, hi)` gives elements [lo, hi)
         of the global tensor's local piece's state, flattened (see `owned_pieces`): only the
-        owned range is read, so a rank reads its share and host memory stays at one range."""
+        owned range is read, so a rank reads its share and host memory stays at one range.
+        Collective over the data-parallel replicas: the parameters are then the masters, on
+        every replica (a run resumed in fp32 from a bf16 one loaded bf16-rounded weights, and
+        its masters, which are its parameters, only for the ranges it owns)."""
         self.finish_param_gather()
         self.step_count = step_count
         for name, tensor, lo, hi, views in self.owned_pieces():
@@ -245,3 +248,6 @@ class DistributedOptimizer:
         for state in self.states:
             if state.master is not state.params:
                 state.params.copy_(state.master)
+        for buffer in self.buffers:
+            buffer.start_param_gather()
+        self.finish_param_gather()

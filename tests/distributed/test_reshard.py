@@ -7,7 +7,7 @@ import json
 import shutil
 
 import pytest
-from equivalence import TINY, reference, run_layout
+from equivalence import TINY, assert_same_losses, reference, run_layout
 
 GPT = ("model.arch=gpt",)
 SAVE_AT_5 = ("checkpoint.interval=5", "checkpoint.keep=5")
@@ -34,3 +34,23 @@ def test_resume_in_another_layout(builtin_corpus, tmp_path, first, second):
     assert [row["step"] for row in rows] == list(range(6, 11))
     for (loss, _), (ref_loss, _) in zip(resumed, ref_losses[5:]):
         assert abs(loss - ref_loss) <= 1e-5 * ref_loss
+
+
+def test_resume_in_another_precision_gives_every_replica_the_saved_masters(
+    builtin_corpus, tmp_path
+):
+    """Saved by a bf16 run (weights rounded to bf16, fp32 masters beside them) and resumed in
+    fp32 with ZeRO-1 over two replicas: each replica owns half the masters, and the other half
+    must come from its peer, not stay bf16-rounded, or the replicas run different models. The
+    resumed steps are the single process's resumed from the same checkpoint."""
+    zero1 = ("parallel.zero=1",)
+    run_layout(2, TINY + GPT + SAVE_AT_5 + zero1 + ("train.precision=bf16",), tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    for out in (tmp_path / "a", tmp_path / "b"):
+        shutil.rmtree(out / "checkpoints" / "step_000010")
+        (out / "checkpoints" / "latest").write_text("step_000005")
+        (out / "metrics.jsonl").write_text("")
+    fp32 = TINY + GPT + SAVE_AT_5 + ("train.precision=fp32",)
+    replicas, _ = run_layout(2, fp32 + zero1, tmp_path / "a")
+    single, _ = run_layout(1, fp32, tmp_path / "b")
+    assert_same_losses(replicas, single)
