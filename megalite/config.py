@@ -317,7 +317,8 @@ class ParallelConfig:
     at the same activation memory) or zb-v (two chunks per rank in a V, vpp=2: almost no
     bubble at 1F1B's activation memory)."""
     microbatch_group_size: int | None = None
-    """Interleaved schedule: micro-batches run in groups of this size (default pp)."""
+    """Interleaved schedule with vpp > 1: micro-batches run in groups of this size (default
+    pp); other schedules refuse it."""
     embedding_layer_weight: float | None = None
     """Count the embedding as this fraction of a transformer layer when balancing pipeline
     stages; None: from the model's FLOPs (a lookup, so 0)."""

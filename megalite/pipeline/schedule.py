@@ -120,8 +120,11 @@ def build_schedule(
         exactly 1f1b.
     zb-h1, zb-v (Qi et al. 2024, and their V-shaped follow-up): see `zero_bubble`.
     """
-    rules = "gpipe" if forward_only else kind  # evaluation takes any micro-batch count
-    n = _group_size(rules, pp_size, pp_rank, num_microbatches, vpp, group_size)
+    if forward_only:  # evaluation: the kind's chunks, any micro-batch count, one group
+        check_chunks(kind, pp_size, vpp)
+        n = _group_size("gpipe", pp_size, pp_rank, num_microbatches, vpp, None)
+    else:
+        n = _group_size(kind, pp_size, pp_rank, num_microbatches, vpp, group_size)
     every_rank = _every_rank(kind, pp_size, num_microbatches, vpp, n, forward_only)
     return list(every_rank[pp_rank])
 
@@ -218,6 +221,12 @@ def check_microbatches(
             f"a pipeline needs num_microbatches >= 1 (got m={m}): raise train.global_batch_size"
         )
     if kind != "interleaved" or vpp == 1:
+        if group_size is not None:
+            raise ScheduleError(
+                f"parallel.microbatch_group_size groups the micro-batches of the interleaved "
+                f"schedule with vpp > 1; {kind} with vpp={vpp} runs them in one group: leave "
+                "it unset"
+            )
         return m  # one group: chunk-major order over all micro-batches
     if m < pp_size:
         raise ScheduleError(

@@ -407,12 +407,22 @@ def receive_when_needed(actions: list[Action]) -> list[Action]:
         ("1f1b", 2, 0, 0, 1, None, "num_microbatches >= 1"),
         ("interleaved", 2, 0, 4, 0, None, "vpp must be >= 1"),
         ("1f1b", 2, 2, 4, 1, None, "not in 0..pp-1"),
+        ("1f1b", 2, 0, 4, 1, 2, "1f1b with vpp=1 runs them in one group: leave it unset"),
+        ("interleaved", 2, 0, 4, 1, 0, "interleaved with vpp=1 runs them in one group"),
+        ("zb-v", 2, 0, 4, 2, 99, "zb-v with vpp=2 runs them in one group"),
     ],
 )
 def test_impossible_layouts_name_the_rule(kind, pp, rank, m, vpp, group, rule):
     with pytest.raises(ScheduleError, match=rule) as error:
         build_schedule(kind, pp, rank, m, vpp, group)
     assert isinstance(error.value, ValueError) and isinstance(error.value, MegaliteError)
+
+
+def test_an_evaluation_list_keeps_the_kinds_chunk_rule():
+    """Evaluation runs GPipe's forwards, but on the kind's chunks: a layout the kind refuses is
+    refused for evaluation too, not built with sends to a rank that does not exist."""
+    with pytest.raises(ScheduleError, match="zb-v runs two chunks per rank"):
+        build_schedule("zb-v", 2, 0, 4, 3, forward_only=True)
 
 
 def test_simulator_reports_p2p_mismatch():
