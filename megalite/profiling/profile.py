@@ -37,11 +37,11 @@ def profile(
             f"--warmup-steps {warmup_steps} --steps {steps}: profile needs at least one measured "
             "step and no negative warm-up"
         )
-    import torch
 
     from megalite.data import GlobalBatchSampler, TokenBatch
     from megalite.profiling.profile_report import build_report, publish
     from megalite.profiling.step_timing import measure_run
+    from megalite.tensor_parallel import seed_dropout
     from megalite.training.loop import open_data, rank_batch, setup_topology
     from megalite.training.metrics import StepCost
     from megalite.training.setup import build_run
@@ -49,7 +49,7 @@ def profile(
     t = cfg.train
     ps = setup_topology(cfg)
     cost = StepCost.of(cfg, ps)
-    torch.manual_seed(t.seed)  # dropout on tp-replicated activations: same on all ranks
+    seed_dropout(t.seed, ps)
     data = open_data(cfg)
     run = build_run(cfg, ps, eos_id=data.train.eos_id)  # documents, where masked
     sampler = GlobalBatchSampler(data.train.sizes, t.global_batch_size, t.seed, data.train.weights)

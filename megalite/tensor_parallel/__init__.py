@@ -29,7 +29,7 @@ from megalite.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_region,
     sequence_shard,
 )
-from megalite.tensor_parallel.random import TPRandom, init_parameters, recompute
+from megalite.tensor_parallel.random import TPRandom, init_parameters, recompute, seed_dropout
 
 __all__ = [
     "ColumnParallelLinear",
@@ -55,6 +55,7 @@ __all__ = [
     "recompute",
     "reduce_from_tp_region",
     "reduce_scatter_to_sequence_region",
+    "seed_dropout",
     "sequence_shard",
     "tp_input",
     "tp_output",

@@ -10,7 +10,8 @@ Megatron-LM's RNG tracker keeps them (the masks, like Megatron's, do depend on t
 - Dropout: activations replicated over tp ranks must drop the same elements (torch's default
   generator, seeded identically on every tp rank); activations split over tp ranks (local
   attention heads, sequence shards under SP) must drop different ones (`TPRandom.fork()`, a
-  stream seeded per tp rank), as in Megatron-LM's RNG tracker.
+  stream seeded per tp rank), as in Megatron-LM's RNG tracker. Both seeds differ per pipeline
+  stage (`stage_seed`), or a later stage's layers would draw an earlier stage's masks.
 """
 
 from __future__ import annotations
@@ -104,13 +105,25 @@ def init_parameters(
         piece.copy_(shard)
 
 
+def stage_seed(seed: int, pp_rank: int) -> int:
+    """The dropout seed of a pipeline stage (Megatron-LM's seed + 100 * pp rank)."""
+    return seed + 100 * pp_rank
+
+
+def seed_dropout(seed: int, ps: ParallelState) -> None:
+    """Seed torch's default generator, which drops tp-replicated activations: the same on the
+    stage's tp ranks, another on each stage."""
+    torch.manual_seed(stage_seed(seed, ps.pp_rank))
+
+
 class TPRandom:
-    """The dropout stream for tensor-parallel-split activations, distinct on each tp rank."""
+    """The dropout stream for tensor-parallel-split activations, distinct on each tp rank and
+    pipeline stage."""
 
     def __init__(self, seed: int, ps: ParallelState) -> None:
         self.device = ps.device
         generator = torch.Generator(device=ps.device)
-        generator.manual_seed(seed + 2718 + 1009 * ps.tp_rank)
+        generator.manual_seed(stage_seed(seed, ps.pp_rank) + 2718 + 1009 * ps.tp_rank)
         self.state = generator.get_state()
 
     def _default_state(self) -> torch.Tensor:

@@ -13,8 +13,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from megalite import comm
 from megalite.checkpoint.initial import adoption_line, init_from_settings
 from megalite.checkpoint.saver import CheckpointSaver
@@ -55,6 +53,7 @@ from megalite.parallel_state import (
     layout_change,
     node_presence,
 )
+from megalite.tensor_parallel import seed_dropout
 from megalite.training.hooks import (
     BadSteps,
     Checkpointing,
@@ -104,7 +103,7 @@ def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
     if resume_from is not None and cfg.checkpoint.resume != "auto":
         adopt_as_latest(ckpt_root, resume_from, ps)
     cost = StepCost.of(cfg, ps)
-    torch.manual_seed(t.seed)  # dropout on tp-replicated activations: same on all ranks
+    seed_dropout(t.seed, ps)
     data = open_data(cfg)
     run, state = start_run(cfg, ps, data, resume_from)
     if ps.rank == 0:

@@ -4,6 +4,8 @@ and 4 with pp 2 (GPT's tied head on the last stage, Llama's GQA K/V replicated w
 n_kv_heads < tp, padded vocabulary rows); it draws no more than its shard; and a run that
 resumes or starts from `checkpoint.init_from` draws nothing."""
 
+from types import SimpleNamespace
+
 import megalite.models.factory as factory
 import pytest
 import torch
@@ -21,7 +23,7 @@ from megalite.tensor_parallel import (
     init_parameters,
     normal_init,
 )
-from megalite.tensor_parallel.random import draw_shard, slices_per_block
+from megalite.tensor_parallel.random import draw_shard, seed_dropout, slices_per_block
 from megalite.training.loop import train
 
 SEED = 11
@@ -165,3 +167,23 @@ def test_resume_and_init_from_draw_no_random_weights(tmp_path, builtin_corpus, m
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
     started = train(_run_config(tmp_path / "fine-tune", f"checkpoint.init_from={checkpoint}"))
     assert started["step"] == 2 and not calls
+
+
+def test_each_pipeline_stage_drops_its_own_elements():
+    """Seeded alike, every stage drew the same dropout masks: a later stage's layers repeated
+    an earlier stage's. Each stage has seeds of its own (Megatron-LM's seed + 100 * pp rank);
+    within a stage the tp ranks share the default stream (replicated activations drop alike)
+    and differ in the split activations' stream."""
+
+    def draws(tp_rank: int, pp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ps = SimpleNamespace(device=torch.device("cpu"), tp_rank=tp_rank, pp_rank=pp_rank)
+        seed_dropout(1234, ps)
+        replicated = torch.rand(64)
+        with TPRandom(1234, ps).fork():
+            split = torch.rand(64)
+        return replicated, split
+
+    (shared, own), (shared_tp1, own_tp1) = draws(0, 0), draws(1, 0)
+    assert torch.equal(shared, shared_tp1) and not torch.equal(own, own_tp1)
+    shared_pp1, own_pp1 = draws(0, 1)
+    assert not torch.equal(shared, shared_pp1) and not torch.equal(own, own_pp1)
