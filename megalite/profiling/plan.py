@@ -303,11 +303,11 @@ def _reasons(layout: Layout, prediction: Prediction, need: float, machine: Machi
     if layout.tp == 1:
         reasons.append("no tp traffic")
     else:
-        link = "intra-node" if layout.tp <= machine.ranks_per_node else "inter-node"
+        link = "intra-node" if machine.within_node(layout.tp) else "inter-node"
         reasons.append(f"tp traffic {p.tp_comm_s / p.step_s:.0%} of the step ({link})")
     if layout.cp > 1:
         span = layout.tp * layout.cp  # the cp ring's ranks lie within tp x cp consecutive ones
-        link = "intra-node" if span <= machine.ranks_per_node else "inter-node"
+        link = "intra-node" if machine.within_node(span) else "inter-node"
         exposed = p.cp_comm_s / p.step_s
         reasons.append(
             f"cp {layout.cp}: activations / {layout.cp}, ring {exposed:.0%} exposed ({link})"

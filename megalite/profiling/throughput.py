@@ -89,11 +89,16 @@ class Machine:
     def ranks_per_node(self) -> int:
         return self.world_size // self.nodes
 
+    def within_node(self, span: int) -> bool:
+        """Whether every group of an axis whose groups lie in blocks of `span` consecutive ranks
+        (`ParallelDims.span`, blocks starting at multiples of it) stays inside one node: only if
+        the blocks tile the node. A block of a node's size or less that does not (tp 4 on nodes
+        of 6) straddles two nodes, and so does one of its groups."""
+        return self.ranks_per_node % span == 0
+
     def bandwidth(self, span: int) -> float:
-        """Link bandwidth of a group whose ranks lie within `span` consecutive ranks."""
-        return (
-            self.intra_node_bandwidth if span <= self.ranks_per_node else self.inter_node_bandwidth
-        )
+        """Link bandwidth of a group whose ranks lie within blocks of `span` consecutive ranks."""
+        return self.intra_node_bandwidth if self.within_node(span) else self.inter_node_bandwidth
 
     @property
     def rank_flops(self) -> float:

@@ -148,6 +148,12 @@ def test_links_and_shared_cores():
     one_node = predict(cfg, machine("cuda", 64, nodes=8, memory="80GB"))
     split = predict(cfg, machine("cuda", 64, nodes=32, memory="80GB"))  # tp 4 spans 2 nodes
     assert split.tp_comm_s > 5 * one_node.tp_comm_s and split.step_s > one_node.step_s
+    # nodes of 6 GPUs: tp 4 fits a node's size, yet ranks 4-7 straddle nodes 0 and 1
+    six = machine("cuda", 12, nodes=2, memory="80GB")
+    same_share = [*layout, "train.global_batch_size=12"]  # 4 micro-batches per rank, as above
+    straddling = predict(load_config("configs/gpt2-124m.yaml", same_share), six)
+    assert straddling.tp_comm_s > 5 * one_node.tp_comm_s
+    assert not six.within_node(4) and six.within_node(3) and six.within_node(6)
 
     # 8 CPU ranks on fewer cores: a pipeline's idle ranks lend their cores, so on a machine of
     # its own pp costs no bubble there (on a busy one, the share not lent), while on GPUs it does
