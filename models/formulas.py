@@ -267,6 +267,8 @@ class Formulas(ABC):
     """The kind of its norms (the final one, and the first of each block)."""
     tied_embeddings: bool
     """Whether the LM head is the token embedding."""
+    mlp_up_widths: int = 2
+    """ffn-wide outputs of the MLP's first linear: gate and up (2), or GPT's fc (1)."""
 
     @abstractmethod
     def embedding_parameters(self, cfg: Config, rows: int, has_head: bool) -> list[Param]:
@@ -295,6 +297,20 @@ class Formulas(ABC):
             head = cfg.model.hidden * rows
             params.append(Param("lm_head.weight", head, own_bucket=self.tied_embeddings))
         return params
+
+    def mlp_deferred_inputs(self, x: Shapes) -> list[int]:
+        """What the MLP's tensor-parallel linears hold from a split backward's B until its W
+        (`profiling.activations.deferred_weight_inputs`): the first linear's input x and output
+        gradient dy, then the down projection's (x a sequence shard under SP for the first,
+        dy for the second)."""
+        wide = x.tokens * (x.cfg.model.ffn_hidden // x.cfg.parallel.tp) * x.element
+        stream = x.stream_tokens * x.cfg.model.hidden * x.element
+        return [stream, self.mlp_up_widths * wide, wide, stream]
+
+    def deferred_matmul_weights(self, m: ModelConfig) -> int:
+        """Weights of one block (all tp ranks) whose gradient GEMM a split backward moves to W:
+        those of its tensor-parallel linears, here every matmul weight of the block."""
+        return self.layer_matmul_weights(m)
 
     def layer_buffers(self, m: ModelConfig) -> list[int]:
         """Elements of one block's non-parameter buffers."""

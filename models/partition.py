@@ -17,6 +17,7 @@ from functools import cache
 from typing import NamedTuple
 
 from megalite.models.flops import flops_per_token
+from megalite.models.formulas import formulas_of
 
 from megalite.config import Config, ModelConfig
 from megalite.pipeline.schedule import v_shaped, virtual_stage
@@ -122,7 +123,8 @@ class StageCost(NamedTuple):
     """FLOPs per token of one virtual stage's forward and backward; the backward includes the
     forward that recompute runs again (hardware work, which takes time though MFU ignores it).
     `weight` is the backward's weight-gradient GEMMs of the tensor-parallel linears (a third of
-    a layer's matmuls): what a split backward (zb-h1, zb-v) moves to its W steps."""
+    their matmuls; experts' are no such linears): what a split backward (zb-h1, zb-v) moves to
+    its W steps."""
 
     forward: float
     backward: float
@@ -142,6 +144,7 @@ def stage_costs(cfg: Config) -> list[StageCost]:
         rerun = attention / 3
     else:
         rerun = 0.0
+    deferred_weights = formulas_of(m.arch).deferred_matmul_weights(m)
     ranges = stage_ranges(cfg)
     costs = []
     for stage, layers in enumerate(ranges):
@@ -151,6 +154,6 @@ def stage_costs(cfg: Config) -> list[StageCost]:
         recomputed = len(layers)
         if t.recompute == "full" and t.recompute_layers is not None:
             recomputed = min(t.recompute_layers, len(layers))
-        weight = len(layers) * (flops.layer - attention) / 3
+        weight = len(layers) * 2 * deferred_weights  # their weight-gradient GEMMs
         costs.append(StageCost(total / 3, 2 * total / 3 + recomputed * rerun, weight))
     return costs

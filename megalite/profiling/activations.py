@@ -126,15 +126,14 @@ def attention_working_sets(x: Shapes) -> tuple[tuple[str, int], tuple[str, int]]
 
 
 def deferred_weight_inputs(x: Shapes) -> list[int]:
-    """What one layer's linears hold from a split backward's B until its W (zero-bubble
-    schedules, `tensor_parallel.deferred`): each linear's input x and the gradient of its
-    output dy, as the linear was given them (a column-parallel x and a row-parallel dy are
-    sequence shards under SP); for q/k/v, the out projection, fc (or gate and up) and the down
-    projection."""
+    """What one layer's tensor-parallel linears hold from a split backward's B until its W
+    (zero-bubble schedules, `tensor_parallel.deferred`): each linear's input x and the gradient
+    of its output dy, as the linear was given them (a column-parallel x and a row-parallel dy
+    are sequence shards under SP); for q/k/v and the out projection, then the MLP's linears
+    (the architecture's `mlp_deferred_inputs`: none for experts)."""
     m, tokens, e = x.cfg.model, x.tokens, x.element
-    wide = x.tokens * (m.ffn_hidden // x.cfg.parallel.tp) * e
     stream = x.stream_tokens * m.hidden * e
     qkv = tokens * (x.local_heads + 2 * x.local_kv_heads) * m.head_dim * e
     attention_out = tokens * x.local_heads * m.head_dim * e
-    up = wide if m.arch == "gpt" else 2 * wide
-    return [stream, qkv, attention_out, stream, stream, up, wide, stream]
+    mlp = formulas_of(m.arch).mlp_deferred_inputs(x)
+    return [stream, qkv, attention_out, stream, *mlp]

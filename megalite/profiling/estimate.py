@@ -237,14 +237,21 @@ class _Chunk:
 RECOMPUTE_WORKING_SET = "recompute working set"
 
 
-DEFERRED_PARAMS = ("wqkv.weight", "wqkv.bias", "wo.weight", "fc.weight", "fc.bias")
-DEFERRED_PARAMS += ("proj.weight", "gate_up.weight", "down.weight")
-"""The parameters whose gradient a split backward computes in W: those of the tensor-parallel
-linears' autograd functions (a row-parallel linear adds its bias outside)."""
+DEFERRED_PARAMS = ("wqkv.weight", "wqkv.bias", "wo.weight", "fc.weight", "proj.weight")
+DEFERRED_PARAMS += ("gate_up.weight", "down.weight")
+"""The parameters whose gradient a split backward computes in W, by their names' last two
+parts: those of the tensor-parallel linears' autograd functions (a row-parallel linear adds
+its bias outside; GPT's fc bias goes to the fused bias-GELU). Experts' weights, though named
+alike, are no such linears."""
 
 
-def _awaiting_w(params: list[Param], element: int) -> int:
-    return element * sum(p.numel for p in params if not p.name.endswith(DEFERRED_PARAMS))
+def gradients_awaiting_w(params: list[Param], element: int) -> int:
+    """Bytes of the gradients that wait in `.grad` from B until W."""
+    return element * sum(p.numel for p in params if not _deferred(p))
+
+
+def _deferred(param: Param) -> bool:
+    return not param.expert and ".".join(param.name.split(".")[-2:]) in DEFERRED_PARAMS
 
 
 def _chunk_activations(
@@ -290,7 +297,7 @@ def _chunk_activations(
         ),
         deferred=act.deferred_weight_inputs(x) * n,
         deferred_in_backward=sum(act.deferred_weight_inputs(x)) * (n - region),
-        awaiting=_awaiting_w(params, x.element),
+        awaiting=gradients_awaiting_w(params, x.element),
     )
 
 

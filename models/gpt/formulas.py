@@ -20,6 +20,7 @@ from megalite.config import Config, ModelConfig
 class GPTFormulas(Formulas):
     norm = LAYER_NORM
     tied_embeddings = True
+    mlp_up_widths = 1
 
     def embedding_parameters(self, cfg: Config, rows: int, has_head: bool) -> list[Param]:
         """wpe is the chunk's own parameter, so it comes before the submodules' (wte)."""

@@ -45,6 +45,14 @@ class MixtralFormulas(LlamaFormulas):
         experts = active_experts(m) * 3 * m.hidden * m.ffn_hidden
         return attention_matmul_weights(m) + m.moe_experts * m.hidden + experts
 
+    def mlp_deferred_inputs(self, x: Shapes) -> list[int]:
+        """None: the router, experts (grouped GEMMs) and shared experts are no tensor-parallel
+        linears, so a split backward computes their weight gradients in B."""
+        return []
+
+    def deferred_matmul_weights(self, m: ModelConfig) -> int:
+        return attention_matmul_weights(m)
+
     def layer_saved(self, x: Shapes) -> list[int]:
         """Besides its input (the block counts it), the MoE keeps per routed (token, choice)
         row: the gathered row, gate and up and their product (and silu(gate) with PyTorch's

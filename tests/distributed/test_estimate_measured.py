@@ -7,7 +7,8 @@ exactly, and the peak of the activations autograd keeps over a real schedule
 is within 5 % of the estimate. Under context parallelism (cp 2 and 4, alone and with tp 2 + SP,
 and with document masks) too, where each rank's activations are those of seq_len / cp tokens:
 measured and estimated, they fall as 1/cp. Mixtral too (shared experts, both routers, and
-expert parallelism, where the estimate assumes balanced routing: top-k = experts makes it so)."""
+expert parallelism, where the estimate assumes balanced routing: top-k = experts makes it so).
+And the gradients a split backward leaves in `.grad` from B to W are the estimate's."""
 
 import pytest
 import torch
@@ -17,8 +18,10 @@ from megalite.config import Config, load_config
 from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
 from megalite.profiling.activations import head_weight_grad
-from megalite.profiling.estimate import estimate_layout
+from megalite.profiling.estimate import estimate_layout, gradients_awaiting_w
 from megalite.profiling.memory import SavedActivationTracker, live_bytes
+from megalite.profiling.parameters import chunk_parameters
+from megalite.tensor_parallel import deferred
 from megalite.training.setup import build_run
 from megalite.training.step import micro_batches
 
@@ -82,6 +85,8 @@ LAYOUTS = {
         ("parallel.tp=2", "parallel.sp=true", "model.moe_shared_experts=1"),
         ("parallel.pp=2", "parallel.schedule=1f1b", "model.moe_router=sigmoid"),
         ("parallel.ep=4", "train.recompute=selective", "model.moe_top_k=4"),
+        # the experts' weight gradients are computed in B: only attention's linears defer
+        ("parallel.pp=2", "parallel.schedule=zb-h1", "model.moe_top_k=4"),
     ],
 }
 MODEL = {"mixtral": ("model.n_kv_heads=2", "model.moe_experts=4", "model.ffn_hidden=96")}
@@ -216,3 +221,37 @@ def test_context_parallel_activations_are_estimated_and_fall_as_one_over_cp():
             assert ratio == pytest.approx(1 / cp, rel=0.06), (arch, cp)
             scaled = shrinking(arch, f"cp{cp}") / shrinking(arch, "cp1")
             assert scaled == pytest.approx(1 / cp, rel=0.01), (arch, cp)
+
+
+def _grads_held_at_first_w(cfg: Config) -> int:
+    """Bytes of `.grad` (not the fp32 main grads themselves) held when the first W step runs."""
+    ps = build_parallel_state(1, 1, torch.device("cpu"))
+    run = build_run(cfg, ps)
+    run.train(True)
+    held = []
+    real_run = deferred.WeightGradQueue.run
+
+    def run_w(queue: deferred.WeightGradQueue) -> None:
+        params = [q for chunk in run.chunks for q in chunk.parameters()]
+        main = {id(q.main_grad) for q in params if hasattr(q, "main_grad")}
+        waiting = [q.grad for q in params if q.grad is not None and id(q.grad) not in main]
+        held.append(sum(g.nbytes for g in waiting))
+        real_run(queue)
+
+    deferred.WeightGradQueue.run = run_w
+    tokens = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.seq_len + 1))
+    batches = micro_batches(tokens, cfg.train.micro_batch_size, run.sequence_cut)
+    run.executor.run(run.schedule(len(batches)), batches, loss_weight=1e-3)
+    return held[0]
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama", "mixtral"])
+def test_gradients_awaiting_w_are_estimated(arch):
+    """Under zb-h1 the norms', embeddings', GPT's fc bias (the fused bias-GELU takes it) and
+    Mixtral's router's and experts' (no tensor-parallel linears) gradients wait in `.grad`."""
+    extra = {"llama": ("model.n_kv_heads=2",), "mixtral": ("model.moe_shared_experts=1",)}
+    model = (f"model.arch={arch}", *TINY, *MODEL.get(arch, ()), *extra.get(arch, ()))
+    cfg = load_config(None, (*model, "parallel.schedule=zb-h1", "train.precision=bf16"))
+    (measured,) = run_ranks(1, _grads_held_at_first_w, cfg)
+    params = chunk_parameters(cfg, range(cfg.model.n_layers), True, True)
+    assert measured == gradients_awaiting_w(params, element=2)
