@@ -16,7 +16,8 @@ a shared kv head's rows are summed over tp and the query rows beside it are not.
 
 Under a zero-bubble schedule's split backward the linears' weight gradients arrive in the W
 step (`tensor_parallel.deferred`), and so does every other gradient: during B a parameter keeps
-its `.grad` and its arrival is queued for W, in autograd's order. A micro-batch's gradients
+its `.grad` (a 16-bit one is taken from it, so that a later B cannot add into it in 16 bits)
+and its arrival is queued for W, in autograd's order. A micro-batch's gradients
 thus all arrive in one step, as in a plain backward, and the counting, ZeRO-2's staging and
 the reduction of the last micro-batch's buckets work on W steps unchanged.
 
@@ -223,30 +224,39 @@ class GradBuffer:
         if param.grad is None:  # a fused linear: `_accumulate` has reported it
             return
         queue = active_queue()
-        if queue is not None:  # a split backward's B: the gradient arrives in its W
+        if queue is None:
+            self._arrive(param)
+        elif param.dtype == torch.float32:  # a split backward's B: it arrives in its W
             queue.put(functools.partial(self._arrive, param))
         else:
-            self._arrive(param)
+            # 16-bit: taken from the parameter now, or a later B would add its gradient into
+            # this one in 16 bits (a bf16 sum, an fp16 overflow) before the W that moves it
+            grad, param.grad = param.grad, None
+            queue.put(functools.partial(self._arrive, param, grad))
 
-    def _arrive(self, param: nn.Parameter) -> None:
-        """Move `param.grad` into the main grad (or ZeRO-2's staging), counting it as arrived.
-        Under a split backward, a later B may have added into `.grad` before this W ran: this
-        moves both, and that B's W finds nothing left to move (but still counts)."""
-        grad = param.grad
+    def _arrive(self, param: nn.Parameter, taken: torch.Tensor | None = None) -> None:
+        """Move `param.grad` (or the 16-bit gradient `taken` from it in a split backward's B)
+        into the main grad (or ZeRO-2's staging), counting it as arrived. Under a split
+        backward, a later B may have added into an fp32 `.grad` before this W ran: this moves
+        both, and that B's W finds nothing left to move (but still counts)."""
+        grad = param.grad if taken is None else taken
         if self.grads_sharded:
             if grad is not None:
                 self._staged(param).add_(grad)
-                param.grad = None
+                if taken is None:
+                    param.grad = None
                 self._stage_done(param)
             return
         if param not in self.arrived:
             self.arrived.add(param)
             param.main_grad.copy_(grad)
-            # fp32: let autograd accumulate the next micro-batches straight into the buffer
-            param.grad = param.main_grad if param.dtype == torch.float32 else None
+            if taken is None:
+                # fp32: let autograd accumulate the next micro-batches straight into the buffer
+                param.grad = param.main_grad if param.dtype == torch.float32 else None
         elif param.dtype != torch.float32 and grad is not None:
             param.main_grad.add_(grad)
-            param.grad = None
+            if taken is None:
+                param.grad = None
         self._count_arrival(param)
 
     def _accumulate(

@@ -22,8 +22,9 @@ optim.offload=cpu):
   backward. Under a split backward (zb-h1, zb-v) a pair's activations go at its B, but its
   linears' inputs and output gradients stay until its W (`deferred weight-grad inputs`), and so
   do the gradients B computed for the other parameters, in their `.grad` (`gradients awaiting
-  W`: the embedding and head weigh most; in fp32 without ZeRO-2 only until the chunk's first W,
-  after which `.grad` is the fp32 main grad itself). Attention over a chunk layout (context
+  W`: the embedding and head weigh most; in 16 bits each pair's own until its W; in fp32 one per
+  chunk, and without ZeRO-2 only until the chunk's first W, after which `.grad` is the fp32 main
+  grad itself). Attention over a chunk layout (context
   parallelism, document masks) adds a transient of its own, in forward and in backward (a
   recomputed layer's beside its rerun activations): the K/V blocks it computes against and
   passes on and its fp32 accumulators (`ring attention buffers`, `all-gathered K/V`, `block
@@ -331,6 +332,7 @@ def _activation_parts(
     actions = compute_order(p.schedule, p.pp, pp_rank, m, p.vpp, p.microbatch_group_size)
     split = any(a.op is Op.WEIGHT for a in actions)
     fresh_grads = x.element != 4 or (p.zero == 2 and dp > 1)  # else `.grad` becomes main_grad
+    per_pair = x.element != 4  # 16-bit: B takes each pair's gradients from `.grad` until its W
     alive, waiting = [0] * len(per_chunk), [0] * len(per_chunk)
     awaiting, took = [False] * len(per_chunk), [False] * len(per_chunk)
     held = 0
@@ -366,14 +368,16 @@ def _activation_parts(
             if split:
                 waiting[k] += 1
                 held += sum(c.deferred)
-                if not awaiting[k] and (fresh_grads or not took[k]):
+                if per_pair:
+                    held += c.awaiting
+                elif not awaiting[k] and (fresh_grads or not took[k]):
                     awaiting[k] = True
                     held += c.awaiting
                 observe()
         else:
             waiting[k] -= 1
             held -= sum(c.deferred)
-            held -= c.awaiting if awaiting[k] else 0
+            held -= c.awaiting if awaiting[k] or per_pair else 0
             awaiting[k], took[k] = False, True
 
     def each(counts: tuple[int, ...], sizes: Callable[[_Chunk], list[int]]) -> tuple[int, ...]:
@@ -383,6 +387,8 @@ def _activation_parts(
     head = tuple(s for s in each(peak.alive, lambda c: [c.head_grad]) if s)
     deferred = each(peak.waiting, lambda c: c.deferred)
     grads = tuple(c.awaiting for c, on in zip(per_chunk, peak.awaiting) if on)
+    if per_pair:
+        grads = each(peak.waiting, lambda c: [c.awaiting])
     parts = [Part("activations", sum(kept), kept), Part("head weight grads", sum(head), head)]
     if split:
         parts.append(Part("deferred weight-grad inputs", sum(deferred), deferred))

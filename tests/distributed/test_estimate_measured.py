@@ -56,7 +56,13 @@ LAYOUTS = {
             "train.recompute=full",
             "train.recompute_layers=1",
         ),
-        ("parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "parallel.schedule=zb-h1"),
+        (  # bf16: B takes each micro-batch's 16-bit gradients from `.grad` until its W
+            "parallel.pp=2",
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "parallel.schedule=zb-h1",
+            "train.precision=bf16",
+        ),
         (
             "parallel.pp=2",
             "parallel.vpp=2",
@@ -224,7 +230,8 @@ def test_context_parallel_activations_are_estimated_and_fall_as_one_over_cp():
 
 
 def _grads_held_at_first_w(cfg: Config) -> int:
-    """Bytes of `.grad` (not the fp32 main grads themselves) held when the first W step runs."""
+    """Bytes of `.grad` (not the fp32 main grads themselves), or of 16-bit gradients taken from
+    it, held when the first W step runs."""
     ps = build_parallel_state(1, 1, torch.device("cpu"))
     run = build_run(cfg, ps)
     run.train(True)
@@ -235,6 +242,11 @@ def _grads_held_at_first_w(cfg: Config) -> int:
         params = [q for chunk in run.chunks for q in chunk.parameters()]
         main = {id(q.main_grad) for q in params if hasattr(q, "main_grad")}
         waiting = [q.grad for q in params if q.grad is not None and id(q.grad) not in main]
+        # and the 16-bit gradients B took from `.grad`, held by the queue until this W
+        arrivals = [
+            w for w in queue.work if getattr(getattr(w, "func", None), "__name__", "") == "_arrive"
+        ]
+        waiting += [w.args[1] for w in arrivals if len(w.args) == 2]
         held.append(sum(g.nbytes for g in waiting))
         real_run(queue)
 

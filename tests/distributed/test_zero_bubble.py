@@ -5,7 +5,14 @@ blocks as NCCL's does: zb-h1 and zb-v at pp 2 and 4, each beside tp 2 + SP, ZeRO
 Every layout runs on 4 ranks."""
 
 import pytest
-from equivalence import EVAL, assert_equivalent, assert_same_val_losses
+import torch
+from equivalence import EVAL, TINY, assert_equivalent, assert_same_val_losses, relative_error
+
+from megalite.config import load_config
+from megalite.launch import run_ranks
+from megalite.parallel_state import build_parallel_state
+from megalite.training.setup import build_run
+from megalite.training.step import train_step
 
 GPT = ("model.arch=gpt",)
 LLAMA = ("model.arch=llama", "model.n_kv_heads=2")
@@ -47,3 +54,27 @@ def test_zero_bubble_pp4_with_evaluation(builtin_corpus, tmp_path, model, layout
     model = model + EVAL + M8
     assert_equivalent(4, model, layout, tmp_path)
     assert_same_val_losses(model, tmp_path)
+
+
+def _grad_norms(schedule: str, precision: str) -> tuple[float, torch.Tensor]:
+    """One step of GPT at pp 2, 8 micro-batches: the gradient norm and this rank's fp32 main
+    grads (as the optimizer left them: clipped alike in both schedules)."""
+    overrides = [*TINY, *GPT, *M8, *PP2, f"parallel.schedule={schedule}"]
+    cfg = load_config(None, [*overrides, f"train.precision={precision}"])
+    ps = build_parallel_state(1, 2, torch.device("cpu"))
+    run = build_run(cfg, ps)
+    torch.manual_seed(0)
+    norm = train_step(run, torch.randint(0, 500, (8, 33)), 0.0).grad_norm
+    return norm, torch.cat([buffer.grads_flat for buffer in run.buffers])
+
+
+def test_split_backward_sums_16_bit_gradients_in_fp32():
+    """bf16: a B that runs before the W of an earlier micro-batch must not add its norm and
+    embedding gradients into that micro-batch's 16-bit `.grad` (a sum in bf16, or an fp16
+    overflow the plain schedules never see): every micro-batch's gradient reaches the fp32
+    main grad on its own, as under 1F1B, so both schedules sum the same values in fp32."""
+    plain = run_ranks(2, _grad_norms, "1f1b", "bf16")
+    split = run_ranks(2, _grad_norms, "zb-h1", "bf16")
+    assert split[0][0] == pytest.approx(plain[0][0], rel=1e-6)
+    for (_, plain_grads), (_, split_grads) in zip(plain, split):
+        assert relative_error(split_grads, plain_grads) < 1e-6
