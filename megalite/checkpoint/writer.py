@@ -410,9 +410,21 @@ def last_good_states(root: Path) -> list[Path]:
 def adopt_as_latest(root: Path, resumed: Path, ps: ParallelState) -> None:
     """Rank 0: a run resumed by name from a good checkpoint of its own directory (a rewind past
     a corrupt or diverged one) points `latest` at it, so that pruning keeps it as the last good
-    state rather than what `latest` named in the run it rewound."""
+    state rather than what `latest` named in the run it rewound. The good checkpoints after it
+    belong to the run it rewound: they are marked bad (and said so), so that neither pruning
+    (the good one before the newest), a fatal streak's demotion nor an auto-resume takes one
+    of them for this run's last good state; a resume by name still reads them."""
     root, resumed = Path(root), Path(resumed)
     if ps.rank == 0 and resumed.parent.resolve() == root.resolve() and is_good(resumed):
+        complete = complete_checkpoints(root)
+        step = step_of(resumed) if resumed.name in {p.name for p in complete} else None
+        for path in complete if step is not None else []:  # a step_N directory: later ones
+            if step_of(path) > step and is_good(path):
+                with contextlib.suppress(OSError, ValueError):  # unreadable: loading refuses it
+                    _mark_bad(path)
+                    print(
+                        f"marked {path} bad: it is newer than {resumed}, which this run rewinds to"
+                    )
         write_atomic(root / LATEST, resumed.name.encode())
 
 

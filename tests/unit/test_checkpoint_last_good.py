@@ -62,6 +62,20 @@ def test_a_fatal_streak_demotes_the_saves_of_its_weights_and_points_latest_befor
     assert writer.demote_from(tmp_path, 1, ParallelState.single()) is None  # none left
 
 
+def test_a_rewind_by_name_marks_the_rewound_runs_newer_checkpoints_bad(tmp_path, capsys):
+    """Resumed by name from step 4 past a corrupt (or diverged) step 6 that a streak kept this
+    run from overwriting, its save at step 8 under keep=1 keeps step 4, not step 6, as the
+    good state before the newest, and a fatal streak from step 8 names step 4."""
+    _checkpoints(tmp_path, {2: True, 4: True, 6: True}, latest=6)
+    writer.adopt_as_latest(tmp_path, tmp_path / "step_000004", ParallelState.single())
+    assert [is_good(tmp_path / f"step_{s:06d}") for s in (2, 4, 6)] == [1, 1, 0]
+    assert "marked" in capsys.readouterr().out
+    assert (tmp_path / "latest").read_text() == "step_000004"
+    _checkpoints(tmp_path, {8: True}, latest=8)
+    assert _names(writer.last_good_states(tmp_path)) == ["step_000004", "step_000008"]
+    assert writer.demote_from(tmp_path, 8, ParallelState.single()) == tmp_path / "step_000004"
+
+
 def test_a_latest_pointer_that_is_not_text_is_passed_over(tmp_path):
     _checkpoints(tmp_path, {2: True, 4: True, 6: False})
     (tmp_path / "latest").write_bytes(b"\xff\xfe\x00step")
