@@ -51,6 +51,8 @@ class ShardState:
     counted: list[tuple[int, int]]
     """Ranges this rank counts in the global grad norm: each element of the model exactly once
     (tp-replicated parameters on tp rank 0, tied copies on their owner)."""
+    copies: list[tuple[int, int]]
+    """The other ranges: copies the norm leaves out but the update applies."""
     noise: list[NoiseSegment]
     """The global tensors whose elements the piece holds, for bf16 moments' rounding noise."""
 
@@ -135,6 +137,7 @@ class DistributedOptimizer:
                     exp_avg_sq=self.adamw.zeros(master.numel()),
                     decay=_ranges(buffer, start, end, names, lambda meta: meta.weight_decay),
                     counted=_ranges(buffer, start, end, names, self._counts_in_norm),
+                    copies=_ranges(buffer, start, end, names, self._left_out_of_norm),
                     noise=_noise_segments(buffer, start, end, names),
                 )
             )
@@ -142,6 +145,9 @@ class DistributedOptimizer:
     def _counts_in_norm(self, meta: ParamMeta) -> bool:
         replicated_over_tp = meta.tp_split_dim is None
         return meta.tied_name is None and (self.ps.tp_rank == 0 or not replicated_over_tp)
+
+    def _left_out_of_norm(self, meta: ParamMeta) -> bool:
+        return not self._counts_in_norm(meta)
 
     @property
     def sharded(self) -> bool:
@@ -152,16 +158,21 @@ class DistributedOptimizer:
         counts its owned pieces, which partition the model over the world. Otherwise each rank
         counts all it holds, summed over the ranks holding one copy of the model: the dense
         weights over tp x pp, the experts over tp x pp x ep."""
-        sumsq = torch.zeros(2, dtype=torch.float64, device=self.ps.device)  # dense, experts
+        # dense, experts, and the copies left out of the norm: the update applies them too, so
+        # a non-finite one (on this rank alone, after the reductions) makes the norm NaN
+        sumsq = torch.zeros(3, dtype=torch.float64, device=self.ps.device)
         for state in self.states:
             for start, end in state.counted:
                 sumsq[int(state.buffer.expert)] += sum_of_squares(state.grads[start:end])
+            for start, end in state.copies:
+                sumsq[2] += sum_of_squares(state.grads[start:end])
         if self.sharded:
             comm.all_reduce(sumsq, self.ps.world_group)
         else:
             comm.all_reduce(sumsq, self.ps.model_parallel_group)
             comm.all_reduce(sumsq[1:], self.ps.ep_group)
-        return sumsq.sum().sqrt().item()
+        norm = sumsq[:2].sum().sqrt()
+        return (norm if sumsq[2].isfinite() else sumsq[2]).item()
 
     def found_non_finite(self) -> bool:
         """Whether any rank's gradient has inf/nan (fp16 overflow), agreed over all ranks."""

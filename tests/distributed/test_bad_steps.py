@@ -98,3 +98,34 @@ def test_nan_gradients_on_one_rank_are_skipped_everywhere_and_stop_the_run(
     saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
     assert saved == ["step_000002", "step_000004"]  # step 6 fell in the streak of 5, 6, 7
     assert not Checkpoint(tmp_path / "checkpoints" / "step_000004").good
+
+
+def _train_with_nan_in_the_tied_head(out_dir: str) -> list[str | None]:
+    """Two pipeline stages with tied embeddings: NaN written, after the reductions, into the
+    last stage's copy of the embedding's gradient, which the gradient norm leaves out (the
+    first stage counts the original) but the optimizer applies."""
+    real_finalize, real_step = step_module.finalize_grads, loop.train_step
+    runs, bad = [], []
+
+    def finalize_grads(buffers, ps):
+        real_finalize(buffers, ps)
+        if len(runs) == 2:
+            for param in runs[-1].named_parameters().values():
+                if param.meta.tied_name is not None:
+                    param.main_grad.view(-1)[0] = math.nan
+
+    def train_step(run, tokens, lr):
+        runs.append(run)
+        metrics = real_step(run, tokens, lr)
+        bad.append(metrics.bad)
+        return metrics
+
+    step_module.finalize_grads, loop.train_step = finalize_grads, train_step
+    overrides = [*ONE_LAYER, "model.n_layers=2", "parallel.pp=2", "train.steps=3"]
+    loop.train(load_config(None, [*overrides, "checkpoint.interval=0", f"train.out_dir={out_dir}"]))
+    return bad
+
+
+def test_nan_in_a_copy_the_gradient_norm_leaves_out_is_a_bad_step(builtin_corpus, tmp_path):
+    ranks = run_ranks(2, _train_with_nan_in_the_tied_head, str(tmp_path), timeout=120)
+    assert ranks == [[None, "gradient norm is not finite", None]] * 2, ranks
