@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import shlex
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -299,7 +300,11 @@ def _lighter_fits(
 def _reasons(layout: Layout, prediction: Prediction, need: float, machine: Machine) -> list[str]:
     """The terms that decide a layout, in words."""
     p = prediction
-    reasons = [f"bubble {p.bubble:.0%}" if layout.pp > 1 else "no pipeline bubble"]
+    # the papers' bubble, idle time relative to compute ((pp - 1) / (vpp m)), as the metrics'
+    # bubble_fraction and `megalite profile` report it; the prediction's is a share of the span
+    idle_over_compute = p.bubble / (1 - p.bubble) if p.bubble < 1 else math.inf
+    bubble = f"bubble {idle_over_compute:.2f} of compute"
+    reasons = [bubble if layout.pp > 1 else "no pipeline bubble"]
     if layout.tp == 1:
         reasons.append("no tp traffic")
     else:

@@ -187,3 +187,18 @@ def test_zero_bubble_schedules_rank_against_1f1b_and_interleaved():
     assert predicted["zb-v"].bubble < predicted["interleaved"].bubble
     found = {layout.schedule for layout in layouts(load_config("configs/llama-7b.yaml"), 64)}
     assert found == {"1f1b", "zb-h1", "interleaved", "zb-v"}
+
+
+def test_bubble_is_idle_over_compute_as_the_metrics_report_it():
+    """The reasons state the pipeline bubble as training's `bubble_fraction` and `megalite
+    profile` do, idle time relative to compute: (pp - 1) / m, 1.00 for pp 2 with one
+    micro-batch (whatever the stages cost, each rank idles while the other computes), not the
+    idle share of the step (0.50)."""
+    hardware = machine("cuda", 2, memory="80GB")
+    cfg = load_config("configs/gpt-tiny.yaml", ["parallel.pp=2", "train.micro_batch_size=8"])
+    (proposal,) = [
+        p
+        for p in plan("configs/gpt-tiny.yaml", [], cfg, hardware, top=100)
+        if p.layout.pp == 2 and p.microbatches == 1 and p.layout.schedule == "1f1b"
+    ][:1]
+    assert "bubble 1.00 of compute" in proposal.reasons
