@@ -395,10 +395,11 @@ def node_presence(ps: ParallelState) -> Iterator[None]:
 
 
 def layout_change(
-    saved: dict[str, int], ps: ParallelState, global_batch_size: int, micro_batch_size: int
+    saved: dict[str, int], ps: ParallelState, saved_batch: tuple[int, int], batch: tuple[int, int]
 ) -> str | None:
     """What changed between the layout a checkpoint was saved in (`ParallelDims.layout`) and
-    this run's, in one line, or None when nothing did. The global batch stays: a smaller
+    this run's, in one line, or None when nothing did. `saved_batch` and `batch` are the
+    (global, micro) batch sizes then and now: the global batch usually stays, and a smaller
     data-parallel world accumulates over more micro-batches per step, a larger one over fewer."""
     now = ps.dims.layout()
     if saved == now:
@@ -407,12 +408,16 @@ def layout_change(
     def describe(layout: dict[str, int]) -> str:
         return " ".join(f"{axis} {size}" for axis, size in layout.items())
 
-    def microbatches(dp: int) -> int:
-        return global_batch_size // (micro_batch_size * dp)
-
+    (global_then, micro_then), (global_now, micro_now) = saved_batch, batch
+    microbatches_then = global_then // (micro_then * saved["dp"])
+    microbatches_now = global_now // (micro_now * ps.dp_size)
+    if global_then == global_now:
+        global_batch = f"the same global batch of {global_now}"
+    else:
+        global_batch = f"a global batch of {global_then} -> {global_now}"
+    then = "" if micro_then == micro_now else f" micro-batches of {micro_then}"
     return (
         f"world size {math.prod(saved.values())} -> {ps.world_size}: layout {describe(saved)} "
-        f"-> {describe(now)}, the same global batch of {global_batch_size} as "
-        f"{microbatches(saved['dp'])} -> {microbatches(ps.dp_size)} micro-batches of "
-        f"{micro_batch_size} per data-parallel rank"
+        f"-> {describe(now)}, {global_batch} as {microbatches_then}{then} -> "
+        f"{microbatches_now} micro-batches of {micro_now} per data-parallel rank"
     )

@@ -7,7 +7,8 @@ boundary and nothing is dropped. A blend of corpora (`megalite.data.blend`) inte
 streams in fixed proportions. Either way the batches depend only on the seed, the corpora's
 sizes and weights, and G: never on the tensor/pipeline/data-parallel layout, which is what lets
 any layout reproduce the single-process loss curve. Resuming needs one number, the count of
-batches already consumed.
+windows already consumed (Megatron-LM's consumed samples): a run resumed with another global
+batch size cuts the rest of the same stream into batches of its own size.
 """
 
 import hashlib
@@ -74,25 +75,25 @@ class GlobalBatchSampler:
         self.num_windows, self.weights = sizes, weights
         self.global_batch_size = global_batch_size
         self.seed = seed
-        self.consumed_batches = 0
+        self.consumed_samples = 0
         self.interleave = Interleave(weights)
         self.orders = [CorpusOrder(n, seed, corpus) for corpus, n in enumerate(sizes)]
 
     def next_batch(self) -> list[tuple[int, int]]:
         """The next global batch: `global_batch_size` (corpus, window index) pairs."""
-        start = self.consumed_batches * self.global_batch_size
+        start = self.consumed_samples
         corpus, draws = self.interleave(np.arange(start, start + self.global_batch_size))
         windows = np.empty_like(draws)
         for c, order in enumerate(self.orders):
             here = corpus == c
             if here.any():
                 windows[here] = order.windows(draws[here])
-        self.consumed_batches += 1
+        self.consumed_samples += self.global_batch_size
         return list(zip(corpus.tolist(), windows.tolist()))
 
     def state_dict(self) -> dict:
         return {
-            "consumed_batches": self.consumed_batches,
+            "consumed_samples": self.consumed_samples,
             "num_windows": self.num_windows,
             "weights": self.weights,
             "global_batch_size": self.global_batch_size,
@@ -100,19 +101,23 @@ class GlobalBatchSampler:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue after `state["consumed_batches"]` batches of the same stream.
+        """Continue after `state["consumed_samples"]` windows of the same stream, in batches of
+        this run's size (a batch-size ramp, or a resume on fewer GPUs with a smaller batch).
 
-        A different seed, batch size or dataset size would silently change which data the
-        resumed run sees, so that is an error rather than a best effort.
+        A different seed or different data would silently change which data the resumed run
+        sees, so that is an error rather than a best effort.
         """
         state = {"weights": [1.0], **state}  # checkpoints from before blends: one corpus
         if isinstance(state["num_windows"], int):
             state["num_windows"] = [state["num_windows"]]
-        for key in ("num_windows", "weights", "global_batch_size", "seed"):
+        for key in ("num_windows", "weights", "seed"):
             if state[key] != getattr(self, key):
                 raise DataError(
                     f"cannot resume the data order: the checkpoint was made with {key}="
                     f"{state[key]} but this run has {key}={getattr(self, key)}; use the same "
-                    "data, train.global_batch_size and train.seed, or start a fresh run"
+                    "data and train.seed, or start a fresh run"
                 )
-        self.consumed_batches = int(state["consumed_batches"])
+        if "consumed_samples" in state:
+            self.consumed_samples = int(state["consumed_samples"])
+        else:  # checkpoints from before batch-size changes counted batches
+            self.consumed_samples = int(state["consumed_batches"]) * state["global_batch_size"]

@@ -47,9 +47,15 @@ class Run:
     rows: list[dict[str, Any]]
 
 
-def tokens_seen(rows: list[dict[str, Any]]) -> list[float]:
-    """Tokens trained on after each of `rows`: its step times the tokens of one step."""
-    return [row["step"] * row["tokens_per_sec"] * row["step_time_s"] for row in rows]
+def tokens_seen(rows: list[dict[str, Any]]) -> dict[int, float]:
+    """Tokens trained on by the end of each step of `rows` (a run's rows, in step order): the
+    running sum of each step's tokens, since a resume may change the global batch. A step
+    without a row is taken at the batch of the next row."""
+    seen, total, previous = {}, 0.0, 0
+    for row in rows:
+        total += (row["step"] - previous) * row["tokens_per_sec"] * row["step_time_s"]
+        seen[row["step"]], previous = total, row["step"]
+    return seen
 
 
 def read_run(run_dir: Path, label: str) -> Run:
@@ -92,11 +98,12 @@ def plot_runs(runs: list[Run], out_dir: Path) -> list[Path]:
 def _loss_figure(runs: list[Run]) -> Any:
     fig, ax = _figure("Loss", "tokens seen", "loss")
     for run in runs:
-        (line,) = ax.plot(tokens_seen(run.rows), [r["loss"] for r in run.rows], label=run.label)
+        seen = tokens_seen(run.rows)
+        (line,) = ax.plot(list(seen.values()), [r["loss"] for r in run.rows], label=run.label)
         evaluated = [r for r in run.rows if r.get("val_loss") is not None]
         if evaluated:
             ax.plot(
-                tokens_seen(evaluated),
+                [seen[r["step"]] for r in evaluated],
                 [r["val_loss"] for r in evaluated],
                 "o--",
                 color=line.get_color(),
@@ -112,7 +119,9 @@ def _draw_curves(ax: Any, runs: list[Run], value: Any, suffix: str) -> bool:
     for run in runs:
         rows = [row for row in run.rows if value(row) is not None]
         if rows:
-            ax.plot(tokens_seen(rows), [value(row) for row in rows], label=run.label + suffix)
+            seen = tokens_seen(run.rows)
+            x = [seen[row["step"]] for row in rows]
+            ax.plot(x, [value(row) for row in rows], label=run.label + suffix)
             drawn = True
     if drawn:
         ax.legend()

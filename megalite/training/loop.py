@@ -383,8 +383,13 @@ def announce_resume(ckpt: Checkpoint, cfg: Config, ps: ParallelState) -> None:
         return
     print(f"resumed from {ckpt.path} at step {ckpt.step}")
     saved_layout = read_manifest(ckpt.path, verify_files=False)["layout"]
-    t = cfg.train
-    layout = layout_change(saved_layout, ps, t.global_batch_size, t.micro_batch_size)
+    t, saved = cfg.train, ckpt.config.get("train", {})
+    batch = (t.global_batch_size, t.micro_batch_size)
+    saved_batch = (
+        saved.get("global_batch_size", t.global_batch_size),
+        saved.get("micro_batch_size", t.micro_batch_size),
+    )
+    layout = layout_change(saved_layout, ps, saved_batch, batch)
     if layout:
         print(f"resuming in another layout: {layout}")
     changes = config_changes(ckpt.config, cfg)

@@ -48,7 +48,7 @@ def test_plain_state():
     take(sampler, 3)
     state = sampler.state_dict()
     assert state == {
-        "consumed_batches": 3,
+        "consumed_samples": 12,
         "num_windows": [10],
         "weights": [1.0],
         "global_batch_size": 4,
@@ -78,7 +78,33 @@ def test_resume_gives_exactly_the_following_batches(consumed):
 
 def test_resume_rejects_a_different_order():
     state = GlobalBatchSampler(20, 8, seed=7).state_dict()
-    with pytest.raises(DataError, match="global_batch_size=8 but this run has global_batch_size=4"):
-        GlobalBatchSampler(20, 4, seed=7).load_state_dict(state)
+    with pytest.raises(DataError, match=r"num_windows=\[20\] but this run has num_windows=\[21\]"):
+        GlobalBatchSampler(21, 8, seed=7).load_state_dict(state)
     with pytest.raises(DataError, match="seed=7 but this run has seed=8"):
         GlobalBatchSampler(20, 8, seed=8).load_state_dict(state)
+
+
+@pytest.mark.parametrize("before, after", [(8, 12), (8, 4), (6, 20)])
+def test_a_resume_with_another_batch_size_continues_the_stream_at_the_consumed_window(
+    before, after
+):
+    """A batch-size ramp (or a smaller batch on fewer GPUs): the rest of the same stream, cut
+    into batches of the new size, from the first window the old batches did not consume
+    (Megatron-LM's consumed samples); nothing skipped, nothing seen twice."""
+    n, consumed = 20, 5  # 40 or 30 windows: boundaries of epochs fall inside the batches
+    first = GlobalBatchSampler(n, before, seed=7)
+    seen = [w for b in take(first, consumed) for w in b]
+    resumed = GlobalBatchSampler(n, after, seed=7)
+    resumed.load_state_dict(first.state_dict())
+    rest = [w for b in take(resumed, 6) for w in b]
+    stream = [w for b in take(GlobalBatchSampler(n, 1, seed=7), len(seen) + len(rest)) for w in b]
+    assert seen + rest == stream
+
+
+def test_state_that_counted_batches_resumes_at_their_windows():
+    """Checkpoints from before batch-size changes stored the count of batches consumed."""
+    old = {"consumed_batches": 3, "num_windows": [10], "global_batch_size": 4, "seed": 0}
+    resumed = GlobalBatchSampler(10, 6, seed=0)
+    resumed.load_state_dict(old)
+    stream = [w for b in take(GlobalBatchSampler(10, 6, seed=0), 4) for w in b]
+    assert [w for b in take(resumed, 2) for w in b] == stream[12:24]

@@ -3,10 +3,13 @@ groups partition the world, combined groups are unions along their axes, dp is d
 error that names the fix, and an axis inserted by name (cp, as context parallelism will add it)
 needs no new formula."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from megalite.config import ConfigError
 from megalite.parallel_dims import ParallelDims
+from megalite.parallel_state import layout_change
 
 # (world size, tp, pp): pure dp, pure tp, pure pp, and mixed layouts
 LAYOUTS = [(4, 1, 1), (4, 4, 1), (4, 1, 4), (8, 2, 2), (12, 2, 3), (24, 2, 3)]
@@ -147,3 +150,20 @@ def test_layout_and_labels_spell_the_weight_axes_first():
     dims = ParallelDims.for_world(16, tp=2, pp=2)
     assert list(dims.layout().items()) == [("tp", 2), ("pp", 2), ("dp", 4)]
     assert dims.label(dims.rank_of(tp=1, dp=3), dims.naming_order) == "tp01_pp00_dp03"
+
+
+def test_a_layout_change_names_the_batch_it_was_saved_with():
+    """Resumed on 2 ranks from 4 with another global or micro batch: the line counts the saved
+    run's micro-batches with the saved run's batch sizes."""
+    dims = ParallelDims.for_world(2)
+    ps = SimpleNamespace(dims=dims, world_size=2, dp_size=2)
+    saved = ParallelDims.for_world(4).layout()
+    assert layout_change(saved, ps, (8, 2), (8, 2)) == (
+        "world size 4 -> 2: layout tp 1 pp 1 dp 4 -> tp 1 pp 1 dp 2, the same global batch of 8 "
+        "as 1 -> 2 micro-batches of 2 per data-parallel rank"
+    )
+    assert layout_change(saved, ps, (8, 2), (16, 4)) == (
+        "world size 4 -> 2: layout tp 1 pp 1 dp 4 -> tp 1 pp 1 dp 2, a global batch of 8 -> 16 "
+        "as 1 micro-batches of 2 -> 2 micro-batches of 4 per data-parallel rank"
+    )
+    assert layout_change(dims.layout(), ps, (8, 2), (16, 2)) is None

@@ -117,3 +117,13 @@ def test_nothing_to_plot_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").unlink()
     with pytest.raises(plot.PlotError, match="metrics.jsonl does not exist: pass a train.out_dir"):
         plot.plot([tmp_path])
+
+
+def test_tokens_seen_add_up_each_steps_batch_across_a_change_of_batch_size():
+    """Steps 1-2 of 100 tokens, then (resumed with twice the batch, logged every other step)
+    steps 4 and 6 of 200: step 3, which has no row, is taken at the batch of step 4."""
+    rows = [
+        {"step": step, "tokens_per_sec": tokens / 0.5, "step_time_s": 0.5}
+        for step, tokens in [(1, 100), (2, 100), (4, 200), (6, 200)]
+    ]
+    assert plot.tokens_seen(rows) == {1: 100, 2: 200, 4: 600, 6: 1000}

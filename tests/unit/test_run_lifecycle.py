@@ -1,8 +1,10 @@
 """What a run says about itself on the command line: one summary line at the end of every run,
 a finished run that is started again says so and touches nothing, a resume that changes the
-schedule or the batch says what changed, and metrics.jsonl stays strict JSON."""
+schedule or the batch says what changed (and a new batch size continues the data order), and
+metrics.jsonl stays strict JSON."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -63,16 +65,37 @@ def test_a_resume_that_changes_the_schedule_says_what_changed(builtin_corpus, tm
     assert lines[-1].startswith("trained to step 4 (1 step in this run): loss ")
     assert ", val_loss " in lines[-1] and sum(line.startswith("trained") for line in lines) == 1
 
-    # A new batch size cannot continue the data order: the change is shown before the error.
-    code, lines, err = train(
+    # A new batch size continues the data order at the first window not yet consumed.
+    code, lines, _ = train(
         capsys,
         tmp_path,
         *("train.steps=5", "train.global_batch_size=4", "optim.lr=5e-4", "optim.decay_steps=10"),
     )
-    assert code == 2 and lines[1] == (
+    assert code == 0 and lines[1] == (
         "changed since the checkpoint: train.steps 4 -> 5, train.global_batch_size 2 -> 4"
     )
-    assert err.startswith("error: cannot resume the data order")
+    assert lines[-1].startswith("trained to step 5 (1 step in this run): loss ")
+
+
+def test_a_larger_batch_after_a_resume_takes_the_windows_the_smaller_ones_would_have(
+    builtin_corpus, tmp_path, capsys
+):
+    """From one checkpoint, with the weights held still (lr 1e-30): one step of 4 windows has the
+    mean loss of two steps of 2, so it trained on the same windows, in the stream's order."""
+    assert train(capsys, tmp_path / "a")[0] == 0
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    still = ("optim.lr=1e-30", "optim.min_lr=0")
+    assert train(capsys, tmp_path / "a", "train.steps=5", *still)[0] == 0
+    assert (
+        train(capsys, tmp_path / "b", "train.steps=4", "train.global_batch_size=4", *still)[0] == 0
+    )
+    small = [row["loss"] for row in _rows(tmp_path / "a")[3:]]
+    (large,) = [row["loss"] for row in _rows(tmp_path / "b")[3:]]
+    assert large == pytest.approx(sum(small) / 2, rel=1e-6)
+
+
+def _rows(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_metrics_are_strict_json_when_mfu_is_unknown(builtin_corpus, tmp_path, monkeypatch):

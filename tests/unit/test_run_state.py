@@ -29,10 +29,10 @@ from megalite.training.step import train_step
 WINDOWS = 50
 
 
-def fresh_state(global_batch_size: int = 2):
+def fresh_state(global_batch_size: int = 2, windows: int = WINDOWS):
     cfg = load_config(None, [*ONE_LAYER, f"train.global_batch_size={global_batch_size}"])
     run = build_run(cfg, ParallelState.single())
-    sampler = GlobalBatchSampler(WINDOWS, global_batch_size, cfg.train.seed)
+    sampler = GlobalBatchSampler(windows, global_batch_size, cfg.train.seed)
     return run, run_state(run, sampler)
 
 
@@ -101,7 +101,7 @@ def test_streams_saved_on_a_gpu_leave_a_cpu_runs_own_dropout_stream():
 
 def test_a_resume_speaks_before_a_refused_data_order_stops_it(saved):
     path, before, _, _ = saved
-    _, state = fresh_state(global_batch_size=4)
+    _, state = fresh_state(windows=WINDOWS + 1)  # another corpus
     heard = []
 
     def announce(ckpt):
