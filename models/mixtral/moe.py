@@ -30,6 +30,7 @@ from torch import nn
 from megalite import comm
 from megalite.config import ModelConfig
 from megalite.context_parallel.layout import gather_windows, local_chunks, shard_sequence
+from megalite.eager_boundary import eager_only
 from megalite.expert_parallel.aux_loss import attach_aux_loss
 from megalite.expert_parallel.dispatch import Dispatch
 from megalite.expert_parallel.router import (
@@ -150,6 +151,7 @@ class MoE(nn.Module):
             return experts
         return all_gather_sequence(experts, self.ctx.ps.tp_group)
 
+    @eager_only  # `train.compile`: data-dependent counts (see `experts`)
     def within_capacity(self, experts: torch.Tensor) -> torch.Tensor:
         """Which of the tp group's (token, choice) pairs (b, s', k) fit in their expert's
         capacity over the micro-batch's whole windows, as one process decides it: under cp the
@@ -165,6 +167,7 @@ class MoE(nn.Module):
         chunks = local_chunks(s, comm.size(ps.cp_group), comm.rank(ps.cp_group))
         return shard_sequence(keep.view(b, s, k), chunks).flatten(0, 1)
 
+    @eager_only
     def experts(
         self,
         tokens: torch.Tensor,
@@ -176,7 +179,11 @@ class MoE(nn.Module):
         of every expert, a partial sum over tp. With expert parallelism the rows travel to the
         ep rank holding their expert and back (`dispatch.Dispatch`). `keep` (tokens, k): the
         pairs within capacity; the others are neither dispatched nor computed (their output is
-        zero)."""
+        zero).
+
+        Eager under `train.compile`: the rows per expert (and, with drops or an exchange, the
+        rows) differ with every micro-batch, which static shapes would recompile for until
+        dynamo's recompile limit sends the frames to eager anyway."""
         k = experts.shape[1]
         local = len(self.local_experts)
         pairs = experts.flatten()

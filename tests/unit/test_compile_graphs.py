@@ -23,24 +23,35 @@ from megalite.tensor_parallel.linear import (
 )
 from megalite.training.compile import can_trace_linears, compile_blocks, compiled_graphs
 
-ARCHS = {"gpt": ["model.arch=gpt"], "llama": ["model.arch=llama", "model.n_kv_heads=2"]}
+ARCHS = {
+    "gpt": ["model.arch=gpt"],
+    "llama": ["model.arch=llama", "model.n_kv_heads=2"],
+    "mixtral": [
+        "model.arch=mixtral",
+        "model.moe_experts=4",
+        "model.moe_top_k=2",
+        "model.n_kv_heads=2",
+    ],
+}
 
 
-def _compiled_model(arch: str, trace_linears: bool) -> torch.nn.Module:
+def _compiled_model(
+    arch: str, trace_linears: bool, overrides: tuple[str, ...] = ()
+) -> torch.nn.Module:
     """A 3-block model, its blocks compiled, in a fresh dynamo."""
     import torch._dynamo as dynamo  # here: importing it imports Triton (see compile.py)
 
     dynamo.reset()
     sizes = ["model.n_layers=3", "model.hidden=64", "model.n_heads=4", "model.vocab_size=300"]
-    cfg = load_config(None, [*ARCHS[arch], *sizes, "model.seq_len=24"])
+    cfg = load_config(None, [*ARCHS[arch], *sizes, "model.seq_len=24", *overrides])
     ps = ParallelState.single()
     (model,) = build_chunks(cfg, ps, TPRandom(3, ps))
     compile_blocks([model], trace_linears)
     return model
 
 
-def _loss(model: torch.nn.Module) -> torch.Tensor:
-    tokens = torch.randint(0, 300, (2, 25), generator=torch.Generator().manual_seed(0))
+def _loss(model: torch.nn.Module, seed: int = 0) -> torch.Tensor:
+    tokens = torch.randint(0, 300, (2, 25), generator=torch.Generator().manual_seed(seed))
     return model(tokens[:, :-1], tokens[:, 1:]).sum()
 
 
@@ -60,6 +71,21 @@ def test_traced_linears_make_each_block_one_graph(arch):
     assert _graphs_and_breaks(arch, trace_linears=True) == (1, 0)  # one graph serves 3 blocks
     graphs, breaks = _graphs_and_breaks(arch, trace_linears=False)
     assert graphs > 1 and breaks > 0  # the opaque linears cut it
+
+
+@pytest.mark.parametrize(
+    "overrides", [(), ("model.moe_capacity_factor=1.0",)], ids=["dropless", "capacity"]
+)
+def test_moe_blocks_compile_nothing_for_another_routing(overrides):
+    """The rows per expert (with drops, the rows kept too) differ with every micro-batch: the
+    experts run eager between the compiled pieces, so a batch routed otherwise compiles no new
+    graph (static shapes would recompile for each, until dynamo's recompile limit)."""
+    model = _compiled_model("mixtral", True, overrides)
+    _loss(model).backward()
+    graphs = compiled_graphs()
+    for seed in range(1, 4):
+        _loss(model, seed).backward()
+    assert compiled_graphs() == graphs
 
 
 def test_linears_are_traced_only_at_tp1_with_an_unsplit_backward():
