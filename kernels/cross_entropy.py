@@ -87,6 +87,7 @@ def _grad_kernel(
 
 def _fused(logits: torch.Tensor, target: torch.Tensor, vocab: Columns, with_grad: bool) -> Result:
     rows, cols = logits.shape
+    target = target.contiguous()  # the kernels read it as one value per row, contiguous
     stats = torch.empty((3, rows), dtype=torch.float32, device=logits.device)
     row_max, row_sum, target_logit = stats
     stride = logits.stride(0)

@@ -63,6 +63,7 @@ from .dispatch import opaque, use_triton
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_BATCH_HEADS = 65535  # the kernels' grid puts batch * heads on its second axis: CUDA's limit
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E): exp2 is the fast one
 # The kernels keep a base-2 LSE; the public one is natural-log: lse = lse2 * LN2.
@@ -730,6 +731,8 @@ def _unsupported(q: torch.Tensor) -> str | None:
         return f"head_dim {q.shape[-1]} (supported: {SUPPORTED_HEAD_DIMS})"
     if q.dtype not in SUPPORTED_DTYPES:
         return f"dtype {q.dtype}"
+    if q.shape[0] * q.shape[2] > MAX_BATCH_HEADS:
+        return f"batch * heads = {q.shape[0] * q.shape[2]} (at most {MAX_BATCH_HEADS})"
     return None
 
 

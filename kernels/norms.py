@@ -113,6 +113,10 @@ class AddNormFunction(torch.autograd.Function):
     def forward(ctx, x, residual, weight, bias, eps, rms):
         n = x.shape[-1]
         x2d = x.contiguous().view(-1, n)  # (rows, hidden)
+        # the kernels index the parameters as contiguous: a strided view (a column of a
+        # stacked tensor) would be read wrongly
+        weight = weight.contiguous()
+        bias = None if bias is None else bias.contiguous()
         m = x2d.shape[0]
         stats = dict(device=x.device, dtype=torch.float32)
         rstd = torch.empty(m, **stats)
@@ -121,7 +125,10 @@ class AddNormFunction(torch.autograd.Function):
             res2d, h2d = x2d, x2d
         else:
             res2d, h2d = residual.contiguous().view(m, n), torch.empty_like(x2d)
-        y = torch.empty((m, n), device=x.device, dtype=torch.result_type(x, weight))
+        # the references' dtypes: F.layer_norm keeps x's (fp32 parameters on 16-bit x too),
+        # RMSNorm's product with the weight promotes
+        dtype = torch.result_type(x, weight) if rms else x.dtype
+        y = torch.empty((m, n), device=x.device, dtype=dtype)
         _norm_fwd_kernel[(m,)](
             x2d, res2d, h2d, weight, weight if bias is None else bias, y, mean, rstd, n, eps,
             residual is not None, bias is not None, rms, **_launch_options(n),
@@ -140,9 +147,9 @@ class AddNormFunction(torch.autograd.Function):
         m, n = h2d.shape
         dy = torch.zeros_like(h2d) if dy is None else dy.contiguous().view(m, n)
         dh_out = None if dh_out is None else dh_out.contiguous().view(m, n)
-        programs = _backward_programs(m, h2d.device)
-        rows_per_program = triton.cdiv(m, programs)
-        programs = triton.cdiv(m, rows_per_program)
+        programs = max(_backward_programs(m, h2d.device), 1)
+        rows_per_program = max(triton.cdiv(m, programs), 1)
+        programs = triton.cdiv(m, rows_per_program)  # 0 without rows: zero dw and db
         dx = torch.empty_like(h2d)
         dw_partial = torch.empty((programs, n), device=h2d.device, dtype=torch.float32)
         db_partial = dw_partial if bias is None else torch.empty_like(dw_partial)

@@ -112,6 +112,8 @@ def _unsupported(
     """Why the Triton kernel cannot take these inputs, or None when it can."""
     if q.dtype not in SUPPORTED_DTYPES:
         return f"{q.dtype} inputs"
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        return "cos/sin tables that require grad (the kernel differentiates q and k only)"
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         return "cos/sin tables with a strided last dim or different strides"
     half = triton.next_power_of_2(q.shape[-1] // 2)

@@ -123,7 +123,9 @@ def wgrad_accumulate(
     """``main_grad += dy^T x`` (``=`` when overwrite): main_grad (out, in) fp32, dy (tokens,
     out) and x (tokens, in) in the activation dtype. The Triton kernel (and cuBLAS's fp32-output
     GEMM, which `auto` prefers on CUDA: see the module docstring) take 16-bit inputs."""
-    if main_grad.dtype != torch.float32 or dy.shape[0] != x.shape[0]:
+    fits = dy.ndim == x.ndim == 2 and dy.shape[0] == x.shape[0]
+    fits = fits and main_grad.shape == (dy.shape[1], x.shape[1])  # never write past it
+    if main_grad.dtype != torch.float32 or not fits:
         raise ValueError(
             f"main_grad {main_grad.dtype} {tuple(main_grad.shape)}, dy {tuple(dy.shape)}, "
             f"x {tuple(x.shape)}: expected fp32 (out, in), (tokens, out), (tokens, in)"

@@ -67,6 +67,17 @@ def test_kernel_equals_its_reference(randn, rel_err, monkeypatch):
     assert rel_err(fused[1], reference[1]) < 1e-6
 
 
+def test_strided_targets_are_read_through_their_stride(randn, rel_err, tolerance):
+    """The targets as a column of a (rows, 2) tensor (stride 2): each row's own target."""
+    logits = randn(6, 40).detach()
+    pairs = torch.randint(0, 40, (6, 2), generator=torch.Generator().manual_seed(2))
+    targets = pairs.to(logits.device)[:, 1]
+    expected_loss, expected_grad = _float64(logits, targets, 40)
+    loss, grad = softmax_cross_entropy(logits.clone(), targets, Columns(40), True)
+    assert rel_err(loss, expected_loss) < tolerance[torch.float32]
+    assert rel_err(grad, expected_grad) < tolerance[torch.float32]
+
+
 def _split_over_two_ranks(vocab: int, padded: int, dtype: torch.dtype, device: str):
     """This rank's loss and gradient for its half of the padded vocabulary, and float64's."""
     rank = dist.get_rank()

@@ -4,8 +4,13 @@ import math
 
 import pytest
 import torch
-from megalite.kernels import flash_attention
-from megalite.kernels.flash_attention import _backward_op, _forward_op, attention_reference
+from megalite.kernels import attention_block_forward, flash_attention
+from megalite.kernels.flash_attention import (
+    FlashAttentionFunction,
+    _backward_op,
+    _forward_op,
+    attention_reference,
+)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -152,3 +157,18 @@ def test_forced_triton_rejects_unsupported_head_dim(device):
     q = torch.zeros(1, 4, 2, 24, device=device)
     with pytest.raises(ValueError, match="head_dim 24"):
         flash_attention(q, q, q)
+
+
+def test_batch_times_heads_past_the_grid_limit_is_refused_before_launch(device, monkeypatch):
+    """batch * heads programs go on the grid's second axis, which CUDA caps at 65535: forced
+    Triton names the limit instead of failing at launch (auto takes the reference)."""
+
+    def refuse(*args):
+        raise AssertionError("the Triton path ran")
+
+    monkeypatch.setattr(FlashAttentionFunction, "apply", refuse)
+    q = torch.zeros(4097, 1, 16, 16, device=device)  # 65552 (batch, head) pairs
+    with pytest.raises(ValueError, match="batch \\* heads = 65552"):
+        flash_attention(q, q, q)
+    with pytest.raises(ValueError, match="batch \\* heads = 65552"):
+        attention_block_forward(q, q, q)

@@ -85,6 +85,52 @@ def test_triton_backward_saves_the_stream_and_row_statistics(randn):
     assert stats == [torch.float32] * 2  # mean and 1/std
 
 
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_strided_parameters_are_read_through_their_strides(kind, randn, rel_err, tolerance):
+    """weight and bias as columns of one stacked tensor (stride 2), forward and gradients."""
+    x, residual, stacked = randn(3, 37), randn(3, 37), randn(37, 2)
+    weight, bias = stacked[:, 0], stacked[:, 1] if kind == "layer" else None
+    inputs = (x, residual, stacked)
+    h, y = _run(kind, x, residual, weight, bias)
+    dh, dy = torch.randn_like(h), torch.randn_like(y)
+    grads = torch.autograd.grad([h, y], inputs, [dh, dy])
+    x64, residual64, stacked64 = (t.detach().double().requires_grad_() for t in inputs)
+    bias64 = stacked64[:, 1] if kind == "layer" else None
+    h64, y64 = _float64(kind, x64, residual64, stacked64[:, 0], bias64)
+    grads64 = torch.autograd.grad(
+        [h64, y64], (x64, residual64, stacked64), [dh.double(), dy.double()]
+    )
+    errors = [rel_err(y, y64)] + [rel_err(g, g64) for g, g64 in zip(grads, grads64, strict=True)]
+    assert max(errors) < tolerance[torch.float32], errors
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_no_rows(kind, randn):
+    """An empty batch: empty outputs and gradients, zero parameter gradients (as the reference)."""
+    x, residual, weight, bias = randn(0, 37), randn(0, 37), randn(37), randn(37)
+    bias = bias if kind == "layer" else None
+    h, y = _run(kind, x, residual, weight, bias)
+    inputs = [t for t in (x, residual, weight, bias) if t is not None]
+    grads = torch.autograd.grad([h, y], inputs, [torch.ones_like(h), torch.ones_like(y)])
+    assert [tuple(g.shape) for g in grads] == [tuple(t.shape) for t in inputs]
+    assert all(g.abs().sum() == 0 for g in grads)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_fp32_parameters_on_16bit_inputs_give_the_references_dtypes(kind, randn, monkeypatch):
+    """LayerNorm keeps x's dtype (as F.layer_norm does), RMSNorm promotes: on either path."""
+    x, residual = randn(3, 37, dtype=torch.bfloat16), randn(3, 37, dtype=torch.bfloat16)
+    weight, bias = randn(37), randn(37) if kind == "layer" else None
+    inputs = [t for t in (x, residual, weight, bias) if t is not None]
+    dtypes = {}
+    for path in ("triton", "torch"):
+        monkeypatch.setenv("MEGALITE_KERNELS", path)
+        h, y = _run(kind, x, residual, weight, bias)
+        grads = torch.autograd.grad([h, y], inputs, [torch.ones_like(h), torch.ones_like(y)])
+        dtypes[path] = [t.dtype for t in (h, y, *grads)]
+    assert dtypes["triton"] == dtypes["torch"]
+
+
 def test_too_wide_rows_fall_back_under_auto_and_fail_loudly_when_forced(device, monkeypatch):
     x = torch.randn(2, 16385, device=device)  # a block of 32768 fp32 lanes: 128 KiB
     weight = torch.ones(16385, device=device)

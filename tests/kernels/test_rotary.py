@@ -79,6 +79,21 @@ def test_rotation_preserves_norms_and_position_zero(randn, device):
     torch.testing.assert_close(k_out[:, 0], k[:, 0])
 
 
+def test_tables_that_require_grad_get_their_gradients_or_a_clear_error(randn, device, monkeypatch):
+    """Learned cos/sin: the kernel differentiates q and k only, so forced Triton refuses them
+    (instead of leaving their gradients None) and auto takes the reference."""
+    cos, sin = (t.to(device).requires_grad_() for t in rotary_tables(16, 8, 10000.0))
+    q, k = randn(1, 5, 2, 16), randn(1, 5, 1, 16)
+    with pytest.raises(ValueError, match="require grad"):
+        rotary_embedding(q, k, cos, sin)
+    with torch.no_grad():  # nothing to differentiate: the kernel runs
+        rotary_embedding(q, k, cos, sin)
+    monkeypatch.setenv("MEGALITE_KERNELS", "auto")
+    q_out, k_out = rotary_embedding(q, k, cos, sin)
+    cos_grad, sin_grad = torch.autograd.grad([q_out, k_out], [cos, sin], [q_out, k_out])
+    assert cos_grad.abs().sum() > 0 and sin_grad.abs().sum() > 0
+
+
 def test_sequence_longer_than_the_tables_is_an_error(device):
     cos, sin = (t.to(device) for t in rotary_tables(16, 8, 10000.0))
     q = torch.zeros(1, 9, 2, 16, device=device)

@@ -59,3 +59,20 @@ def test_triton_rejects_fp32_inputs(device):
             torch.zeros(4, 2, device=device),
             torch.zeros(4, 3, device=device),
         )
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize(
+    ("main_grad", "dy", "x"),
+    [((3, 4), (5, 6), (5, 4)), ((6, 3), (5, 6), (5, 4)), ((6, 4), (5, 6), (2, 5, 4))],
+    ids=["out", "in", "3d"],
+)
+def test_wrong_shapes_are_one_error_and_write_nothing(main_grad, dy, x, backend, monkeypatch):
+    """A main grad that does not fit dy^T x (a view into a flat buffer, say) is refused before
+    anything is written past it."""
+    monkeypatch.setenv("MEGALITE_KERNELS", backend)
+    flat = torch.zeros(100)
+    target = flat[: main_grad[0] * main_grad[1]].view(main_grad)
+    with pytest.raises(ValueError, match="expected fp32"):
+        wgrad_accumulate(target, torch.ones(dy).bfloat16(), torch.ones(x).bfloat16())
+    assert flat.abs().sum() == 0
