@@ -34,7 +34,7 @@ from megalite.checkpoint.hf import hf_config
 from megalite.config import Config
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import padded_vocab_size
-from megalite.training.compile import compile_seconds, compiled_graphs
+from megalite.training.compile import compile_seconds, compiled_graphs, recompile_limit_hits
 from megalite.training.setup import build_run
 from megalite.training.step import train_step
 
@@ -92,15 +92,17 @@ def megalite_contender(cfg: Config, lr: float) -> harness.Contender:
 
 def watch_compiles(contender: harness.Contender) -> harness.Contender:
     """The contender, its info counting the seconds its steps spent compiling ("compile_s")
-    and the graphs compiled after its first step ("recompiles"): the process-wide counters of
+    and its recompiles as `training.compile.CompileWatch` counts them (graphs compiled after
+    its first step, frames stopped at dynamo's recompile limit): the process-wide counters of
     `training.compile`, read around each of its own steps."""
     step, info, steps_done = contender.step, contender.info, []
     info |= {"compile_s": 0.0, "recompiles": 0}
 
     def watched(tokens: torch.Tensor) -> dict[str, float]:
-        graphs, seconds = compiled_graphs(), compile_seconds()
+        graphs, seconds, stopped = compiled_graphs(), compile_seconds(), recompile_limit_hits()
         result = step(tokens)
         info["compile_s"] += compile_seconds() - seconds
+        info["recompiles"] += recompile_limit_hits() - stopped
         if steps_done:
             info["recompiles"] += compiled_graphs() - graphs
         steps_done.append(True)

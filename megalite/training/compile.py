@@ -81,6 +81,20 @@ def compiled_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+RECOMPILE_LIMIT = "Dynamo recompile limit exceeded"
+"""The graph-break type dynamo records (in its `unimplemented` counter) for a frame it stops
+compiling at `torch._dynamo.config.recompile_limit`."""
+
+
+def recompile_limit_hits() -> int:
+    """Frames dynamo stopped compiling at its recompile limit in this process so far: each then
+    runs eager for good, which no count of graphs shows."""
+    import torch._dynamo.utils
+
+    stopped = torch._dynamo.utils.counters["unimplemented"]
+    return sum(n for reason, n in stopped.items() if reason.startswith(RECOMPILE_LIMIT))
+
+
 def compile_seconds() -> float:
     """Wall time this process has spent compiling so far (dynamo, AOTAutograd, inductor;
     backward graphs included)."""
@@ -98,10 +112,13 @@ def eager() -> Iterator[None]:
 
 class CompileWatch:
     """Compile time and recompiles of a run: the first step compiles every graph; any graph
-    compiled after it is a recompile (a guard failed: a shape, dtype or mode changed)."""
+    compiled after it is a recompile (a guard failed: a shape, dtype or mode changed), and so
+    is a frame that reaches dynamo's recompile limit at any step (a first step of many
+    micro-batches can: from then on the frame runs eager, compiling nothing)."""
 
     def __init__(self) -> None:
         self._seconds = compile_seconds()
+        self._stopped = recompile_limit_hits()
         self._graphs_after_first: int | None = None
 
     def step_done(self) -> None:
@@ -115,7 +132,9 @@ class CompileWatch:
 
     @property
     def recompiles(self) -> int:
-        """Graphs compiled after the first step (0 unless a guard failed)."""
+        """Graphs compiled after the first step, and frames stopped at the recompile limit since
+        the watch began (0 unless a guard failed)."""
+        stopped = recompile_limit_hits() - self._stopped
         if self._graphs_after_first is None:
-            return 0
-        return compiled_graphs() - self._graphs_after_first
+            return stopped
+        return compiled_graphs() - self._graphs_after_first + stopped

@@ -21,7 +21,12 @@ from megalite.tensor_parallel.linear import (
     _deferred_column_weight_grads,
     _deferred_row_weight_grad,
 )
-from megalite.training.compile import can_trace_linears, compile_blocks, compiled_graphs
+from megalite.training.compile import (
+    CompileWatch,
+    can_trace_linears,
+    compile_blocks,
+    compiled_graphs,
+)
 
 ARCHS = {
     "gpt": ["model.arch=gpt"],
@@ -146,3 +151,19 @@ def test_compiled_region_fuses_the_elementwise_kernels_under_auto(index, monkeyp
         torch.utils._pytree.tree_leaves(compiled), torch.utils._pytree.tree_leaves(reference())
     ):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_frame_stopped_at_the_recompile_limit_in_the_first_step_counts(monkeypatch):
+    """Shapes that change within the first step, past dynamo's recompile limit: the frame runs
+    eager from then on and compiles no graph after the first step, yet it is a recompile."""
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    monkeypatch.setattr(dynamo.config, "recompile_limit", 2)
+    scale = torch.compile(lambda x: x * 2 + 1, dynamic=False, backend="eager")
+    watch = CompileWatch()
+    for rows in range(1, 5):  # one micro-batch shape each: 2 graphs, then the limit
+        scale(torch.ones(rows))
+    watch.step_done()
+    scale(torch.ones(1))
+    assert watch.recompiles == 1
