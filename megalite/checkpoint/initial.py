@@ -24,8 +24,13 @@ from megalite.checkpoint.hf import (
     read_hf_config,
 )
 from megalite.checkpoint.reader import local_piece
-from megalite.checkpoint.sharded import MODEL_IDENTITY, Checkpoint, CheckpointError
-from megalite.config import ROPE_SCALING_KEYS, Config, ModelConfig, build_config
+from megalite.checkpoint.sharded import (
+    MODEL_IDENTITY,
+    Checkpoint,
+    CheckpointError,
+    resolve_checkpoint,
+)
+from megalite.config import ROPE_SCALING_KEYS, Config, ModelConfig, build_config, with_values
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import global_tensors
 
@@ -44,6 +49,22 @@ def check_saved_model(path: Path, saved: dict, model: ModelConfig) -> None:
         raise CheckpointError(
             f"the megalite checkpoint {path} does not match the config: set {overrides(wanted)}"
         )
+
+
+def initial_source(path: Path) -> Path:
+    """The directory `checkpoint.init_from` names: a Hugging Face model directory, or a megalite
+    checkpoint, which may be named as `--checkpoint` names one (a run directory, its
+    `checkpoints/` or `latest`: the newest good checkpoint there)."""
+    path = Path(path)
+    if (path / "config.json").is_file() or not path.exists():
+        return path  # `_kind` refuses what is not there
+    try:
+        return resolve_checkpoint(path)
+    except CheckpointError as error:
+        raise CheckpointError(
+            f"checkpoint.init_from={path}: neither a Hugging Face model directory (no "
+            f"config.json) nor a megalite run or checkpoint: {error}"
+        ) from None
 
 
 def _kind(path: Path) -> str:
@@ -115,7 +136,9 @@ def init_from_settings(cfg: Config, resume_from: Path | None) -> tuple[Config, d
         return cfg, {}
     if resume_from is not None:
         return adopt_model_settings(cfg, resume_from)
-    path = Path(cfg.checkpoint.init_from)
+    path = initial_source(Path(cfg.checkpoint.init_from))
+    if str(path) != cfg.checkpoint.init_from:  # the run's config names what it loads
+        cfg = with_values(cfg, {"checkpoint.init_from": str(path)})
     cfg, adopted = adopt_model_settings(cfg, path)
     check_model(path, cfg.model)
     return cfg, adopted

@@ -167,6 +167,12 @@ def test_resume_and_init_from_draw_no_random_weights(tmp_path, builtin_corpus, m
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
     started = train(_run_config(tmp_path / "fine-tune", f"checkpoint.init_from={checkpoint}"))
     assert started["step"] == 2 and not calls
+    # a run directory, as `--checkpoint` takes one: its newest good checkpoint, which the new
+    # run's config names
+    started = train(_run_config(tmp_path / "again", f"checkpoint.init_from={tmp_path / 'run'}"))
+    assert started["step"] == 2 and not calls
+    saved = load_config(tmp_path / "again" / "config.yaml", [])
+    assert saved.checkpoint.init_from == str(tmp_path / "run" / "checkpoints" / "step_000003")
 
 
 def test_each_pipeline_stage_drops_its_own_elements():
