@@ -115,17 +115,24 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 _MATMUL_BENCHMARK = """
 import sys, time, torch
 
-threads, n, dtype, repeats = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+threads, largest, dtype = int(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3])
+repeats, slow = int(sys.argv[4]), float(sys.argv[5])
 torch.set_num_threads(threads)
 g = torch.Generator().manual_seed(0)
-a, b = (torch.randn(n, n, generator=g).to(getattr(torch, dtype)) for _ in range(2))
-a @ b
+n = 256
+while True:  # up to `largest`, or where one product takes `slow` seconds (slow dtypes)
+    a, b = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
+    start = time.perf_counter()
+    a @ b
+    if n >= largest or time.perf_counter() - start > slow:
+        break
+    n *= 2
 best = 0.0
 for _ in range(repeats):
     start = time.perf_counter()
     a @ b
     best = max(best, 2 * n**3 / (time.perf_counter() - start))
-print(best)
+print(n, best)
 """
 CPU_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 PEAK_CACHE_FILE = "cpu_peak_flops.json"
@@ -147,11 +154,14 @@ def cpu_peak_key(precision: str) -> str:
     )
 
 
-def measure_cpu_peak_flops(precision: str, repeats: int = 5) -> float:
-    """Best of `repeats` large square matmuls on all cores, in a fresh process."""
+def measure_cpu_peak_flops(precision: str, repeats: int = 5, slow: float = 0.25) -> float:
+    """Best of `repeats` large square matmuls on all cores, in a fresh process: as large as
+    keeps every core busy, or, where the dtype is slow, the first size (doubling from 256)
+    whose product takes over `slow` seconds (fp16 on most CPUs: a product of 2048 takes
+    seconds, and a first fp16 run would seem to hang)."""
     cores = cpu_cores()
     size = 2048 if cores <= 16 else 4096  # large enough to keep every core busy
-    args = [str(cores), str(size), CPU_DTYPES[precision], str(repeats)]
+    args = [str(cores), str(size), CPU_DTYPES[precision], str(repeats), str(slow)]
     done = subprocess.run(
         [sys.executable, "-c", _MATMUL_BENCHMARK, *args],
         capture_output=True,

@@ -156,3 +156,18 @@ def test_a_step_that_beats_the_measured_cpu_peak_raises_it(monkeypatch, tmp_path
     assert flops.cpu_peak_flops("fp32", tmp_path) == 3e10  # the next run starts from it
     given = StepCost(tokens=1, flops=1.0, devices=1, device_peak_flops=1e10)
     assert given.peak_for(3e10) == 1e10
+
+
+def test_a_slow_dtype_is_measured_on_a_smaller_product(monkeypatch):
+    """Products that take over `slow` seconds stop the doubling: with 0 s the first, 256."""
+    printed = []
+    run = flops.subprocess.run
+
+    def recording(*args, **kwargs):
+        done = run(*args, **kwargs)
+        printed.append(done.stdout.split())
+        return done
+
+    monkeypatch.setattr(flops.subprocess, "run", recording)
+    assert flops.measure_cpu_peak_flops("fp32", repeats=1, slow=0.0) > 0
+    assert printed[0][0] == "256"
