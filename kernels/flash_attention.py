@@ -100,17 +100,19 @@ def _cast(x, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _load_tile(head_ptr, rows, stride_s, S, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr,
                UPCAST: tl.constexpr):  # fmt: skip
-    """(len(rows), HEAD_DIM) tile of one head; rows past the sequence read as zeros."""
+    """(len(rows), HEAD_DIM) tile of one head; rows past the sequence read as zeros. Offsets in
+    int64: a long sequence's rows times a fused qkv's row stride pass 2**31 (175k tokens at a
+    stride of 12,288)."""
     offs_d = tl.arange(0, HEAD_DIM)
-    tile = tl.load(head_ptr + rows[:, None] * stride_s + offs_d[None, :], mask=rows[:, None] < S,
-                   other=0.0)  # fmt: skip
+    offsets = rows[:, None].to(tl.int64) * stride_s + offs_d[None, :]
+    tile = tl.load(head_ptr + offsets, mask=rows[:, None] < S, other=0.0)
     return _cast(tile, DTYPE, UPCAST)
 
 
 @triton.jit
 def _store_tile(head_ptr, rows, stride_s, S, tile, HEAD_DIM: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
-    ptrs = head_ptr + rows[:, None] * stride_s + offs_d[None, :]
+    ptrs = head_ptr + rows[:, None].to(tl.int64) * stride_s + offs_d[None, :]  # as `_load_tile`
     tl.store(ptrs, tile.to(head_ptr.dtype.element_ty), mask=rows[:, None] < S)
 
 
