@@ -7,8 +7,9 @@ a lock the ranks need may run across the fork (tqdm's monitor is stopped first).
 a store the parent hosts, as torchrun's agent does: were it rank 0's, a rank 0 that finished
 first would take it away from ranks still creating their process groups ("Connection reset by
 peer"). Each rank uses one intra-op thread (forked OpenMP pools are not safe, and ranks sharing
-a few cores gain nothing from more), sends back its result or its traceback through a pipe, and
-exits hard so the parent's exit handlers (pytest's) never run twice. A run that does not finish
+a few cores gain nothing from more), never collects the garbage it inherits (`gc.freeze`),
+sends back its result or its traceback through a pipe, and exits hard so the parent's exit
+handlers (pytest's) never run twice. A run that does not finish
 within `timeout` is killed and fails, so a deadlock cannot hang a test suite or a benchmark.
 
 Every run records each rank's collectives and p2p messages (`megalite.comm_trace`) and fails if
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -154,15 +156,22 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 180.0)
     # can take its port); its server thread starts after (no child inherits a running thread).
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    for rank in range(world_size):
-        receive, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=_child, args=(rank, world_size, port, trace_dir, fn, args, send, timeout)
-        )
-        proc.start()
-        send.close()
-        pipes.append(receive)
-        procs.append(proc)
+    # The caller's garbage is the ranks' too, and theirs to collect: a store an earlier test
+    # left in a reference cycle would be destroyed in a rank, joining a server thread the rank
+    # does not have (an abort, or a hang in its first collective). Frozen, it never is.
+    gc.freeze()
+    try:
+        for rank in range(world_size):
+            receive, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_child, args=(rank, world_size, port, trace_dir, fn, args, send, timeout)
+            )
+            proc.start()
+            send.close()
+            pipes.append(receive)
+            procs.append(proc)
+    finally:
+        gc.unfreeze()  # the caller collects its own garbage as before
     store = None
     try:
         store = dist.TCPStore(

@@ -1,5 +1,6 @@
 """The test launcher (`run_ranks`): ranks that finish at different times all report."""
 
+import gc
 import threading
 import time
 
@@ -35,3 +36,20 @@ def test_no_tqdm_monitor_runs_when_the_ranks_are_forked(monkeypatch):
     assert any(isinstance(t, TMonitor) and t.is_alive() for t in threading.enumerate())
     assert run_ranks(2, _draw_a_bar, timeout=30) == [2, 2]
     assert not any(isinstance(t, TMonitor) and t.is_alive() for t in threading.enumerate())
+
+
+def _collect_garbage() -> int:
+    return gc.collect()
+
+
+def test_a_store_left_in_a_reference_cycle_is_never_destroyed_in_a_rank():
+    """A store server an earlier test left in a cycle (garbage not yet collected) is inherited
+    by the forked ranks: collected there, its destructor would join a server thread the rank
+    does not have (torch aborts with std::system_error, or the rank hangs)."""
+    cycle = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)]
+    cycle.append(cycle)
+    del cycle
+    try:
+        run_ranks(2, _collect_garbage, timeout=30)
+    finally:
+        gc.collect()  # here, where its thread runs
