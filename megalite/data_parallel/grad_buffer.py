@@ -238,25 +238,23 @@ class GradBuffer:
         """Move `param.grad` (or the 16-bit gradient `taken` from it in a split backward's B)
         into the main grad (or ZeRO-2's staging), counting it as arrived. Under a split
         backward, a later B may have added into an fp32 `.grad` before this W ran: this moves
-        both, and that B's W finds nothing left to move (but still counts)."""
+        both, and that B's W finds nothing left to move (but still counts). A 16-bit `.grad` is
+        always None here: each B takes its own."""
         grad = param.grad if taken is None else taken
         if self.grads_sharded:
             if grad is not None:
                 self._staged(param).add_(grad)
-                if taken is None:
-                    param.grad = None
+                param.grad = None
                 self._stage_done(param)
             return
         if param not in self.arrived:
             self.arrived.add(param)
             param.main_grad.copy_(grad)
-            if taken is None:
-                # fp32: let autograd accumulate the next micro-batches straight into the buffer
-                param.grad = param.main_grad if param.dtype == torch.float32 else None
+            # fp32: let autograd accumulate the next micro-batches straight into the buffer
+            param.grad = param.main_grad if param.dtype == torch.float32 else None
         elif param.dtype != torch.float32 and grad is not None:
             param.main_grad.add_(grad)
-            if taken is None:
-                param.grad = None
+            param.grad = None
         self._count_arrival(param)
 
     def _accumulate(
