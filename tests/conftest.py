@@ -19,6 +19,25 @@ os.environ.setdefault(NCCL_LIKE_P2P_ENV, "1")
 TEST_VOCAB = 500
 
 
+def pytest_configure(config):
+    """A pytest-xdist worker computes on its share of the cores, as torchrun gives each rank
+    one thread: at torch's defaults (every core per worker, for OpenMP and for inductor's
+    pool of compile processes) the workers oversubscribe the cores and wait on each other,
+    which made the in-process runs up to a third slower and a cold compile a sixth slower.
+    Its subprocesses inherit the share."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None:
+        return
+    import torch
+
+    from megalite.hardware import cpu_cores
+
+    share = max(1, cpu_cores() // int(workers))
+    torch.set_num_threads(share)
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(share)  # read when inductor is imported
+
+
 @pytest.fixture(scope="session", autouse=True)
 def session_temp_dir(tmp_path_factory):
     """Every temporary file of the session (the code under test's, its ranks', its subprocesses')

@@ -27,6 +27,7 @@ from megalite.launch import free_port
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 420
 TRAIN_SHORT = "train.steps=2 train.eval_steps=1 logging.progress=false"
+SMALL_BENCH = "--hidden 64 --heads 2 --seq 32 --vocab 512"
 PROFILE_SHORT = (
     "model.seq_len=64 train.micro_batch_size=2 train.global_batch_size=4 --warmup-steps 1 --steps 1"
 )
@@ -49,18 +50,19 @@ SHORT = {
     "megalite train --config configs/gpt2-124m.yaml data.source=data/corpus "
     "model.vocab_size=32000": "train.steps=1 train.micro_batch_size=1 train.global_batch_size=1 "
     "model.n_layers=2 model.hidden=128 model.n_heads=2 model.seq_len=256 logging.progress=false",
-    "python tools/bench_single.py": "--steps 1 --warmup 0",
+    # the benchmarks at a small width: the point is that they run and print their tables
+    "python tools/bench_single.py": f"--steps 1 --warmup 0 --layers 2 {SMALL_BENCH} --batch 2",
     # compiling is most of its time: one small GPT keeps it to the compile of each contender
     "python tools/bench_single.py --compile": "--steps 1 --warmup 1 --arch gpt --layers 1 "
-    "--hidden 64 --heads 2 --seq 32 --batch 2 --vocab 500",
-    "python tools/bench_tp.py": "--steps 1 --warmup 0",
-    "python tools/bench_pp.py": "--steps 1 --warmup 0",
-    "python tools/bench_zero.py": "--steps 1 --warmup 0",
+    f"{SMALL_BENCH} --batch 2",
+    "python tools/bench_tp.py": f"--steps 1 --warmup 0 {SMALL_BENCH} --micro-batch 2",
+    "python tools/bench_pp.py": f"--steps 1 --warmup 0 {SMALL_BENCH} --micro-batch 2",
+    "python tools/bench_zero.py": f"--steps 1 --warmup 0 {SMALL_BENCH} --micro-batch 2",
     "python tools/bench_kernels.py": "--cpu-smoke",
     "python tools/bench_cp.py --seq 4096 --cp 2": "--seq 256 --heads 2 --kv-heads 1 "
     "--head-dim 16 --steps 1 --warmup 0",
     "python tools/bench_gpu.py": "--device cpu --configs configs/gpt2-124m.yaml --layers 2 "
-    "--hidden 64 --heads 2 --seq 32 --vocab 512 --micro-batch 2 --steps 1 --warmup 1",
+    f"{SMALL_BENCH} --micro-batch 2 --steps 1 --warmup 1",
     "python tools/bench_moe.py": "--tokens 64 --hidden 32 --ffn 48 --experts 4 --repeats 1 "
     "--ranks 2 --eps 1 2 --steps 2",
     "python tools/estimate_memory.py --config configs/llama-7b.yaml --world-size 32": "",
