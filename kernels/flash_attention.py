@@ -63,7 +63,6 @@ from .dispatch import opaque, use_triton
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_BATCH_HEADS = 65535  # the kernels' grid puts batch * heads on its second axis: CUDA's limit
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E): exp2 is the fast one
 # The kernels keep a base-2 LSE; the public one is natural-log: lse = lse2 * LN2.
@@ -86,6 +85,17 @@ DQ_TILES = (
     [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3)],
     [(64, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2)],
 )
+
+
+@triton.jit
+def _program(SEQ, BLOCK: tl.constexpr):
+    """(batch x head index, first row) of this program's block. The grid is one axis, since
+    CUDA caps a grid's second axis at 65535 programs and its first only at 2^31 - 1, which no
+    tensor that fits in memory reaches; the blocks of one (batch, head) are consecutive on it,
+    so they run together and share that head's K/V in L2."""
+    pid = tl.program_id(0)
+    blocks = tl.cdiv(SEQ, BLOCK)
+    return (pid // blocks).to(tl.int64), (pid % blocks) * BLOCK
 
 
 @triton.jit
@@ -229,10 +239,9 @@ def _fwd_kernel(Q, K, V, OUT, LSE, DOC, stride_qb, stride_qs, stride_qh, stride_
                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):  # fmt: skip
     """Output rows [start_m, start_m + BLOCK_M) of one (batch, head), plus their LSE."""
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_bh, start_m = _program(S, BLOCK_M)
     off_b, off_h = pid_bh // H, pid_bh % H
     off_kh = off_h // GROUP  # GQA: the kv head this query head reads
-    start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     rows = offs_m < S
     q_head = Q + off_b * stride_qb + off_h * stride_qh
@@ -270,9 +279,9 @@ def _fwd_kernel(Q, K, V, OUT, LSE, DOC, stride_qb, stride_qs, stride_qh, stride_
 def _bwd_preprocess(OUT, DO, DELTA, stride_ob, stride_os, stride_oh, stride_dob, stride_dos,
                     stride_doh, H, S, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
     """delta = rowsum(dO * O): the softmax-backward correction term, one float per row."""
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_bh, start_m = _program(S, BLOCK_M)
     off_b, off_h = pid_bh // H, pid_bh % H
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     o_head = OUT + off_b * stride_ob + off_h * stride_oh
     do_head = DO + off_b * stride_dob + off_h * stride_doh
     o = _load_tile(o_head, offs_m, stride_os, S, HEAD_DIM, tl.float32, False)
@@ -328,9 +337,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DOC, QRANGE, stride_qb, st
                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr):  # fmt: skip
     """dK, dV of key rows [start_n, start_n + BLOCK_N) of one kv head, summed over its group."""
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_bh, start_n = _program(S_K, BLOCK_N)
     off_b, off_kh = pid_bh // H_KV, pid_bh % H_KV
-    start_n = tl.program_id(0) * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     DTYPE: tl.constexpr = Q.dtype.element_ty
     k = _load_tile(K + off_b * stride_kb + off_kh * stride_kh, offs_n, stride_ks, S_K, HEAD_DIM,
@@ -398,10 +406,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DOC, stride_qb, stride_qs, strid
                    HAS_DOCS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """dQ of query rows [start_m, start_m + BLOCK_M) of one head: loop over visible keys."""
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_bh, start_m = _program(S, BLOCK_M)
     off_b, off_h = pid_bh // H, pid_bh % H
     off_kh = off_h // GROUP
-    start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     rows = offs_m < S
     DTYPE: tl.constexpr = Q.dtype.element_ty
@@ -443,8 +450,9 @@ def _precision(t: torch.Tensor) -> str:
 
 
 def _grid(seq: int, heads: int, block: str):
-    """(seq blocks, batch * heads); the block size is the autotuner's pick."""
-    return lambda meta: (triton.cdiv(seq, meta[block]), heads)
+    """(seq blocks x batch * heads,), as `_program` reads it; the block size is the
+    autotuner's pick."""
+    return lambda meta: (triton.cdiv(seq, meta[block]) * heads,)
 
 
 def _query_ranges(doc_start: torch.Tensor, seq_k: int, k_offset: int) -> torch.Tensor:
@@ -497,7 +505,7 @@ def _flash_backward(dout, q, k, v, out, lse, causal: bool, sm_scale: float, shif
     s_k, h_kv = k.shape[1], k.shape[2]
     if delta is None:
         delta = torch.empty_like(lse)  # (b, h, s)
-        _bwd_preprocess[(triton.cdiv(s, 64), b * h)](
+        _bwd_preprocess[(triton.cdiv(s, 64) * b * h,)](
             out, dout, delta, *out.stride()[:3], *dout.stride()[:3], h, s, HEAD_DIM=d, BLOCK_M=64
         )
     dq = torch.empty((b, s, h, d), device=q.device, dtype=grad_dtype or q.dtype)
@@ -733,8 +741,6 @@ def _unsupported(q: torch.Tensor) -> str | None:
         return f"head_dim {q.shape[-1]} (supported: {SUPPORTED_HEAD_DIMS})"
     if q.dtype not in SUPPORTED_DTYPES:
         return f"dtype {q.dtype}"
-    if q.shape[0] * q.shape[2] > MAX_BATCH_HEADS:
-        return f"batch * heads = {q.shape[0] * q.shape[2]} (at most {MAX_BATCH_HEADS})"
     return None
 
 
