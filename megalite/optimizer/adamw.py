@@ -23,9 +23,9 @@ the unrounded moments, and the first step equals fp32's exactly), then rounded b
   piece gives the same result in one chunk or many, and it costs a dozen cheap elementwise
   passes, where torch's (serial) CPU generator took most of the update's time. The tensor is
   the global one an element belongs to (a tied copy: the one it copies) and the index is the
-  element's in this rank's piece of it, so every copy of an element (data-parallel replicas
+  element's in that global tensor, so every copy of an element (data-parallel replicas
   without ZeRO, tp-replicated norms and biases, the tied embedding's copies) rounds alike and
-  the copies stay equal (`NoiseSegment`).
+  the copies stay equal, and a tp layout rounds as the single process does (`NoiseSegment`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from megalite.config import OptimConfig
+from megalite.tensor_parallel.layers import PieceInGlobal
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 UPCAST_CHUNK = {"cpu": 1 << 18, "cuda": 1 << 24}
@@ -55,13 +56,15 @@ WEYL, FMIX1, FMIX2 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35  # 2^32 / golden ratio; 
 
 
 class NoiseSegment(NamedTuple):
-    """Elements [lo, hi) of a flat piece of optimizer state belong to one global tensor: they
-    draw the rounding noise of `tensor_key` from element `index` on."""
+    """Elements [lo, hi) of a flat piece of optimizer state are elements index, index + 1, ...
+    of this rank's piece of one global tensor: they draw the rounding noise of `tensor_key` at
+    their indices in the global tensor (`piece`: where the rank's piece lies in it)."""
 
     lo: int
     hi: int
     tensor_key: int
     index: int
+    piece: PieceInGlobal = PieceInGlobal()
 
 
 def tensor_key(name: str) -> int:
@@ -204,16 +207,22 @@ class AdamW:
         self, segments: list[NoiseSegment], lo: int, hi: int, out: torch.Tensor, work: torch.Tensor
     ) -> torch.Tensor:
         """The rounding noise of a piece's elements [lo, hi) into `out` (`work`: scratch): each
-        segment's `rounding_noise`, in one hash of the chunk. Element p of a segment has Weyl
-        value (index + p - segment.lo) * WEYL + its seed, which is p * WEYL plus the segment's
-        constant: one add per segment, then one mix for all (padding mixes p * WEYL, which any
-        noise leaves at zero)."""
+        segment's `rounding_noise`, in one hash of the chunk. Element p of a segment, the
+        segment's piece's element i = index + p - segment.lo, has Weyl value g * WEYL + its
+        seed, g = offset + i + (i // run) * gap its global index: p * WEYL plus the segment's
+        constant, plus a per-element term only for a piece of several runs; then one mix for
+        all (padding mixes p * WEYL, which any noise leaves at zero)."""
         torch.arange(lo, hi, out=out).mul_(_int32(WEYL))
         for segment in segments:
             a, b = max(segment.lo, lo), min(segment.hi, hi)
             if a < b:
                 seed = noise_seed(self.step, segment.tensor_key)
-                out[a - lo : b - lo].add_(_int32((segment.index - segment.lo) * WEYL + seed))
+                first, piece = segment.index - segment.lo, segment.piece  # i = first + p
+                out[a - lo : b - lo].add_(_int32((first + piece.offset) * WEYL + seed))
+                if piece.run:
+                    runs = torch.arange(first + a, first + b, out=work[: b - a])
+                    runs.floor_divide_(piece.run).mul_(_int32(piece.gap * WEYL))
+                    out[a - lo : b - lo].add_(runs)
         return _mix(out, work)
 
     def _kernel(self, master, grads, exp_avg, exp_avg_sq, decay, lr: float) -> None:

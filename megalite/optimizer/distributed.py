@@ -84,14 +84,15 @@ def _ranges(
 
 
 def _noise_segments(
-    buffer: GradBuffer, start: int, end: int, names: dict[nn.Parameter, str]
+    buffer: GradBuffer, start: int, end: int, names: dict[nn.Parameter, str], ps: ParallelState
 ) -> list[NoiseSegment]:
     """Where each global tensor (a tied copy: the one it copies) meets buffer[start:end], for
     the rounding noise of its elements."""
-    return [
-        NoiseSegment(lo, hi, tensor_key(meta.tied_name or name), index)
-        for name, meta, _, lo, hi, index in _meetings(buffer, start, end, names)
-    ]
+    segments = []
+    for name, meta, _, lo, hi, index in _meetings(buffer, start, end, names):
+        piece = meta.piece_in_global(ps.tp_rank, ps.tp_size)
+        segments.append(NoiseSegment(lo, hi, tensor_key(meta.tied_name or name), index, piece))
+    return segments
 
 
 def _append_merged(ranges: list[tuple[int, int]], lo: int, hi: int) -> None:
@@ -138,7 +139,7 @@ class DistributedOptimizer:
                     decay=_ranges(buffer, start, end, names, lambda meta: meta.weight_decay),
                     counted=_ranges(buffer, start, end, names, self._counts_in_norm),
                     copies=_ranges(buffer, start, end, names, self._left_out_of_norm),
-                    noise=_noise_segments(buffer, start, end, names),
+                    noise=_noise_segments(buffer, start, end, names, ps),
                 )
             )
 

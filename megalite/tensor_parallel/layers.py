@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,18 @@ def constant_init(value: float) -> InitFn:
     return init
 
 
+class PieceInGlobal(NamedTuple):
+    """Where a rank's piece of a global tensor lies in it, both flattened: the piece's element
+    p is the global element offset + p + (p // run) * gap. Split over tp along dim d, a piece
+    holds one run of consecutive global elements per index of the dims before d, and the
+    other ranks' runs fill the gap after it; a whole (replicated) tensor, or one split along
+    its first dim, is a single run (`run` 0: no gaps)."""
+
+    offset: int = 0
+    run: int = 0
+    gap: int = 0
+
+
 @dataclass
 class ParamMeta:
     """How a local parameter relates to its global tensor."""
@@ -79,6 +92,18 @@ class ParamMeta:
     """A fused parameter (q/k/v, gate/up) holds several global tensors as consecutive blocks of
     rows; each has its own meta and name, and init, gradient fix-ups, the optimizer and
     checkpoints see only those (`param_parts`). The fused tensor itself is never global."""
+
+    def piece_in_global(self, tp_rank: int, tp_size: int) -> PieceInGlobal:
+        """Where tp rank `tp_rank`'s piece lies in the global tensor, flattened."""
+        dim = self.tp_split_dim
+        if dim is None or tp_size == 1:
+            return PieceInGlobal()
+        inner = math.prod(self.global_shape[dim + 1 :])
+        local = self.global_shape[dim] // tp_size
+        run = local * inner
+        if math.prod(self.global_shape[:dim]) == 1:
+            return PieceInGlobal(tp_rank * run)
+        return PieceInGlobal(tp_rank * run, run, (self.global_shape[dim] - local) * inner)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Lean optimizer state (optim.state_dtype=bf16): the rounding noise (a hash of step, tensor and
-element index) is uniform, matches its reference, does not depend on chunking and is the same on
-CUDA; stochastic rounding is unbiased and keeps a
-slowly decaying second moment moving where rounding to nearest freezes it; the first step equals
-fp32's and a short run stays close to it; a bf16-state run resumes exactly, and a checkpoint
-resumes into the other state dtype, converted."""
+element index in the global tensor) is uniform, matches its reference, does not depend on
+chunking or on the tp piece holding the element, and is the same on CUDA; stochastic rounding
+is unbiased and keeps a slowly decaying second moment moving where rounding to nearest freezes
+it; the first step equals fp32's and a short run stays close to it; a bf16-state run resumes
+exactly, and a checkpoint resumes into the other state dtype, converted."""
 
 import pytest
 import torch
@@ -22,6 +22,7 @@ from megalite.optimizer.adamw import (
     stochastic_round_,
 )
 from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel.layers import ParamMeta, normal_init
 from megalite.training.loop import run_state
 from megalite.training.setup import build_run
 from megalite.training.step import train_step
@@ -252,3 +253,29 @@ def test_a_piece_draws_each_tensors_noise_in_one_hash():
                 segment.index, segment.hi - segment.lo, noise_seed(9, segment.tensor_key)
             )
             assert torch.equal(noise[segment.lo : segment.hi], expected), (chunk, segment)
+
+
+@pytest.mark.parametrize("split", [0, 1, None])
+def test_a_tp_piece_draws_the_noise_of_its_elements_in_the_global_tensor(split):
+    """Rank r of tp 3 holding its piece of a (6, 9) tensor (split rows, split columns or
+    replicated), from element 4 on (as a ZeRO shard begins mid-piece), in chunks that cut its
+    runs of columns: each element's noise is the whole tensor's at that element."""
+    meta = ParamMeta((6, 9), normal_init(1.0), tp_split_dim=split)
+    adamw = AdamW(OptimConfig(state_dtype="bf16"), torch.device("cpu"), 54)
+    adamw.begin_step(5, 1.0)
+
+    def noise(segment: NoiseSegment, numel: int, chunk: int) -> torch.Tensor:
+        pieces = []
+        for lo in range(0, numel, chunk):
+            hi = min(lo + chunk, numel)
+            out, work = (torch.empty(hi - lo, dtype=torch.int32) for _ in range(2))
+            pieces.append(adamw._noise([segment], lo, hi, out, work))
+        return torch.cat(pieces)
+
+    whole = noise(NoiseSegment(0, 54, 7, 0), 54, 54).view(6, 9)
+    for rank in range(3):
+        expected = whole if split is None else whole.chunk(3, dim=split)[rank]
+        expected = expected.flatten()[4:]
+        piece = NoiseSegment(0, len(expected), 7, 4, meta.piece_in_global(rank, 3))
+        for chunk in (len(expected), 5):
+            assert torch.equal(noise(piece, len(expected), chunk), expected), (rank, chunk)
