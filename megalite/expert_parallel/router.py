@@ -121,11 +121,12 @@ def capacity(tokens: int, num_experts: int, k: int, factor: float) -> int:
     return math.ceil(round(factor * tokens * k / num_experts, 6))
 
 
-def drop_over_capacity(experts: torch.Tensor, capacity: int) -> tuple[torch.Tensor, int]:
+def drop_over_capacity(experts: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Which (token, choice) pairs of (tokens, k) `experts` fit in their expert's `capacity`.
     Each expert keeps the first `capacity` pairs routed to it in GShard's priority order: every
     token's first choice before any second choice, then token order. Returns the (tokens, k)
-    keep mask and the number of pairs dropped; the caller does not dispatch the dropped pairs
+    keep mask and the number of pairs dropped (a 0-d tensor: counted on the host, it would
+    wait for the device in every MoE layer); the caller does not dispatch the dropped pairs
     (their output is zero)."""
     tokens, k = experts.shape
     by_priority = experts.t().flatten()  # (k * tokens,): all first choices, then all second, ...
@@ -137,4 +138,4 @@ def drop_over_capacity(experts: torch.Tensor, capacity: int) -> tuple[torch.Tens
     first_of_group = (index * group_starts).cummax(dim=0).values
     place = torch.empty_like(index).scatter_(0, order, index - first_of_group)  # in its expert
     keep = (place < capacity).view(k, tokens).t()
-    return keep, int(keep.numel() - keep.sum())
+    return keep, keep.numel() - keep.sum()

@@ -173,7 +173,7 @@ class DistributedOptimizer:
             comm.all_reduce(sumsq, self.ps.model_parallel_group)
             comm.all_reduce(sumsq[1:], self.ps.ep_group)
         norm = sumsq[:2].sum().sqrt()
-        return (norm if sumsq[2].isfinite() else sumsq[2]).item()
+        return torch.where(sumsq[2].isfinite(), norm, sumsq[2]).item()  # one wait for the device
 
     def found_non_finite(self) -> bool:
         """Whether any rank's gradient has inf/nan (fp16 overflow), agreed over all ranks."""

@@ -130,8 +130,8 @@ class OnHost(OnDevice):
         with self._side_stream():
             for i, (host, grad) in enumerate(zip(self.host_grads, grads)):
                 host.copy_(grad, non_blocking=True)
-                if self.stream:
-                    self.arrived[i] = torch.cuda.Event()
+                if self.stream:  # a blocking event: its waiter sleeps, leaving the update its core
+                    self.arrived[i] = torch.cuda.Event(blocking=True)
                     self.arrived[i].record(self.stream)
 
     def gradient(self, i: int) -> torch.Tensor:
