@@ -135,13 +135,23 @@ class ParallelState:
 
 
 def choose_device(requested: str = "auto") -> torch.device:
-    """CUDA when present (or asked for), else CPU; the code path is the same."""
+    """CUDA when present (or asked for), else CPU; the code path is the same. The kernels that
+    `MEGALITE_KERNELS` asks for must run there: a value they refuse is bad input, stopped here
+    with the kernels' own message (one `error:` line, exit code 2), not mid-step."""
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("train.device=cuda but CUDA is not available: use auto or cpu")
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        return torch.device("cuda", local_gpu(local_rank, torch.cuda.device_count()))
-    return torch.device("cpu")
+        device = torch.device("cuda", local_gpu(local_rank, torch.cuda.device_count()))
+    else:
+        device = torch.device("cpu")
+    from megalite.kernels import kernel_backend  # imports Triton: only where a run starts
+
+    try:  # no tensor for CUDA, which the kernels then assume: nothing allocated before set_device
+        kernel_backend(*([] if device.type == "cuda" else [torch.empty(0)]))
+    except (ValueError, RuntimeError) as refused:
+        raise ConfigError(str(refused)) from None
+    return device
 
 
 def local_gpu(local_rank: int, visible: int) -> int:

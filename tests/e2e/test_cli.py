@@ -295,3 +295,18 @@ def test_cuda_asked_for_where_there_is_none_is_a_config_error():
     with pytest.raises(ConfigError, match="CUDA is not available") as info:
         choose_device("cuda")
     assert info.value.same_on_every_rank  # printed once for the job
+
+
+@pytest.mark.parametrize("kernels", ["bogus", "triton"])
+def test_kernels_that_cannot_run_are_a_config_error(monkeypatch, kernels):
+    """`MEGALITE_KERNELS` is input like the config: a value the kernels refuse here (an unknown
+    one; triton on CPU tensors outside the interpreter) stops the run before any work with one
+    `error:` line and exit code 2, not with a traceback in the first step."""
+    from megalite.errors import ConfigError
+    from megalite.parallel_state import choose_device
+
+    monkeypatch.setenv("MEGALITE_KERNELS", kernels)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # which would run triton on CPU
+    with pytest.raises(ConfigError, match="MEGALITE_KERNELS") as info:
+        choose_device("cpu")
+    assert info.value.same_on_every_rank  # printed once for the job
