@@ -142,6 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
+    """The command's arguments. Overrides may stand between options, as in `megalite profile
+    --config c.yaml parallel.pp=2 --steps 3 train.out_dir=x`: argparse takes only the first
+    run of them as the positional, and the later ones come back unrecognised."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    later_overrides = [arg for arg in rest if "=" in arg and not arg.startswith("-")]
+    if rest and hasattr(args, "overrides") and later_overrides == rest:
+        args.overrides = [*(args.overrides or []), *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     code, _ = _run(argv)
     return code
@@ -149,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str] | None) -> tuple[int, bool]:
     """The command's exit code, and whether this process had joined a distributed world."""
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(argv)
     try:
         code = args.func(args)
     except MegaliteError as exc:

@@ -275,6 +275,19 @@ def test_a_usage_error_is_printed_by_rank_0_alone(monkeypatch, capsys):
         assert ("unrecognized arguments: --confg" in capsys.readouterr().err) == printed
 
 
+def test_overrides_may_stand_between_options(capsys):
+    """`section.key=value` words after an option are overrides too, in command-line order; a
+    word that is neither stays a usage error, and a command without overrides takes none."""
+    estimate = ["estimate", "--config", "configs/gpt-tiny.yaml", "parallel.tp=2", "--world-size"]
+    assert main([*estimate, "1", "model.n_layers=2", "parallel.tp=1"]) == 0
+    assert "layout: tp=1 " in (out := capsys.readouterr().out) and "layers 0-1 " in out, out
+    stray = [*estimate, "2", "parallel.tp=1", "stray"]
+    for argv in (stray, ["generate", "--checkpoint", "x", "a=1"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and "unrecognized arguments:" in capsys.readouterr().err
+
+
 def test_flags_out_of_range_are_usage_errors(capsys):
     for argv, said in [
         (["estimate", "--world-size", "0"], "--world-size: invalid positive int value: '0'"),
