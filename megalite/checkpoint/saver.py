@@ -4,9 +4,11 @@ An asynchronous save copies this rank's share of the state into host buffers (`s
 then writes the files on a background thread while training goes on: a step waits only for the
 copy. What finishes a checkpoint is collective (every rank done, rank 0 merges the manifest,
 renames the directory into place, points `latest`), and NCCL and gloo collectives are not safe
-from a second thread, so that part runs on the main thread, in `finish()`: at the next save, at
-the end of training, and before an exit (a preemption handler calls it too). Until then the
-checkpoint is a `step_N.tmp` directory, so a crash mid-write leaves the previous one `latest`.
+from a second thread, so that part runs on the main thread, in `finish()`: after the first step
+at which every rank has written its files (`finish_if_written`, the check Megatron-LM makes each
+step), else at the next save, at the end of training, and before an exit (a preemption handler
+calls it too). Until then the checkpoint is a `step_N.tmp` directory, so a crash mid-write
+leaves the previous one `latest`.
 
 `torch.distributed.checkpoint.async_save` works the same way (stage to host memory, write on
 a thread, its future awaited before the next save), but runs its whole `save` on the thread,
@@ -19,6 +21,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from megalite import comm
 from megalite.checkpoint.staging import HostStaging
 from megalite.checkpoint.state import RunState
 from megalite.checkpoint.writer import Snapshot, publish, take_snapshot, write_or_error
@@ -70,6 +73,16 @@ class CheckpointSaver:
         writer.join()
         error, self._error = self._error, None
         return publish(snapshot, ps, self.keep, error)
+
+    def finish_if_written(self) -> Path | None:
+        """Collective, main thread, after each step: publish the background save once every
+        rank has written its files, so that a restart loses the steps since it, not since the
+        one before; returns the checkpoint published, or None."""
+        if self._pending is None:  # alike on every rank: saves are collective
+            return None
+        if comm.any_rank(self._pending[2].is_alive()):
+            return None
+        return self.finish()
 
     def _write(self, snapshot: Snapshot) -> None:
         self._error = write_or_error(snapshot)  # finish() reports it, on every rank

@@ -122,7 +122,8 @@ class MetricsLogging(Hook):
 class Checkpointing(Hook):
     """A checkpoint every `interval` steps (0: none on the way) and after the last one.
     Collective: `save` runs on every rank and returns the checkpoint's directory; `finish`
-    (when given) completes a save still being written in the background, at the close.
+    (when given) completes a save still being written in the background, at the close, and
+    `finish_written` (when given) after any step at which every rank has written it.
     During a streak of bad steps (`streak()` > 0) the weights are the ones that went bad: the
     periodic saves wait for a good step (said once per streak, through `say`), and the last
     step's save, which must happen, is marked bad by `save` itself."""
@@ -135,12 +136,16 @@ class Checkpointing(Hook):
         finish: Callable[[], Path | None] | None = None,
         streak: Callable[[], int] | None = None,
         say: Callable[[str], None] = print,
+        finish_written: Callable[[], Path | None] | None = None,
     ) -> None:
         self.save, self.interval, self.steps, self.finish = save, interval, steps, finish
         self.streak, self.say = streak or (lambda: 0), say
+        self.finish_written = finish_written
         self.told = False
 
     def after_step(self, record: StepRecord) -> None:
+        if self.finish_written is not None:
+            self.finish_written()
         streak = self.streak()
         self.told = self.told and streak > 0
         if not due(record.step, self.interval, self.steps):

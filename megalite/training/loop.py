@@ -137,7 +137,15 @@ def train_locked(cfg: Config, ps: ParallelState) -> dict[str, float]:
         BadSteps(run.bad_steps, last_good, logger.log),
         Evaluation(lambda: evaluate(run, data.val), t.eval_interval, t.steps, logger.write),
         MetricsLogging(logger, t.log_interval, t.steps),
-        Checkpointing(save, cfg.checkpoint.interval, t.steps, saver.finish, streak, logger.write),
+        Checkpointing(
+            save,
+            cfg.checkpoint.interval,
+            t.steps,
+            saver.finish,
+            streak,
+            logger.write,
+            saver.finish_if_written,
+        ),
         summary,
         preemption,  # last: it sees whether this step was saved
     ]

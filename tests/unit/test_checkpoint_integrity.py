@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,29 @@ def test_async_saves_write_what_sync_saves_do_while_training_goes_on(
         assert ours["files"] == theirs["files"], step  # the same bytes as the sync run's
     assert (out_dir / "checkpoints" / "latest").read_text() == "step_000004"
     assert not list((out_dir / "checkpoints").glob("*.tmp"))
+
+
+def test_an_async_save_is_published_after_the_first_step_its_write_is_done(
+    tmp_path, monkeypatch, builtin_corpus
+):
+    """Step 3's background write is done during step 4 (the test waits for it there): after
+    step 4 the checkpoint is published, so a crash in step 5 loses 2 steps, not the 5 since
+    no checkpoint. Megatron-LM checks each step the same way."""
+    real_finalize, latest = step_module.finalize_grads, []
+
+    def finalize_grads(buffers, ps):
+        real_finalize(buffers, ps)
+        if len(latest) == 3:  # step 4
+            for writer in threading.enumerate():
+                if writer.name == "checkpoint-3":
+                    writer.join()
+        path = tmp_path / "checkpoints" / "latest"
+        latest.append(path.read_text() if path.exists() else None)
+
+    monkeypatch.setattr(step_module, "finalize_grads", finalize_grads)
+    extra = ["train.steps=5", "checkpoint.interval=3", "checkpoint.async_save=true"]
+    train(config(tmp_path, *extra))
+    assert latest == [None, None, None, None, "step_000003"]
 
 
 def test_a_failed_background_write_is_raised_at_finish_and_publishes_nothing(tmp_path, monkeypatch):
