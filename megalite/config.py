@@ -500,8 +500,8 @@ class CheckpointConfig:
     async_save: bool = False
     """Write checkpoints in the background: a save waits only for a copy of the state in host
     memory (pinned on CUDA, so it needs that much free host memory); the checkpoint becomes
-    `latest` at the next save or at the end of the run, and a crash before that leaves the
-    previous one `latest`."""
+    `latest` after the first step at which every rank has written its files, and a crash
+    before that leaves the previous one `latest`."""
 
     def __post_init__(self) -> None:
         _require(self.interval >= 0, "checkpoint.interval must be >= 0")
