@@ -71,8 +71,9 @@ ROPE_SCALING_KEYS = tuple(ROPE_SCALING_DEFAULTS["llama3"])
 @dataclass
 class ModelConfig:
     arch: str = "gpt"
-    """The architecture, by its name in `megalite.architectures`: `gpt` (GPT-2) or `llama`
-    as shipped; each package under models/ says what it is."""
+    """The architecture, by its name in `megalite.architectures`: `gpt` (GPT-2), `llama` or
+    `mixtral` (Llama with a mixture of experts) as shipped; each package under models/ says
+    what it is."""
     n_layers: int = 4
     """Number of transformer layers."""
     hidden: int = 256

@@ -92,6 +92,7 @@ SHORT = {
     "configs/gpt-tiny.yaml train.micro_batch_size=4 train.out_dir=runs/multinode": TRAIN_SHORT,
     "python tools/bench_checkpoint.py": "--configs configs/gpt-tiny.yaml --saves 1 --steps-after 1 "
     "--warmup 0 --seq 32",
+    "python tools/bench_group_startup.py": "--fake 64:2:2 --gloo 4:2:1",
     "megalite estimate --config configs/gpt2-1.3b.yaml --world-size 8 parallel.zero=2 "
     "optim.offload=cpu optim.state_dtype=bf16": "",
     "megalite train --config configs/gpt-tiny.yaml parallel.zero=2 optim.state_dtype=bf16 "
@@ -134,6 +135,7 @@ EXPECTED = {
     "megalite plot runs/profile-pp2": "_time.png",
     "RDZV_HOST": "trained to step",
     "python tools/bench_checkpoint.py": "async",
+    "python tools/bench_group_startup.py": "world splits",
     "python tools/restart_trials.py": "1 of 1 trials recovered",
 }
 
