@@ -178,9 +178,8 @@ class DistributedOptimizer:
     def found_non_finite(self) -> bool:
         """Whether any rank's gradient has inf/nan (fp16 overflow), agreed over all ranks."""
         flag = torch.zeros((), dtype=torch.float32, device=self.ps.device)
-        for buffer in self.buffers:
-            if not torch.isfinite(buffer.owned_grads).all():
-                flag.fill_(1.0)
+        for buffer in self.buffers:  # on the device: one wait for the answer, not one per buffer
+            flag = torch.maximum(flag, buffer.owned_grads.isfinite().logical_not().any().float())
         comm.all_reduce_max(flag, self.ps.world_group)
         return bool(flag.item())
 
