@@ -218,15 +218,19 @@ def _argv(command: str, workspace: Path) -> tuple[list[str], Path, dict[str, str
     return [*launcher, *words[1:]], workspace, env
 
 
-def _collected(options: list[str]) -> list[str]:
-    """The test ids that pytest with `options` selects (collected only, in one process)."""
-    at = options.index("-n") if "-n" in options else len(options)
-    options = options[:at] + options[at + 2 :]  # the workers do not change the selection
-    options = [option for option in options if option != "-q"]  # -qq would print counts
-    argv = [sys.executable, "-m", "pytest", *options, "--collect-only", "-q"]
-    found = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
+def _collected(selections: list[list[str]]) -> list[list[str]]:
+    """The test ids that pytest selects with each option list (collected only, in one process)."""
+    without_workers = []
+    for options in selections:
+        at = options.index("-n") if "-n" in options else len(options)
+        options = options[:at] + options[at + 2 :]  # the workers do not change the selection
+        without_workers.append([option for option in options if option != "-q"])
+    argv = [sys.executable, str(Path(__file__).with_name("collect_ids.py"))]
+    found = subprocess.run(
+        [*argv, json.dumps(without_workers)], cwd=REPO, capture_output=True, text=True
+    )
     assert found.returncode == 0, found.stdout[-2000:] + found.stderr[-2000:]
-    return [line for line in found.stdout.splitlines() if "::" in line]
+    return json.loads(found.stdout.splitlines()[-1])
 
 
 def _check_every_test_runs_once(recipe: str) -> None:
@@ -234,9 +238,11 @@ def _check_every_test_runs_once(recipe: str) -> None:
     test of the suite, none twice: a marker expression that drops tests would pass CI unseen."""
     passes = [shlex.split(line) for line in recipe.splitlines() if " pytest " in line]
     assert [argv[1:3] for argv in passes] == [["-m", "pytest"]] * 2, passes
-    selected = [test_id for argv in passes for test_id in _collected(argv[3:])]
+    *by_pass, everything = _collected([argv[3:] for argv in passes] + [["tests"]])
+    selected = [test_id for ids in by_pass for test_id in ids]
     assert len(selected) == len(set(selected)), passes
-    assert sorted(selected) == sorted(_collected(["tests"]))
+    assert sorted(selected) == sorted(everything)
+    assert len(everything) > 1000  # the whole suite, not a collection that found nothing
 
 
 @pytest.mark.parametrize("command", readme_commands())
