@@ -120,7 +120,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     base = load_config(args.config, args.overrides)
     machine = machine_from_args(args, base)
     _check(args.top >= 1, f"--top must be >= 1, got {args.top}")
-    print_plan(plan(args.config, args.overrides, base, machine, args.top), machine)
+    proposals = plan(args.config, args.overrides, base, machine, args.top, progress=True)
+    print_plan(proposals, machine)
     return 0
 
 

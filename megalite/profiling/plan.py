@@ -224,13 +224,19 @@ def plan(
     machine: Machine,
     top: int = 5,
     peak_bytes: Callable[[Config, Machine], float] = estimated_peak_bytes,
+    progress: bool = False,
 ) -> list[Proposal]:
     """The `top` fastest layouts that validate and fit in `machine.memory_bytes`, fastest
-    first; a layout with recompute only where less recompute would not fit."""
+    first; a layout with recompute only where less recompute would not fit. `progress`: bars
+    on stderr for the two passes (every layout predicted; the fastest checked for memory until
+    `top` fit), which take seconds for long sequences on many devices."""
+    from tqdm import tqdm
+
     from megalite.profiling.throughput import predict
 
     ranked = []
-    for layout in dict.fromkeys(layouts(base, machine.world_size)):
+    candidates = list(dict.fromkeys(layouts(base, machine.world_size)))
+    for layout in tqdm(candidates, desc="predicting layouts", unit="layout", disable=not progress):
         found = validated(base, layout, machine.world_size, machine.device)
         if found is not None:
             ranked.append((predict(found[1], machine), found))
@@ -243,18 +249,21 @@ def plan(
     ranked.sort(key=lambda entry: entry[0].step_s)
     memory = _memoised(peak_bytes, machine)
     proposals, smallest = [], None
-    for prediction, (layout, cfg, dp, m) in ranked:
-        need = memory(cfg)
-        if smallest is None or need < smallest[0]:
-            smallest = (need, layout, dp)
-        if need > machine.memory_bytes or _lighter_fits(base, layout, machine, memory):
-            continue
-        reasons = _reasons(layout, prediction, need, machine)
-        settings = layout.settings(base, machine.device)
-        command = command_line(config_path, overrides, settings, machine)
-        proposals.append(Proposal(layout, cfg, dp, m, prediction, need, reasons, command))
-        if len(proposals) == top:
-            break
+    fastest_first = iter(ranked)  # no length: the pass ends once `top` fit, not at the end
+    bar = tqdm(fastest_first, "checking memory, fastest first", unit="layout", disable=not progress)
+    with bar as checks:
+        for prediction, (layout, cfg, dp, m) in checks:
+            need = memory(cfg)
+            if smallest is None or need < smallest[0]:
+                smallest = (need, layout, dp)
+            if need > machine.memory_bytes or _lighter_fits(base, layout, machine, memory):
+                continue
+            reasons = _reasons(layout, prediction, need, machine)
+            settings = layout.settings(base, machine.device)
+            command = command_line(config_path, overrides, settings, machine)
+            proposals.append(Proposal(layout, cfg, dp, m, prediction, need, reasons, command))
+            if len(proposals) == top:
+                break
     if not proposals:
         need, layout, dp = smallest
         raise PlanError(

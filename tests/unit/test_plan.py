@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import re
 import shlex
 
 import pytest
@@ -140,6 +141,20 @@ def test_long_pipelines_extrapolate_the_simulation(monkeypatch):
     full = pipeline_makespan(cfg, 32, forward, backward)
     assert short[0] == pytest.approx(full[0], rel=0.01)
     assert short[1] == pytest.approx(full[1], abs=0.01)
+
+
+def test_the_command_shows_its_progress_then_the_table(capsys):
+    """`megalite plan` takes seconds for long sequences on many devices: each pass shows a bar
+    on stderr (every layout predicted; the fastest checked for memory until --top fit), and
+    stdout holds only the table and the commands."""
+    code = main(["plan", "--config", "configs/gpt-tiny.yaml", "--gpus", "8", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.startswith("8 CPU ranks on 1 node(s)")
+    assert out.count("torchrun ") == 5
+    predicted = re.findall(r"predicting layouts: 100%\S* (\d+)/(\d+)", err)
+    assert predicted and predicted[-1][0] == predicted[-1][1]
+    checked = re.findall(r"checking memory, fastest first: (\d+)layout", err)
+    assert checked and int(checked[-1]) >= 5
 
 
 def test_links_and_shared_cores():
