@@ -1,6 +1,7 @@
 """Shared fixtures: the builtin corpus is tokenized once per session, in this process, before any
 multi-process test forks ranks that would otherwise race to build it; NCCL's p2p rules for every
-multi-process test; one temp dir per session, checked for leaks."""
+multi-process test; one temp dir per session, checked for leaks; under pytest-xdist, each worker's
+share of the cores, and the README's commands kept in one worker, in order."""
 
 import getpass
 import os
@@ -36,6 +37,25 @@ def pytest_configure(config):
     torch.set_num_threads(share)
     os.environ["OMP_NUM_THREADS"] = str(share)
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(share)  # read when inductor is imported
+
+
+IN_ORDER = ("tests/e2e/test_readme.py",)
+"""Modules whose tests one xdist worker runs, in order: the README's commands use what earlier
+ones wrote (the run that `generate` samples)."""
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist deals each test to the next free worker, but each module of IN_ORDER as
+    one unit (first: the largest units start first, so the longest chain does not finish last).
+    (xdist's own `--dist loadgroup` no longer groups since pytest 9 moved the test ids.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class InOrderModules(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return module if module in IN_ORDER else nodeid
+
+    return InOrderModules(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
