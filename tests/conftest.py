@@ -47,7 +47,10 @@ ones wrote (the run that `generate` samples)."""
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist deals each test to the next free worker, but each module of IN_ORDER as
     one unit (first: the largest units start first, so the longest chain does not finish last).
-    (xdist's own `--dist loadgroup` no longer groups since pytest 9 moved the test ids.)"""
+    (xdist's own `--dist loadgroup` no longer groups since pytest 9 moved the test ids.) Only
+    in place of the default `--dist load`: another --dist asked for is xdist's to make."""
+    if config.getvalue("dist") != "load":
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class InOrderModules(LoadScopeScheduling):

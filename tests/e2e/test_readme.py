@@ -219,12 +219,12 @@ def _argv(command: str, workspace: Path) -> tuple[list[str], Path, dict[str, str
 
 
 def _collected(selections: list[list[str]]) -> list[list[str]]:
-    """The test ids that pytest selects with each option list (collected only, in one process)."""
+    """The test ids that pytest selects with each option list (collected only, in one process;
+    the workers of `-n` do not change the selection)."""
     without_workers = []
     for options in selections:
         at = options.index("-n") if "-n" in options else len(options)
-        options = options[:at] + options[at + 2 :]  # the workers do not change the selection
-        without_workers.append([option for option in options if option != "-q"])
+        without_workers.append(options[:at] + options[at + 2 :])
     argv = [sys.executable, str(Path(__file__).with_name("collect_ids.py"))]
     found = subprocess.run(
         [*argv, json.dumps(without_workers)], cwd=REPO, capture_output=True, text=True
