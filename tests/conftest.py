@@ -1,7 +1,7 @@
 """Shared fixtures: the builtin corpus is tokenized once per session, in this process, before any
 multi-process test forks ranks that would otherwise race to build it; NCCL's p2p rules for every
 multi-process test; one temp dir per session, checked for leaks; under pytest-xdist, each worker's
-share of the cores, and the README's commands kept in one worker, in order."""
+share of the cores, and a few modules kept whole in one worker."""
 
 import getpass
 import os
@@ -39,26 +39,33 @@ def pytest_configure(config):
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(share)  # read when inductor is imported
 
 
-IN_ORDER = ("tests/e2e/test_readme.py",)
-"""Modules whose tests one xdist worker runs, in order: the README's commands use what earlier
-ones wrote (the run that `generate` samples)."""
+WHOLE_MODULES = {
+    "tests/e2e/test_readme.py": "the README's commands use what earlier ones wrote, in order",
+    "tests/e2e/test_cli.py": "its module fixture trains three runs",
+    "tests/distributed/test_checkpoint_crash.py": "its module fixtures kill runs mid-save",
+}
+"""Modules whose tests one xdist worker runs, in order, and why: dealt apart, their tests would
+miss what earlier ones wrote, or each worker would build the same costly module fixture."""
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist deals each test to the next free worker, but each module of IN_ORDER as
-    one unit (first: the largest units start first, so the longest chain does not finish last).
+    """pytest-xdist deals each test to the next free worker, but each of WHOLE_MODULES as one
+    unit (first: the largest units start first, so the longest chain does not finish last).
     (xdist's own `--dist loadgroup` no longer groups since pytest 9 moved the test ids.) Only
     in place of the default `--dist load`: another --dist asked for is xdist's to make."""
     if config.getvalue("dist") != "load":
         return None
+    missing = [module for module in WHOLE_MODULES if not (config.rootpath / module).is_file()]
+    if missing:  # renamed: its tests would be dealt apart again, unseen
+        raise pytest.UsageError(f"WHOLE_MODULES in tests/conftest.py names no file: {missing}")
     from xdist.scheduler import LoadScopeScheduling
 
-    class InOrderModules(LoadScopeScheduling):
+    class WholeModules(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::")[0]
-            return module if module in IN_ORDER else nodeid
+            return module if module in WHOLE_MODULES else nodeid
 
-    return InOrderModules(config, log)
+    return WholeModules(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
