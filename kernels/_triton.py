@@ -22,8 +22,13 @@ def interpreter_enabled() -> bool:
 # Whether the kernels in this process were built for the interpreter (decided once, here).
 INTERPRETED_AT_IMPORT = interpreter_enabled()
 
+BUILD_ONLY_ENV = "MEGALITE_TRITON_BUILD_ONLY"
+BUILD_ONLY = os.environ.get(BUILD_ONLY_ENV, "0") == "1" and not INTERPRETED_AT_IMPORT
+"""A process that compiles the GPU kernels for a GPU it does not have (`gpu_build`): Triton is
+imported and the kernels get their GPU autotune sweeps, whose launches are recorded, never run."""
+
 HAVE_TRITON = False
-if INTERPRETED_AT_IMPORT or torch.cuda.is_available():
+if INTERPRETED_AT_IMPORT or BUILD_ONLY or torch.cuda.is_available():
     try:
         import triton
         import triton.language as tl

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch
 
-from ._triton import HAVE_TRITON, INTERPRETED_AT_IMPORT, interpreter_enabled
+from ._triton import BUILD_ONLY, HAVE_TRITON, INTERPRETED_AT_IMPORT, interpreter_enabled
 
 T = TypeVar("T")
 ENV_VAR = "MEGALITE_KERNELS"
@@ -40,6 +40,7 @@ def kernel_backend(*tensors: torch.Tensor) -> str:
     """
     requested = requested_backend()
     on_cuda = all(t.is_cuda for t in tensors) if tensors else torch.cuda.is_available()
+    on_cuda = on_cuda or BUILD_ONLY  # its CPU tensors stand for CUDA ones (`gpu_build`)
     if requested == "torch":
         return "torch"
     if requested == "auto":

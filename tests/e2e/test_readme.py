@@ -59,6 +59,11 @@ SHORT = {
     "python tools/bench_pp.py": f"--steps 1 --warmup 0 {SMALL_BENCH} --micro-batch 2",
     "python tools/bench_zero.py": f"--steps 1 --warmup 0 {SMALL_BENCH} --micro-batch 2",
     "python tools/bench_kernels.py": "--cpu-smoke",
+    # the tiny configs' shapes (grouped K/V, rotary, experts), both attention branches (causal;
+    # non-causal ring blocks with documents), every candidate, one target
+    "python tools/build_kernels.py": "--configs configs/llama-tiny.yaml configs/mixtral-tiny.yaml "
+    "--jobs 1 --calls attention 'ring block, documents' norms bias_gelu swiglu rotary "
+    "cross_entropy grouped_mm wgrad_accumulate",
     "python tools/bench_cp.py --seq 4096 --cp 2": "--seq 256 --heads 2 --kv-heads 1 "
     "--head-dim 16 --steps 1 --warmup 0",
     "python tools/bench_gpu.py": "--device cpu --configs configs/gpt2-124m.yaml --layers 2 "
@@ -121,6 +126,7 @@ EXPECTED = {
     "python tools/bench_pp.py": "tokens/s",
     "python tools/bench_zero.py": "tokens/s",
     "python tools/bench_kernels.py": "fwd",
+    "python tools/build_kernels.py": "candidates compiled in",
     "python tools/bench_cp.py": "MiB sent per rank",
     "python tools/bench_gpu.py": "tokens/s",
     "python tools/bench_moe.py": "edp",
