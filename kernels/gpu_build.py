@@ -164,22 +164,22 @@ def kernel_calls(shapes: Shapes, dtype: torch.dtype) -> dict[str, Callable[[], N
     import megalite.kernels as K
     from megalite.kernels.cross_entropy import Columns
 
-    s, d, n = shapes.tokens, shapes.head_dim, shapes.tokens
+    rows, d = shapes.tokens, shapes.head_dim  # attention: one window of `rows` tokens
 
     def empty(*size, grad: bool = False, type_: torch.dtype = dtype) -> torch.Tensor:
         return torch.empty(size, dtype=type_, requires_grad=grad)
 
     def qkv():
         return (
-            empty(1, s, shapes.heads, d, grad=True),
-            empty(1, s, shapes.kv_heads, d, grad=True),
-            empty(1, s, shapes.kv_heads, d, grad=True),
+            empty(1, rows, shapes.heads, d, grad=True),
+            empty(1, rows, shapes.kv_heads, d, grad=True),
+            empty(1, rows, shapes.kv_heads, d, grad=True),
         )
 
     def backward(*outputs: torch.Tensor) -> None:
         torch.autograd.backward(outputs, [torch.empty_like(o) for o in outputs])
 
-    halves = torch.tensor([0, s // 2, s])
+    halves = torch.tensor([0, rows // 2, rows])
 
     def attention(documents: bool) -> None:
         q, k, v = qkv()
@@ -187,15 +187,15 @@ def kernel_calls(shapes: Shapes, dtype: torch.dtype) -> dict[str, Callable[[], N
 
     def ring_block(documents: bool) -> None:
         q, k, v = (t.detach() for t in qkv())
-        docs = K.doc_start_from_cu_seqlens(halves, 1, s) if documents else None
-        block = dict(q_offset=s, k_offset=0, causal=False, doc_start=docs)
+        docs = K.doc_start_from_cu_seqlens(halves, 1, rows) if documents else None
+        block = dict(q_offset=rows, k_offset=0, causal=False, doc_start=docs)
         out, lse = K.attention_block_forward(q, k, v, **block)
         K.attention_block_backward(torch.empty_like(out), q, k, v, out, lse, **block)
 
     def norms() -> None:
-        x = empty(n, shapes.hidden, grad=True)
+        x = empty(rows, shapes.hidden, grad=True)
         weight, bias = empty(shapes.hidden, grad=True), empty(shapes.hidden, grad=True)
-        for residual in (None, empty(n, shapes.hidden, grad=True)):
+        for residual in (None, empty(rows, shapes.hidden, grad=True)):
             backward(*K.layer_norm(x, weight, bias, 1e-5, residual))
             backward(*K.rms_norm(x, weight, 1e-5, residual))
 
@@ -217,14 +217,17 @@ def kernel_calls(shapes: Shapes, dtype: torch.dtype) -> dict[str, Callable[[], N
         "ring block, documents": lambda: ring_block(documents=True),
         "norms": norms,
         "bias_gelu": lambda: backward(
-            K.bias_gelu(empty(n, shapes.ffn, grad=True), empty(shapes.ffn, grad=True))
+            K.bias_gelu(empty(rows, shapes.ffn, grad=True), empty(shapes.ffn, grad=True))
         ),
         "swiglu": lambda: backward(
-            K.swiglu(empty(n, shapes.ffn, grad=True), empty(n, shapes.ffn, grad=True))
+            K.swiglu(empty(rows, shapes.ffn, grad=True), empty(rows, shapes.ffn, grad=True))
         ),
-        "rotary": lambda: backward(*K.rotary_embedding(*qkv()[:2], empty(s, d), empty(s, d))),
+        "rotary": lambda: backward(*K.rotary_embedding(*qkv()[:2], empty(rows, d), empty(rows, d))),
         "cross_entropy": lambda: K.softmax_cross_entropy(
-            empty(n, shapes.vocab), torch.zeros(n, dtype=torch.int64), Columns(shapes.vocab), True
+            empty(rows, shapes.vocab),
+            torch.zeros(rows, dtype=torch.int64),
+            Columns(shapes.vocab),
+            True,
         ),
     }
     if shapes.experts:
@@ -232,8 +235,8 @@ def kernel_calls(shapes: Shapes, dtype: torch.dtype) -> dict[str, Callable[[], N
     if dtype != torch.float32:  # the fused weight-gradient GEMM takes 16-bit inputs only
         calls["wgrad_accumulate"] = lambda: K.wgrad_accumulate(
             empty(shapes.ffn, shapes.hidden, type_=torch.float32),
-            empty(n, shapes.ffn),
-            empty(n, shapes.hidden),
+            empty(rows, shapes.ffn),
+            empty(rows, shapes.hidden),
         )
     return calls
 
