@@ -11,9 +11,10 @@ registers and spills to local memory. Triton compiles ahead of time for any GPU
    `Shapes`) on empty CPU tensors, forward and backward, each launch recorded instead of run:
    the kernel, its arguments, and the candidates Triton's autotuner would time for that call
    (after the kernel's own pruning);
-2. `build` compiles every candidate of every distinct launch for a `Target` and reads what it
-   needs: shared memory (Triton's own figure, the one it checks at load time), registers and
-   spilled bytes (``cuobjdump --dump-resource-usage`` on the cubin), compile seconds;
+2. `jobs` binds each candidate to its launch's arguments as ``JITFunction.run`` would, for each
+   `Target`, once per distinct compile; `build` compiles one and reads what it needs: shared
+   memory (Triton's own figure, the one it checks at load time), registers and spilled bytes
+   (``cuobjdump --dump-resource-usage`` on the cubin), compile seconds;
 3. `problems` names what would fail on that GPU.
 
 This needs a process started with ``MEGALITE_TRITON_BUILD_ONLY=1`` (`_triton.BUILD_ONLY`): the
