@@ -12,9 +12,10 @@ registers and spills to local memory. Triton compiles ahead of time for any GPU
    the kernel, its arguments, and the candidates Triton's autotuner would time for that call
    (after the kernel's own pruning);
 2. `jobs` binds each candidate to its launch's arguments as ``JITFunction.run`` would, for each
-   `Target`, once per distinct compile; `build` compiles one and reads what it needs: shared
-   memory (Triton's own figure, the one it checks at load time), registers and spilled bytes
-   (``cuobjdump --dump-resource-usage`` on the cubin), compile seconds;
+   `Target` (Hopper, Ampere, Ada, Blackwell), once per distinct compile; `build` compiles one
+   and reads what it needs: shared memory (Triton's own figure, the one it checks at load
+   time), registers and spilled bytes (``cuobjdump --dump-resource-usage`` on the cubin),
+   compile seconds;
 3. `problems` names what would fail on that GPU.
 
 This needs a process started with ``MEGALITE_TRITON_BUILD_ONLY=1`` (`_triton.BUILD_ONLY`): the
@@ -55,6 +56,7 @@ TARGETS = {
         Target("sm90", "H100, H200", 90, 227 * 1024),
         Target("sm80", "A100", 80, 163 * 1024),
         Target("sm89", "L40S, RTX 4090", 89, 99 * 1024),
+        Target("sm100", "B200", 100, 227 * 1024),
     )
 }
 

@@ -8,7 +8,7 @@ needs against the target's, the registers per thread, the bytes spilled to local
 the compile seconds. A launch many configs share is compiled once, in the row of the first.
 
     python tools/build_kernels.py                        # the shipped configs, bf16, sm90
-    python tools/build_kernels.py --targets sm90 sm80 sm89 --dtypes bf16 fp16
+    python tools/build_kernels.py --targets sm90 sm80 sm89 sm100 --dtypes bf16 fp16
     python tools/build_kernels.py --configs configs/llama-7b.yaml --calls attention
 
 Exit status 1 when something would fail on a target: a candidate that does not compile, or a
