@@ -133,6 +133,27 @@ def test_what_would_fail_on_the_gpu_is_named_from_a_real_compile(tmp_path):
     assert all("CompilationError: input and other must have equal reduction" in p for p in failed)
 
 
+def test_attention_at_a_shipped_head_size_of_128_builds_for_an_h100():
+    """Mixtral 8x7B's attention at its own sizes (head_dim 128, 4 query heads per K/V head: the
+    largest tiles, and where every dK/dV tile but 64 x 32 spilled): every candidate of the
+    causal sweep, forward and backward, compiles for sm90, and each launch has one that fits.
+    The README's run builds the tiny configs' shapes, every call."""
+    done = subprocess.run(
+        [sys.executable, "tools/build_kernels.py", "--configs", "configs/mixtral-8x7b.yaml"]
+        + ["--calls", "attention", "--jobs", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("mixtral-8x7b")]
+    kernels = [next(cell for cell in row if cell.startswith("_")) for row in rows]
+    # the sweeps: forward 5, the backward's preprocessing 1, dK/dV 5, dQ 4
+    assert [kernels.count(k) for k in ("_fwd_kernel", "_bwd_preprocess")] == [5, 1]
+    assert [kernels.count(k) for k in ("_bwd_dkdv_kernel", "_bwd_dq_kernel")] == [5, 4]
+
+
 def _built(launch: Launch, target: str, shared: int, error: str | None = None) -> Built:
     job = Job(launch, f"{shared}", TARGETS[target], source=None, options={})
     return Built(job, seconds=0.0, shared=shared, error=error)
