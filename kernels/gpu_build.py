@@ -63,8 +63,10 @@ TARGETS = {
 
 @dataclass(frozen=True)
 class Shapes:
-    """The sizes a model's kernels see, at tp 1 (tp splits heads, the FFN and the vocabulary:
-    sizes these kernels take as run-time arguments, so the compiled code is the same).
+    """The sizes a model's kernels see, at tp 1. tp splits heads, the FFN and the vocabulary,
+    sizes these kernels take as run-time arguments, so the compiled code is the same, except
+    where a split leaves a size of 1, which Triton specialises: one K/V head a rank (Mixtral
+    8x7B at tp 8) compiles attention variants these shapes do not.
     `tokens`: rows per call, a run-time size too, kept small (the tensors are allocated); the
     grouped GEMM, whose row tile depends on the rows per expert, is called at both tiles'."""
 
