@@ -482,6 +482,12 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _require(0 < self.val_fraction < 0.5, "data.val_fraction must be in (0, 0.5)")
+        _require(
+            self.source != "builtin" or self.tokenizer is None,
+            f"data.tokenizer={self.tokenizer} is for prepared data, but data.source is builtin, "
+            "which brings its own tokenizer: remove data.tokenizer, or set data.source to the "
+            "prefix `megalite data prepare` wrote",
+        )
 
 
 @dataclass

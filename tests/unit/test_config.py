@@ -120,7 +120,10 @@ def test_all_tiny_configs_shipped():
 def test_save_config_round_trip(tmp_path):
     cfg = load_config(
         CONFIGS / "llama-tiny.yaml",
-        ["train.steps=3", "optim.decay_steps=5", "data.tokenizer=tok.model", "parallel.tp=2"],
+        [
+            *("train.steps=3", "optim.decay_steps=5", "parallel.tp=2"),
+            *("data.source=data/corpus", "data.tokenizer=tok.model"),
+        ],
     )
     path = tmp_path / "run" / "config.yaml"
     save_config(cfg, path)
@@ -357,6 +360,7 @@ def test_wrong_type_in_yaml_file(tmp_path):
         ("optim.grad_clip=-1", "grad_clip"),
         ("data.val_fraction=0", "data.val_fraction must be in (0, 0.5)"),
         ("data.val_fraction=0.5", "data.val_fraction must be in (0, 0.5)"),
+        ("data.tokenizer=tok.model", "data.source is builtin, which brings its own tokenizer"),
         ("checkpoint.interval=-1", "checkpoint.interval must be >= 0"),
         ("checkpoint.keep=0", "checkpoint.keep must be >= 1"),
     ],
