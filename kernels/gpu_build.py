@@ -63,24 +63,21 @@ TARGETS = {
 
 @dataclass(frozen=True)
 class Shapes:
-    """The sizes a model's kernels see, at tp 1. tp splits heads, the FFN and the vocabulary,
-    sizes these kernels take as run-time arguments, so the compiled code is the same, except
-    where a split leaves a size of 1, which Triton specialises: one K/V head a rank (Mixtral
-    8x7B at tp 8) compiles attention variants these shapes do not.
+    """The sizes one rank's kernels see: its heads, K/V heads, FFN width, vocabulary slice and
+    experts. The kernels take them as run-time arguments, so the compiled code is mostly the
+    same for every split, except where one leaves a size of 1, which Triton specialises (one
+    K/V head or one expert a rank compiles variants of its own).
     `tokens`: rows per call, a run-time size too, kept small (the tensors are allocated); the
     grouped GEMM, whose row tile depends on the rows per expert, is called at both tiles'."""
 
     hidden: int
+    head_dim: int
     heads: int
     kv_heads: int
     ffn: int
     vocab: int
     experts: int | None = None
     tokens: int = 256
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
 
 
 @dataclass(eq=False)
@@ -127,11 +124,29 @@ class Built:
         return self.error is None and self.shared <= self.job.target.shared_memory
 
 
+TRITON_RELEASE = "3.9"
+"""The Triton release whose internals this module records and binds launches with
+(``JITFunction.run``, ``Autotuner.prune_configs``, ``JITFunction._pack_args``): the one the
+Makefile's setup installs. They are not Triton's public API, and they change between releases."""
+
+
+class UnsupportedTriton(RuntimeError):
+    """This process's Triton is not `TRITON_RELEASE`."""
+
+
 def _require_build_only() -> None:
     if not BUILD_ONLY:
         raise RuntimeError(
             f"kernels.gpu_build needs a process started with {BUILD_ONLY_ENV}=1 (and without "
             "TRITON_INTERPRET=1): run python tools/build_kernels.py"
+        )
+    import triton
+
+    if not triton.__version__.startswith(f"{TRITON_RELEASE}."):
+        raise UnsupportedTriton(
+            f"kernels.gpu_build records and binds launches with Triton {TRITON_RELEASE}'s "
+            f"internals, and this is Triton {triton.__version__}: run it where Triton "
+            f"{TRITON_RELEASE} is installed (pip install 'triton=={TRITON_RELEASE}.*')"
         )
 
 

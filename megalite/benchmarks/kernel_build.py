@@ -7,6 +7,11 @@ backward) is compiled for a GPU target by Triton's own compiler and ptxas
 needs against the target's, the registers per thread, the bytes spilled to local memory, and
 the compile seconds. A launch many configs share is compiled once, in the row of the first.
 
+Each config is built at the sizes one rank sees in its own layout (`parallel.tp` splits the
+heads, the FFN and the vocabulary; `parallel.ep` the experts) and on a single GPU (tp 1, ep 1).
+Most of a split only changes sizes the kernels take at run time, but a size of 1 (one K/V head
+or one expert a rank) is one Triton compiles a kernel of its own for.
+
     python tools/build_kernels.py                        # the shipped configs, bf16, sm90
     python tools/build_kernels.py --targets sm90 sm80 sm89 sm100 --dtypes bf16 fp16
     python tools/build_kernels.py --configs configs/llama-7b.yaml --calls attention
@@ -37,6 +42,8 @@ from megalite.errors import ConfigError, MegaliteError
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHIPPED = sorted(str(p) for p in (Path(__file__).parents[2] / "configs").glob("*.yaml"))
 """The default configs: every shipped one (launches of the same shapes are built once)."""
+LAYOUTS = ("single", "own")
+"""A single GPU's sizes first: a compile both ask for is shown in the single GPU's row."""
 
 
 def parse_args(argv: list[str] | None, targets: list[str]) -> argparse.Namespace:
@@ -46,6 +53,13 @@ def parse_args(argv: list[str] | None, targets: list[str]) -> argparse.Namespace
     parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=list(DTYPES))
     parser.add_argument(
         "--calls", nargs="+", default=None, help="only these kernel calls (default: all)"
+    )
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=list(LAYOUTS),
+        choices=list(LAYOUTS),
+        help="single: one GPU; own: one rank of the config's tp x ep layout (default: both)",
     )
     parser.add_argument(
         "--jobs",
@@ -65,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = [gpu_build.TARGETS[name] for name in args.targets]
     try:
         labels = _launches(args, gpu_build)
-    except MegaliteError as error:
+    except (MegaliteError, gpu_build.UnsupportedTriton) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="megalite-triton-cache-") as cache:
@@ -76,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             built = list(pool.map(gpu_build.build, jobs))
         seconds = time.perf_counter() - start
     print_table(
-        ["config", "dtype", "call", "kernel", "candidate", "target", "shared KiB", "regs",
-         "spilled B", "compile s", "status"],
+        ["config", "tp x ep", "dtype", "call", "kernel", "candidate", "target", "shared KiB",
+         "regs", "spilled B", "compile s", "status"],
         [[*labels[b.job.launch], *_cells(b)] for b in built],
         _notes(built, targets, seconds, args.jobs),
     )  # fmt: skip
@@ -87,32 +101,38 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if problems else 0
 
 
-def _shapes(config: str, gpu_build):
-    """The kernel sizes of a config's model."""
+def _shapes(config: str, layout: str, gpu_build) -> tuple[str, object]:
+    """(tp x ep, the kernel sizes one rank of a config's model sees) in `layout`."""
     from megalite.config import load_config
     from megalite.tensor_parallel.layers import padded_vocab_size
 
-    model = load_config(config, []).model
-    return gpu_build.Shapes(
+    cfg = load_config(config, [])
+    model = cfg.model
+    tp, ep = (cfg.parallel.tp, cfg.parallel.ep) if layout == "own" else (1, 1)
+    return f"{tp}x{ep}", gpu_build.Shapes(
         hidden=model.hidden,
-        heads=model.n_heads,
-        kv_heads=model.n_kv_heads,
-        ffn=model.ffn_hidden,
-        vocab=padded_vocab_size(model.vocab_size, 1, model.vocab_round_to),
-        experts=model.moe_experts,
+        head_dim=model.head_dim,
+        heads=model.n_heads // tp,
+        # with fewer K/V heads than ranks, each rank computes the one its query heads use
+        kv_heads=max(model.n_kv_heads // tp, 1),
+        ffn=model.ffn_hidden // tp,
+        vocab=padded_vocab_size(model.vocab_size, tp, model.vocab_round_to) // tp,
+        experts=model.moe_experts // ep if model.moe_experts else None,
     )
 
 
 def _launches(args: argparse.Namespace, gpu_build) -> dict:
-    """Every launch of the chosen calls, configs and dtypes -> (config, dtype) it came from."""
+    """Every launch of the chosen calls, configs, layouts and dtypes -> (config, tp x ep,
+    dtype) it came from."""
     labels, known = {}, set()
     for config in args.configs:
-        shapes = _shapes(config, gpu_build)
-        for dtype in args.dtypes:
-            known |= set(gpu_build.kernel_calls(shapes, DTYPES[dtype]))
-            for launch in gpu_build.launches(shapes, DTYPES[dtype]):
-                if args.calls is None or launch.call in args.calls:
-                    labels[launch] = (Path(config).stem, dtype)
+        chosen = [_shapes(config, name, gpu_build) for name in LAYOUTS if name in args.layouts]
+        for split, shapes in dict.fromkeys(chosen):  # the same sizes once
+            for dtype in args.dtypes:
+                known |= set(gpu_build.kernel_calls(shapes, DTYPES[dtype]))
+                for launch in gpu_build.launches(shapes, DTYPES[dtype]):
+                    if args.calls is None or launch.call in args.calls:
+                        labels[launch] = (Path(config).stem, split, dtype)
     unknown = sorted(set(args.calls or ()) - known)
     if unknown:
         raise ConfigError(

@@ -41,7 +41,8 @@ def _in_build_process(script: str, directory: Path) -> dict:
 def test_the_recorded_calls_launch_every_kernel_megalite_has(tmp_path):
     """Every Triton kernel a kernels module launches (`name[grid](...)` in its source) is among
     the launches `kernel_calls` records, in 16 bits and in fp32: a new kernel without a call
-    there would never be compiled for a GPU."""
+    there would never be compiled for a GPU. Another Triton release is refused by name: the
+    recording uses Triton's internals."""
     found = _in_build_process(
         """
         import importlib, inspect, json, pkgutil, re
@@ -51,7 +52,9 @@ def test_the_recorded_calls_launch_every_kernel_megalite_has(tmp_path):
         import megalite.kernels as kernels
         from megalite.kernels import gpu_build
 
-        shapes = gpu_build.Shapes(hidden=256, heads=4, kv_heads=2, ffn=512, vocab=8064, experts=8)
+        shapes = gpu_build.Shapes(
+            hidden=256, head_dim=64, heads=4, kv_heads=2, ffn=512, vocab=8064, experts=8
+        )
         recorded = {}
         for dtype in (torch.bfloat16, torch.float32):
             for launch in gpu_build.launches(shapes, dtype):
@@ -64,7 +67,14 @@ def test_the_recorded_calls_launch_every_kernel_megalite_has(tmp_path):
                 kernel = isinstance(value, (JITFunction, Autotuner))
                 if kernel and re.search(rf"\\b{name}\\[", source):
                     launched.add(name)
-        print(json.dumps({"launched": sorted(launched),
+        import triton
+        triton.__version__ = "3.8.1"  # internals it was not written against
+        try:
+            gpu_build.launches(shapes, torch.bfloat16)
+            refused = None
+        except gpu_build.UnsupportedTriton as error:
+            refused = str(error)
+        print(json.dumps({"launched": sorted(launched), "refused": refused,
                           **{k: sorted(v) for k, v in recorded.items()}}))
         """,
         tmp_path,
@@ -74,6 +84,7 @@ def test_the_recorded_calls_launch_every_kernel_megalite_has(tmp_path):
     assert set(found["torch.bfloat16"]) == launched
     # fp32: all but the weight-gradient GEMM, which takes 16-bit inputs only
     assert set(found["torch.float32"]) == launched - {"_wgrad_kernel"}
+    assert "Triton 3.9's internals, and this is Triton 3.8.1" in found["refused"]
 
 
 def test_what_would_fail_on_the_gpu_is_named_from_a_real_compile(tmp_path):
@@ -152,6 +163,56 @@ def test_attention_at_a_shipped_head_size_of_128_builds_for_an_h100():
     # the sweeps: forward 5, the backward's preprocessing 1, dK/dV 5, dQ 4
     assert [kernels.count(k) for k in ("_fwd_kernel", "_bwd_preprocess")] == [5, 1]
     assert [kernels.count(k) for k in ("_bwd_dkdv_kernel", "_bwd_dq_kernel")] == [5, 4]
+
+
+def test_one_rank_of_a_layout_compiles_what_one_gpu_does_not(tmp_path):
+    """A config is built at one rank's sizes in its own layout as well as on one GPU. Where a
+    split leaves one K/V head (llama-tiny's 2 at tp 4) or one expert (mixtral-tiny's 8 at ep 8)
+    a rank, Triton compiles kernels of their own, which the single GPU's build never asks for;
+    a layout that specialises nothing new adds no compile."""
+    for name, layout in (("llama", "tp: 4"), ("mixtral", "tp: 2\n  ep: 8")):
+        text = (REPO / f"configs/{name}-tiny.yaml").read_text()
+        (tmp_path / f"{name}.yaml").write_text(f"{text}\nparallel:\n  {layout}\n")
+    found = _in_build_process(
+        f"""
+        import json
+        from types import SimpleNamespace
+        from megalite.benchmarks import kernel_build
+        from megalite.kernels import gpu_build
+
+        def built(config, layouts):
+            args = SimpleNamespace(configs=[config], layouts=layouts, dtypes=["bf16"], calls=None)
+            labels = kernel_build._launches(args, gpu_build)
+            jobs = gpu_build.jobs(list(labels), [gpu_build.TARGETS["sm90"]])
+            return {{"splits": sorted({{labels[job.launch][1] for job in jobs}}),
+                     "rank only": sorted({{job.launch.name for job in jobs
+                                           if labels[job.launch][1] != "1x1"}}),
+                     "jobs": len(jobs)}}
+
+        found = {{}}
+        for config in ("{tmp_path}/llama.yaml", "{tmp_path}/mixtral.yaml",
+                       "configs/mixtral-tiny.yaml"):
+            found[config] = {{"single": built(config, ["single"]),
+                              "both": built(config, ["single", "own"]),
+                              "rank": repr(kernel_build._shapes(config, "own", gpu_build)[1])}}
+        print(json.dumps(found))
+        """,
+        tmp_path,
+    )
+    llama, mixtral = (found[f"{tmp_path}/{name}.yaml"] for name in ("llama", "mixtral"))
+    assert "heads=1, kv_heads=1," in llama["rank"]
+    assert "heads=2, kv_heads=1, ffn=" in mixtral["rank"]
+    assert mixtral["rank"].endswith("experts=1, tokens=256)")
+    for layout in (llama, mixtral):
+        # the rank's own compiles are new; the single GPU's are all still there
+        assert layout["both"]["splits"] == ["1x1", layout["both"]["splits"][1]]
+        assert layout["both"]["jobs"] > layout["single"]["jobs"]
+    assert llama["both"]["splits"][1] == "4x1"
+    assert {"_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"} <= set(llama["both"]["rank only"])
+    assert mixtral["both"]["splits"][1] == "2x8"
+    assert "_rows_kernel" in mixtral["both"]["rank only"]  # the grouped GEMM, at one expert
+    shipped = found["configs/mixtral-tiny.yaml"]  # tp 1, ep 1: its own layout is one GPU
+    assert shipped["both"] == shipped["single"]
 
 
 def _built(launch: Launch, target: str, shared: int, error: str | None = None) -> Built:
