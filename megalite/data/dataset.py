@@ -69,6 +69,7 @@ class TokenDataset:
         n_val = max(math.ceil(len(tokens) * val_fraction), window)
         n_train = len(tokens) - n_val
         self.tokens = tokens[n_train:] if split == "val" else tokens[: max(n_train, 0)]
+        self.file_start = n_train if split == "val" else 0  # where self.tokens begin in the file
         # Windows start every seq_len tokens and need seq_len + 1 of them.
         self._num_windows = max(len(self.tokens) - 1, 0) // seq_len
         if self._num_windows == 0:
@@ -88,7 +89,22 @@ class TokenDataset:
         if starts.size and not (0 <= starts.min() and starts.max() < self._num_windows):
             raise IndexError(f"window index out of range [0, {self._num_windows}): {indices}")
         offsets = starts[:, None] * self.seq_len + np.arange(self.seq_len + 1)[span]
-        return torch.from_numpy(self.tokens[offsets].astype(np.int64))  # [n, span length]
+        ids = self.tokens[offsets]
+        if ids.size and ids.max() >= self.meta["vocab_size"]:
+            self._refuse_id(ids, offsets)
+        return torch.from_numpy(ids.astype(np.int64))  # [n, span length]
+
+    def _refuse_id(self, ids: np.ndarray, offsets: np.ndarray) -> None:
+        """A token id past the vocabulary: a corrupt file. On a GPU the embedding and the loss
+        would read outside their tables (a device assert, or a silently wrong loss), so it stops
+        here, at the token's place in the file."""
+        at = int(np.argmax(ids >= self.meta["vocab_size"]))
+        place = self.file_start + int(offsets.reshape(-1)[at])
+        raise DataError(
+            f"{corpus_paths(self.prefix)[0]} holds token id {int(ids.reshape(-1)[at])} at token "
+            f"{place}, outside its {self.meta['vocab_size']}-piece vocabulary: the file is "
+            f"corrupt; {_fix(self.prefix)}"
+        )
 
 
 @dataclass

@@ -258,6 +258,27 @@ def test_dataset_rejects_vocab_and_size_mismatches(corpus):
         TokenDataset(corpus, seq_len=n_tokens, split="val")
 
 
+def test_a_token_id_past_the_vocabulary_is_refused_where_it_is_read(corpus):
+    """A corrupt id (a flipped bit in the .bin) passes every size check, and on a GPU would
+    read outside the embedding and the loss's tables: reading its window fails and names the
+    id and its place in the file, in either split; the windows around it still read."""
+    bin_path = corpus_paths(corpus)[0]
+    tokens = np.fromfile(bin_path, dtype=np.uint16)
+    train, val = (TokenDataset(corpus, seq_len=16, split=split) for split in ("train", "val"))
+    for dataset, place in ((train, 16 * 3 + 5), (val, val.file_start + 16 + 2)):
+        broken = tokens.copy()
+        broken[place] = 512  # the corpus's vocabulary is 512 pieces: ids 0..511
+        broken.tofile(bin_path)
+        dataset = TokenDataset(corpus, seq_len=16, split=dataset.split)
+        window = (place - dataset.file_start) // 16
+        with pytest.raises(DataError, match=rf"token id 512 at token {place}, outside its 512-"):
+            dataset.get_batch([window - 1, window])
+        with pytest.raises(DataError, match="corrupt; re-create it with `megalite data prepare"):
+            dataset.get_batch([window], slice(0, 16))  # the inputs of the window
+        assert dataset.get_batch([window + 1]).max() < 512
+    tokens.tofile(bin_path)
+
+
 # --- CLI ----------------------------------------------------------------------------------
 
 
