@@ -179,8 +179,11 @@ def record_launches(into: list[Launch], call: str) -> Iterator[None]:
 def kernel_calls(shapes: Shapes, dtype: torch.dtype) -> dict[str, Callable[[], None]]:
     """megalite's kernel calls at these sizes, by name: each runs forward and backward where
     the kernel has one, through the public functions (their checks and dispatch as in
-    training). The attention variants are those the model uses: causal, packed documents
-    (`data.document_mask`), and the ring's non-causal blocks (context parallelism)."""
+    training). Attention is called as the model calls it: whole causal windows
+    (`flash_attention`), and the causal blocks at offsets, with and without documents, of
+    context parallelism and `data.document_mask` (`context_parallel.attention`: a query chunk
+    against its own keys and against an earlier chunk's, with the backward's delta given);
+    and through the varlen API (`cu_seqlens`) a user may call."""
     import megalite.kernels as K
     from megalite.kernels.cross_entropy import Columns
 
@@ -205,12 +208,15 @@ def kernel_calls(shapes: Shapes, dtype: torch.dtype) -> dict[str, Callable[[], N
         q, k, v = qkv()
         backward(K.flash_attention(q, k, v, causal=True, cu_seqlens=halves if documents else None))
 
-    def ring_block(documents: bool) -> None:
+    def blocks(documents: bool) -> None:
         q, k, v = (t.detach() for t in qkv())
         docs = K.doc_start_from_cu_seqlens(halves, 1, rows) if documents else None
-        block = dict(q_offset=rows, k_offset=0, causal=False, doc_start=docs)
-        out, lse = K.attention_block_forward(q, k, v, **block)
-        K.attention_block_backward(torch.empty_like(out), q, k, v, out, lse, **block)
+        delta = empty(1, shapes.heads, rows, type_=torch.float32)
+        for q_offset in (0, rows):  # the diagonal block, and one of earlier keys
+            block = dict(q_offset=q_offset, k_offset=0, causal=True, doc_start=docs)
+            out, lse = K.attention_block_forward(q, k, v, **block)
+            dout = torch.empty_like(out)
+            K.attention_block_backward(dout, q, k, v, out, lse, **block, delta=delta)
 
     def norms() -> None:
         x = empty(rows, shapes.hidden, grad=True)
@@ -230,11 +236,18 @@ def kernel_calls(shapes: Shapes, dtype: torch.dtype) -> dict[str, Callable[[], N
             x = empty(rows_each * experts, shapes.hidden, grad=True)
             backward(K.grouped_mm(K.grouped_mm(x, up_weight, counts), down_weight, counts))
 
+    def wgrad() -> None:
+        main_grad = empty(shapes.ffn, shapes.hidden, type_=torch.float32)
+        for first in (True, False):  # a step's first product overwrites the main grad
+            K.wgrad_accumulate(
+                main_grad, empty(rows, shapes.ffn), empty(rows, shapes.hidden), first
+            )
+
     calls = {
         "attention": lambda: attention(documents=False),
-        "attention, documents": lambda: attention(documents=True),
-        "ring block": lambda: ring_block(documents=False),
-        "ring block, documents": lambda: ring_block(documents=True),
+        "attention, varlen": lambda: attention(documents=True),
+        "blocks": lambda: blocks(documents=False),
+        "blocks, documents": lambda: blocks(documents=True),
         "norms": norms,
         "bias_gelu": lambda: backward(
             K.bias_gelu(empty(rows, shapes.ffn, grad=True), empty(shapes.ffn, grad=True))
@@ -253,11 +266,7 @@ def kernel_calls(shapes: Shapes, dtype: torch.dtype) -> dict[str, Callable[[], N
     if shapes.experts:
         calls["grouped_mm"] = grouped_mlp
     if dtype != torch.float32:  # the fused weight-gradient GEMM takes 16-bit inputs only
-        calls["wgrad_accumulate"] = lambda: K.wgrad_accumulate(
-            empty(shapes.ffn, shapes.hidden, type_=torch.float32),
-            empty(rows, shapes.ffn),
-            empty(rows, shapes.hidden),
-        )
+        calls["wgrad_accumulate"] = wgrad
     return calls
 
 

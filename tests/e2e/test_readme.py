@@ -59,10 +59,10 @@ SHORT = {
     "python tools/bench_pp.py": f"--steps 1 --warmup 0 {SMALL_BENCH} --micro-batch 2",
     "python tools/bench_zero.py": f"--steps 1 --warmup 0 {SMALL_BENCH} --micro-batch 2",
     "python tools/bench_kernels.py": "--cpu-smoke",
-    # the tiny configs' shapes (grouped K/V, rotary, experts), both attention branches (causal;
-    # non-causal ring blocks with documents), every candidate, one target
+    # the tiny configs' shapes (grouped K/V, rotary, experts), both attention branches (whole
+    # windows; blocks with documents), every candidate, one target
     "python tools/build_kernels.py": "--configs configs/llama-tiny.yaml configs/mixtral-tiny.yaml "
-    "--jobs 1 --calls attention 'ring block, documents' norms bias_gelu swiglu rotary "
+    "--jobs 1 --calls attention 'blocks, documents' norms bias_gelu swiglu rotary "
     "cross_entropy grouped_mm wgrad_accumulate",
     "python tools/bench_cp.py --seq 4096 --cp 2": "--seq 256 --heads 2 --kv-heads 1 "
     "--head-dim 16 --steps 1 --warmup 0",

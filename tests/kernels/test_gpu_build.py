@@ -215,6 +215,81 @@ def test_one_rank_of_a_layout_compiles_what_one_gpu_does_not(tmp_path):
     assert shipped["both"] == shipped["single"]
 
 
+def test_a_training_step_launches_only_what_the_build_compiles(tmp_path):
+    """The build's recorded calls stand for what training launches: one bf16 training step of
+    each tiny model, recorded in a build-only process (on one rank of its layout for tp 4 + SP
+    and tp 2 x ep 2), launches no compile (kernel, argument types, specialisations, constants,
+    candidate) that `build_kernels` of the same config and layout does not compile. It caught
+    the weight-gradient kernel's overwrite mode and the causal blocks of document masking and
+    context parallelism (the build had compiled non-causal ones, which no model launches)."""
+    found = _in_build_process(
+        f"""
+        import json
+        from pathlib import Path
+        from types import SimpleNamespace
+        import torch
+        from megalite.benchmarks import kernel_build
+        from megalite.config import load_config, save_config
+        from megalite.kernels import gpu_build
+        from megalite.launch import run_ranks
+        from megalite.parallel_state import ParallelState
+        from megalite.training.loop import setup_topology
+        from megalite.training.setup import build_run
+        from megalite.training.step import train_step
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+
+        SM90 = gpu_build.TARGETS["sm90"]
+
+        def compiles(launches):
+            backend = make_backend(GPUTarget("cuda", SM90.capability, 32))
+            return {{repr(key) for launch in launches
+                     for _, key in gpu_build._bound(launch, SM90, backend)}}
+
+        def step_compiles(config, world):
+            overrides = ["train.precision=bf16", "train.device=cpu", "train.micro_batch_size=4"]
+            cfg = load_config(config, overrides)
+            ps = setup_topology(cfg) if world > 1 else ParallelState.single()
+            run = build_run(cfg, ps, eos_id=1)
+            torch.manual_seed(0)
+            windows = cfg.train.global_batch_size // ps.dp_size
+            tokens = torch.randint(0, cfg.model.vocab_size, (windows, cfg.model.seq_len + 1))
+            launches = []
+            with gpu_build.record_launches(launches, "training step"):
+                train_step(run, tokens, 1e-3)
+            return sorted(compiles(launches))
+
+        CASES = {{  # the config, and the world it runs on
+            "gpt": ("gpt-tiny", [], 1),
+            "llama-documents": ("llama-tiny", ["data.document_mask=true"], 1),
+            "mixtral": ("mixtral-tiny", [], 1),
+            "llama-tp4-sp": ("llama-tiny", ["parallel.tp=4", "parallel.sp=true"], 4),
+            "mixtral-tp2-ep2": ("mixtral-tiny", ["parallel.tp=2", "parallel.ep=2"], 4),
+        }}
+        found = {{}}
+        for case, (name, overrides, world) in CASES.items():
+            config = "{tmp_path}/" + case + ".yaml"
+            save_config(load_config(f"configs/{{name}}.yaml", overrides), Path(config))
+            if world == 1:
+                stepped = step_compiles(config, 1)
+            else:  # every rank's, together
+                stepped = sorted(set().union(*run_ranks(world, step_compiles, config, world)))
+            args = SimpleNamespace(configs=[config], layouts=["own"], dtypes=["bf16"], calls=None)
+            built = compiles(kernel_build._launches(args, gpu_build))
+            missing = [key for key in stepped if key not in built]
+            found[case] = {{"stepped": len(stepped), "kernels": sorted({{k[2:40].split("'")[0]
+                           for k in stepped}}), "missing": missing[:3], "n_missing": len(missing)}}
+        print(json.dumps(found))
+        """,
+        tmp_path,
+    )
+    for case, result in found.items():
+        assert result["n_missing"] == 0, (case, result["missing"])
+        assert result["stepped"] >= 10, (case, result)
+    assert "_rows_kernel" in found["mixtral"]["kernels"]
+    assert "_fwd_kernel" in found["gpt"]["kernels"]
+
+
 def _built(launch: Launch, target: str, shared: int, error: str | None = None) -> Built:
     job = Job(launch, f"{shared}", TARGETS[target], source=None, options={})
     return Built(job, seconds=0.0, shared=shared, error=error)
