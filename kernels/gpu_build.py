@@ -65,8 +65,9 @@ TARGETS = {
 class Shapes:
     """The sizes one rank's kernels see: its heads, K/V heads, FFN width, vocabulary slice and
     experts. The kernels take them as run-time arguments, so the compiled code is mostly the
-    same for every split, except where one leaves a size of 1, which Triton specialises (one
-    K/V head or one expert a rank compiles variants of its own).
+    same for every split, except where one changes what Triton specialises an integer on: a
+    size of 1 (one K/V head or one expert a rank), or one that stops being a multiple of 16
+    (gpt2-1.3b's 8 heads a rank at tp 2) compiles variants of its own.
     `tokens`: rows per call, a run-time size too, kept small (the tensors are allocated); the
     grouped GEMM, whose row tile depends on the rows per expert, is called at both tiles'."""
 

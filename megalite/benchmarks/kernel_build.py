@@ -9,8 +9,9 @@ the compile seconds. A launch many configs share is compiled once, in the row of
 
 Each config is built at the sizes one rank sees in its own layout (`parallel.tp` splits the
 heads, the FFN and the vocabulary; `parallel.ep` the experts) and on a single GPU (tp 1, ep 1).
-Most of a split only changes sizes the kernels take at run time, but a size of 1 (one K/V head
-or one expert a rank) is one Triton compiles a kernel of its own for.
+Most of a split only changes sizes the kernels take at run time, but Triton compiles a kernel
+of its own for a size of 1 (one K/V head or one expert a rank) and for one that is no longer a
+multiple of 16 (gpt2-1.3b's 8 heads a rank at tp 2).
 
     python tools/build_kernels.py                        # the shipped configs, bf16, sm90
     python tools/build_kernels.py --targets sm90 sm80 sm89 sm100 --dtypes bf16 fp16
