@@ -26,6 +26,7 @@ tensors. `megalite.benchmarks.kernel_build` is the command line (``tools/build_k
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import subprocess
 import tempfile
@@ -68,6 +69,8 @@ class Shapes:
     same for every split, except where one changes what Triton specialises an integer on: a
     size of 1 (one K/V head or one expert a rank), or one that stops being a multiple of 16
     (gpt2-1.3b's 8 heads a rank at tp 2) compiles variants of its own.
+    `vocab`: the rank's slice of the padded vocabulary; `real_vocab`: the columns of the last
+    rank's slice that are not padding (every other rank's are all real).
     `tokens`: rows per call, a run-time size too, kept small (the tensors are allocated); the
     grouped GEMM, whose row tile depends on the rows per expert, is called at both tiles'."""
 
@@ -77,6 +80,7 @@ class Shapes:
     kv_heads: int
     ffn: int
     vocab: int
+    real_vocab: int
     experts: int | None = None
     tokens: int = 256
 
@@ -237,6 +241,17 @@ def kernel_calls(shapes: Shapes, dtype: torch.dtype) -> dict[str, Callable[[], N
             x = empty(rows_each * experts, shapes.hidden, grad=True)
             backward(K.grouped_mm(K.grouped_mm(x, up_weight, counts), down_weight, counts))
 
+    def cross_entropy() -> None:
+        # The loss runs over chunks of the tokens (`tensor_parallel.cross_entropy`), so Triton
+        # sees the pointers at every 16-byte alignment a chunk gives them: the row statistics
+        # are rows of one (3, chunk) buffer (aligned when the chunk is a multiple of 4 rows; the
+        # sum and target logit misaligned apart at 2 mod 4), and a chunk's targets start at an
+        # odd token when the chunk is odd. Columns: a full slice, and the last rank's real ones.
+        for real in dict.fromkeys((shapes.vocab, shapes.real_vocab)):
+            for chunk, first in itertools.product((rows, rows - 2, rows - 1), (0, 1)):
+                targets = torch.zeros(first + chunk, dtype=torch.int64)[first:]
+                K.softmax_cross_entropy(empty(chunk, shapes.vocab), targets, Columns(real), True)
+
     def wgrad() -> None:
         main_grad = empty(shapes.ffn, shapes.hidden, type_=torch.float32)
         for first in (True, False):  # a step's first product overwrites the main grad
@@ -257,12 +272,7 @@ def kernel_calls(shapes: Shapes, dtype: torch.dtype) -> dict[str, Callable[[], N
             K.swiglu(empty(rows, shapes.ffn, grad=True), empty(rows, shapes.ffn, grad=True))
         ),
         "rotary": lambda: backward(*K.rotary_embedding(*qkv()[:2], empty(rows, d), empty(rows, d))),
-        "cross_entropy": lambda: K.softmax_cross_entropy(
-            empty(rows, shapes.vocab),
-            torch.zeros(rows, dtype=torch.int64),
-            Columns(shapes.vocab),
-            True,
-        ),
+        "cross_entropy": cross_entropy,
     }
     if shapes.experts:
         calls["grouped_mm"] = grouped_mlp

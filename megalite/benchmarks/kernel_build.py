@@ -110,6 +110,7 @@ def _shapes(config: str, layout: str, gpu_build) -> tuple[str, object]:
     cfg = load_config(config, [])
     model = cfg.model
     tp, ep = (cfg.parallel.tp, cfg.parallel.ep) if layout == "own" else (1, 1)
+    padded = padded_vocab_size(model.vocab_size, tp, model.vocab_round_to)
     return f"{tp}x{ep}", gpu_build.Shapes(
         hidden=model.hidden,
         head_dim=model.head_dim,
@@ -117,7 +118,8 @@ def _shapes(config: str, layout: str, gpu_build) -> tuple[str, object]:
         # with fewer K/V heads than ranks, each rank computes the one its query heads use
         kv_heads=max(model.n_kv_heads // tp, 1),
         ffn=model.ffn_hidden // tp,
-        vocab=padded_vocab_size(model.vocab_size, tp, model.vocab_round_to) // tp,
+        vocab=padded // tp,
+        real_vocab=max(padded // tp - (padded - model.vocab_size), 0),
         experts=model.moe_experts // ep if model.moe_experts else None,
     )
 

@@ -53,7 +53,14 @@ def test_the_recorded_calls_launch_every_kernel_megalite_has(tmp_path):
         from megalite.kernels import gpu_build
 
         shapes = gpu_build.Shapes(
-            hidden=256, head_dim=64, heads=4, kv_heads=2, ffn=512, vocab=8064, experts=8
+            hidden=256,
+            head_dim=64,
+            heads=4,
+            kv_heads=2,
+            ffn=512,
+            vocab=8064,
+            real_vocab=8000,
+            experts=8,
         )
         recorded = {}
         for dtype in (torch.bfloat16, torch.float32):
@@ -234,6 +241,7 @@ def test_a_training_step_launches_only_what_the_build_compiles(tmp_path):
         from megalite.kernels import gpu_build
         from megalite.launch import run_ranks
         from megalite.parallel_state import ParallelState
+        from megalite.tensor_parallel import cross_entropy
         from megalite.training.loop import setup_topology
         from megalite.training.setup import build_run
         from megalite.training.step import train_step
@@ -247,9 +255,11 @@ def test_a_training_step_launches_only_what_the_build_compiles(tmp_path):
             return {{repr(key) for launch in launches
                      for _, key in gpu_build._bound(launch, SM90, backend)}}
 
+        # the loss is chunked as on a GPU (chunk sizes set the kernels' pointer alignments)
+        cross_entropy.CHUNK_LOGIT_BYTES["cpu"] = cross_entropy.CHUNK_LOGIT_BYTES["cuda"]
+
         def step_compiles(config, world):
-            overrides = ["train.precision=bf16", "train.device=cpu", "train.micro_batch_size=4"]
-            cfg = load_config(config, overrides)
+            cfg = load_config(config, [])
             ps = setup_topology(cfg) if world > 1 else ParallelState.single()
             run = build_run(cfg, ps, eos_id=1)
             torch.manual_seed(0)
@@ -260,7 +270,10 @@ def test_a_training_step_launches_only_what_the_build_compiles(tmp_path):
                 train_step(run, tokens, 1e-3)
             return sorted(compiles(launches))
 
+        SHIPPED_ONE_LAYER = ["model.n_layers=1", "train.micro_batch_size=2"]
         CASES = {{  # the config, and the world it runs on
+            # its width, heads and vocabulary; 2 x 1024 tokens make loss chunks of 1334 and 714
+            "gpt2-124m": ("gpt2-124m", [*SHIPPED_ONE_LAYER, "train.global_batch_size=2"], 1),
             "gpt": ("gpt-tiny", [], 1),
             "llama-documents": ("llama-tiny", ["data.document_mask=true"], 1),
             "mixtral": ("mixtral-tiny", [], 1),
@@ -272,6 +285,8 @@ def test_a_training_step_launches_only_what_the_build_compiles(tmp_path):
         found = {{}}
         for case, (name, overrides, world) in CASES.items():
             config = "{tmp_path}/" + case + ".yaml"
+            overrides = ["train.precision=bf16", "train.device=cpu", "train.micro_batch_size=4",
+                         *overrides]
             save_config(load_config(f"configs/{{name}}.yaml", overrides), Path(config))
             if world == 1:
                 stepped = step_compiles(config, 1)
@@ -286,7 +301,7 @@ def test_a_training_step_launches_only_what_the_build_compiles(tmp_path):
         """,
         tmp_path,
     )
-    assert len(found) == 7
+    assert len(found) == 8
     for case, result in found.items():
         assert result["n_missing"] == 0, (case, result["missing"])
         assert {"_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"} <= set(result["kernels"])
