@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megalite import comm_trace, nccl_contract
 from megalite.comm_trace import CommObserver
+from megalite.eager_boundary import eager_only
 
 # torch >= 2.9 names these *_single; older releases only have the *_tensor spelling.
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -515,3 +516,13 @@ def barrier(group: Any = None) -> None:
         call = _enter("barrier", None, group)
         with _blocking(call):
             dist.barrier(group=group)
+
+
+@eager_only  # a compiled region calls it as one opaque op: its graphs hold no collective
+def all_reduce_eagerly(tensor: torch.Tensor, *groups: Any) -> torch.Tensor:
+    """`tensor` summed in place over each of `groups` in turn (`all_reduce`), run eagerly even
+    from inside a compiled block (the MoE's routing counts), so that every observer sees the
+    calls and no graph captures a collective."""
+    for group in groups:
+        all_reduce(tensor, group)
+    return tensor

@@ -11,7 +11,7 @@ the full sequence with their heads / columns split over tp ranks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,9 @@ from megalite.tensor_parallel import (
     normal_init,
     recompute,
 )
+from megalite.tensor_parallel.deferred import Deferral
 from megalite.tensor_parallel.layers import InitFn
+from megalite.tensor_parallel.linear import LinearPair
 
 
 @dataclass
@@ -47,6 +49,14 @@ class BuildContext:
     recompute: str = "none"
     recompute_layers: int | None = None
     cp_comm: str = "p2p"
+    deferral: Deferral = field(default_factory=Deferral)
+    """Where the model's linears put their weight gradients during a split backward's B step
+    (the pipeline executor opens it)."""
+
+    def linear_pair(self) -> LinearPair:
+        """What a layer hands both its column- and its row-parallel linear (the SP partner and
+        this model's `deferral` reach their backward through it, not through globals)."""
+        return LinearPair(self.deferral)
 
     @property
     def out_proj_init(self) -> InitFn:
@@ -194,7 +204,8 @@ class Attention(nn.Module):
         cfg, ps, tp = ctx.cfg, ctx.ps, ctx.ps.tp_size
         self.ctx, self.rotary, self.head_dim = ctx, rotary, cfg.head_dim
         init = normal_init(cfg.init_std)
-        linear = dict(bias=bias, init=init, sequence_parallel=ctx.sequence_parallel)
+        sp, pair = ctx.sequence_parallel, ctx.linear_pair()
+        linear = dict(bias=bias, init=init, sequence_parallel=sp, pair=pair)
         # q, k and v are one weight: one GEMM. With fewer kv heads than tp ranks each rank
         # holds every kv head and computes the one its query heads use.
         kv_width, shared = cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads < tp
@@ -209,7 +220,8 @@ class Attention(nn.Module):
             ps,
             bias=bias,
             init=ctx.out_proj_init,
-            sequence_parallel=ctx.sequence_parallel,
+            sequence_parallel=sp,
+            pair=pair,
         )
         if rotary:
             scaling = Llama3Scaling.of(cfg)

@@ -52,7 +52,7 @@ from torch import nn
 from megalite import comm
 from megalite.kernels import wgrad_accumulate
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.deferred import active_queue
+from megalite.tensor_parallel.deferred import Deferral
 from megalite.tensor_parallel.linear import Rows
 
 
@@ -98,6 +98,9 @@ class GradBuffer:
     expert: bool = False
     """Its parameters are MoE experts: replicated over `expert_dp` (cp x edp) rather than over
     dp x cp, so that is the group its gradients are reduced, and its state sharded, over."""
+    deferral: Deferral | None = None
+    """The model's deferral of weight gradients (its linears'), which a split backward's B step
+    opens: while it is open, every gradient's arrival waits for the W step too."""
 
     @property
     def replica_group(self) -> Any:
@@ -223,7 +226,7 @@ class GradBuffer:
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if param.grad is None:  # a fused linear: `_accumulate` has reported it
             return
-        queue = active_queue()
+        queue = None if self.deferral is None else self.deferral.queue
         if queue is None:
             self._arrive(param)
         elif param.dtype == torch.float32:  # a split backward's B: it arrives in its W
@@ -477,7 +480,15 @@ def build_grad_buffers(
             by_kind.setdefault((param.dtype, param.meta.expert), []).append(param)
         chunk_buffers = [
             GradBuffer(
-                params, ps, bucket_numel, zero >= 1, set(own_bucket), zero == 2, fuse_wgrad, expert
+                params,
+                ps,
+                bucket_numel,
+                zero >= 1,
+                set(own_bucket),
+                zero == 2,
+                fuse_wgrad,
+                expert,
+                chunk.ctx.deferral,
             )
             for (_, expert), params in by_kind.items()
         ]

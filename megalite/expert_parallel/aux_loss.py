@@ -6,37 +6,37 @@ Megatron-LM (`MoEAuxLossAutoScaler`), the term is attached to the block's output
 forward passes the output through unchanged, and the backward, besides passing its gradient on,
 gives the term the gradient it has in the objective. That gradient is the micro-batch's share
 of the step (micro-batch size / global batch size, as its token losses have) times the loss
-scale, set once per step by the training step (`set_step_scale`).
+scale: a tensor the layer owns, which the training step fills in once per step and the forward
+passes in, so it reaches backward explicitly, and a compiled block reads it as an input (a new
+loss scale compiles nothing).
 """
 
 from __future__ import annotations
 
 import torch
 
-_step_scale = 1.0
-
-
-def set_step_scale(scale: float) -> None:
-    """d(objective)/d(one micro-batch's auxiliary loss) for this step's backward passes."""
-    global _step_scale
-    _step_scale = scale
-
 
 class _AttachAuxLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor:
         ctx.aux_shape = aux_loss.shape
+        ctx.save_for_backward(scale)
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        grad_aux = torch.full(ctx.aux_shape, _step_scale, device=grad_output.device)
-        return grad_output, grad_aux
+        (scale,) = ctx.saved_tensors
+        return grad_output, scale.expand(ctx.aux_shape).clone(), None
 
 
-def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+def attach_aux_loss(
+    output: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
     """`output`, unchanged, carrying `aux_loss` (an fp32 scalar of this micro-batch) into the
-    objective of the backward pass that reaches it."""
+    objective of the backward pass that reaches it, with the gradient `scale` (an fp32 scalar:
+    d(objective)/d(aux_loss) for this step, as the training step set it)."""
     if not (torch.is_grad_enabled() and aux_loss.requires_grad):
         return output
-    return _AttachAuxLoss.apply(output, aux_loss)
+    return _AttachAuxLoss.apply(output, aux_loss, scale)

@@ -10,9 +10,10 @@ object, NCCL's stash); Megatron-LM's deallocate_output_tensor. (A gloo send repo
 only once waited on, so on CPU the sent tensors of a step are held until its end.) Where two
 consecutive stages are chunks of this rank (the middle of zb-v's V), the output and its
 gradient are handed over in memory instead.
-A schedule with W steps splits the backward: its B runs under `deferred.deferring`, so the
-linears leave their weight gradients, and the gradient buffers the arrival of every gradient, to
-the (micro-batch, chunk)'s W step, which is then the step that completes its gradients.
+A schedule with W steps splits the backward: its B opens the model's `deferred.Deferral`
+(`chunk.ctx.deferral`, which its linears were built with) on the (micro-batch, chunk)'s queue,
+so the linears leave their weight gradients, and the gradient buffers the arrival of every
+gradient, to the (micro-batch, chunk)'s W step, which is then the step that completes its gradients.
 With pp = 1 the schedule holds only forwards and backwards: plain gradient accumulation.
 """
 
@@ -32,7 +33,7 @@ from megalite.context_parallel.layout import SequenceLayout
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.parallel_state import ParallelState
 from megalite.pipeline.schedule import Action, Op, p2p_batches, peer_of, virtual_stage
-from megalite.tensor_parallel.deferred import WeightGradQueue, deferring
+from megalite.tensor_parallel.deferred import WeightGradQueue
 
 
 @dataclass
@@ -346,7 +347,8 @@ class PipelineExecutor:
         mb, c = action.microbatch, action.chunk
         inputs, output = step.saved.pop((mb, c))
         queue = WeightGradQueue() if step.split else None
-        with contextlib.nullcontext() if queue is None else deferring(queue):
+        deferral = self.chunks[c].ctx.deferral
+        with contextlib.nullcontext() if queue is None else deferral.deferring(queue):
             if self.is_last[c]:
                 (output * step.loss_scale).backward()
             else:

@@ -20,6 +20,7 @@ from torch import nn
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_head_loss
 from megalite.tensor_parallel.linear import (
+    LinearPair,
     Rows,
     column_parallel_linear,
     row_parallel_linear,
@@ -190,7 +191,10 @@ class FusedColumnParallelLinear(nn.Module):
 
     The fused rows of rank r are not a cut of any one global tensor, so each output stays a
     global tensor of its own in `ParamMeta.parts`: init draws, and checkpoints store, exactly
-    what the separate linears did (see `param_parts`)."""
+    what the separate linears did (see `param_parts`).
+
+    `pair` is shared with the row-parallel linear after it in its layer (`LinearPair`: the SP
+    partner, the model's deferral of weight gradients); None: neither."""
 
     def __init__(
         self,
@@ -201,9 +205,10 @@ class FusedColumnParallelLinear(nn.Module):
         bias: bool,
         init: InitFn,
         sequence_parallel: bool = False,
+        pair: LinearPair | None = None,
     ) -> None:
         super().__init__()
-        self.ps, self.sequence_parallel = ps, sequence_parallel
+        self.ps, self.sequence_parallel, self.pair = ps, sequence_parallel, pair
         weights, biases, used, self.sizes, start = [], [], [], [], 0
         for out in outputs:
             shared = out.shared_heads > 0
@@ -237,7 +242,7 @@ class FusedColumnParallelLinear(nn.Module):
             y = traced_linear(x, self.weight, bias, self.rows)
         else:
             group, sp = self.ps.tp_group, self.sequence_parallel
-            y = column_parallel_linear(x, self.weight, bias, self.rows, group, sp)
+            y = column_parallel_linear(x, self.weight, bias, self.rows, group, sp, self.pair)
         return y.split(self.sizes, dim=-1)
 
 
@@ -277,6 +282,7 @@ class ColumnParallelLinear(FusedColumnParallelLinear):
         bias: bool,
         init: InitFn,
         sequence_parallel: bool = False,
+        pair: LinearPair | None = None,
     ) -> None:
         super().__init__(
             in_features,
@@ -285,6 +291,7 @@ class ColumnParallelLinear(FusedColumnParallelLinear):
             bias=bias,
             init=init,
             sequence_parallel=sequence_parallel,
+            pair=pair,
         )
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
@@ -294,7 +301,8 @@ class ColumnParallelLinear(FusedColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns: rank r holds input features piece r and the
-    partial products are summed over tp (reduce-scattered to sequence shards under SP)."""
+    partial products are summed over tp (reduce-scattered to sequence shards under SP).
+    `pair`: shared with the column-parallel linear before it (see FusedColumnParallelLinear)."""
 
     def __init__(
         self,
@@ -305,9 +313,10 @@ class RowParallelLinear(nn.Module):
         bias: bool,
         init: InitFn,
         sequence_parallel: bool = False,
+        pair: LinearPair | None = None,
     ) -> None:
         super().__init__()
-        self.ps, self.sequence_parallel = ps, sequence_parallel
+        self.ps, self.sequence_parallel, self.pair = ps, sequence_parallel, pair
         self.weight = make_param(
             (out_features, in_features // ps.tp_size),
             ParamMeta((out_features, in_features), init, tp_split_dim=1),
@@ -336,7 +345,8 @@ class RowParallelLinear(nn.Module):
         if self.traceable:
             y = traced_linear(x, self.weight)
         else:
-            y = row_parallel_linear(x, self.weight, self.ps.tp_group, self.sequence_parallel)
+            group, sp = self.ps.tp_group, self.sequence_parallel
+            y = row_parallel_linear(x, self.weight, group, sp, self.pair)
         return y if self.bias is None else y + self.bias
 
 

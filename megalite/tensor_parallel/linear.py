@@ -20,9 +20,10 @@ first and sends those partial sums, then multiplies its own while they travel
 (`_product_then_scatter`).
 
 Under SP a block's row-parallel linear (attention output, down projection) follows a
-column-parallel one (q/k/v, gate/up) whose backward runs right after its own: its *partner*.
-The row's backward gathers its output gradient and the partner's input shard in one
-all-gather, and the partner's backward uses that gather instead of starting its own: the
+column-parallel one (q/k/v, gate/up) whose backward runs right after its own: its *partner*,
+which the layer owning both hands it through a `LinearPair` (the column's backward node, never
+a module global). The row's backward gathers its output gradient and the partner's input shard
+in one all-gather, and the partner's backward uses that gather instead of starting its own: the
 same bytes in half the backward all-gathers, each of which pays a fixed cost (latency, a
 launch). Megatron's backward issues the two separately. The partner's input is then held
 gathered through the sublayer's core backward (attention, activation), one (b, s, h) tensor
@@ -34,11 +35,11 @@ is nothing to communicate, a compiled block uses `traced_linear` instead (traini
 
 Weight gradients go straight into the fp32 main grad when the gradient buffer gave the
 parameter an `accumulate_main_grad` (data_parallel/grad_buffer.py): no 16-bit `.grad` is made.
-Under a zero-bubble schedule's B step (`tensor_parallel.deferred`) both linears compute only the
-input gradient and leave the weight gradient, with x and dy, to the W step; under SP each keeps
-only the sequence shard it was given (the column-parallel linear's x, the row-parallel one's
-dy) and gathers it again in W: one more all-gather per linear, and t times less memory held
-from B to W.
+Under a zero-bubble schedule's B step (the model's `deferred.Deferral`, which reaches the
+linears through their `LinearPair`) both linears compute only the input gradient and leave the
+weight gradient, with x and dy, to the W step; under SP each keeps only the sequence shard it
+was given (the column-parallel linear's x, the row-parallel one's dy) and gathers it again in
+W: one more all-gather per linear, and t times less memory held from B to W.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 
 from megalite import comm
 from megalite.eager_boundary import eager_only
-from megalite.tensor_parallel.deferred import queue_for
+from megalite.tensor_parallel.deferred import Deferral, WeightGradQueue
 from megalite.tensor_parallel.mappings import (
     all_gather_sequence,
     all_gather_sequence_start,
@@ -199,9 +200,37 @@ def _deferred_row_weight_grad(
     _weight_grad(weight, None, _flat(x), _flat(full))
 
 
-_last_column: weakref.ref | None = None
-"""The backward node of the latest column-parallel linear run under SP (`_ColumnParallel`): the
-row-parallel linear run next is its partner (`_gather_output_grad`)."""
+class LinearPair:
+    """What a layer's column-parallel linear and the row-parallel one after it share in
+    backward, handed to both by the layer that builds them: the model's `Deferral` (a B step's
+    queue for their weight gradients), and under SP the column's latest backward node, which
+    the row's forward takes as its partner (`_gather_output_grad`)."""
+
+    def __init__(self, deferral: Deferral | None = None) -> None:
+        self.deferral = deferral
+        self._column: weakref.ref | None = None
+
+    def column_ran(self, node: Any) -> None:
+        """The column-parallel linear's forward under SP made `node`."""
+        self._column = weakref.ref(node)
+
+    def take_column(self) -> Any:
+        """The backward node of the column-parallel linear the row-parallel one follows (SP):
+        the block's q/k/v before its attention output, its gate/up (fc) before its down
+        projection. Its backward runs right after the row's. Taken once: a row-parallel linear
+        with no column-parallel one run before it finds none (never an earlier micro-batch's)."""
+        column = None if self._column is None else self._column()
+        self._column = None
+        return column
+
+
+def _queue(ctx: Any, *params: torch.Tensor | None) -> WeightGradQueue | None:
+    """Where a linear's backward node `ctx` puts the weight gradients of `params`: its model's
+    open B-step queue (`Deferral.queue_for`), or None (now)."""
+    pair = ctx.pair
+    if pair is None or pair.deferral is None:
+        return None
+    return pair.deferral.queue_for(*params)
 
 
 def _column_grad_params(ctx: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -217,20 +246,20 @@ class _ColumnParallel(torch.autograd.Function):
     reduce-scattered to sequence shards (SP) or all-reduced, overlapped with dW = dy^T x."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, rows):
-        global _last_column
+    def forward(ctx, x, weight, bias, group, sequence_parallel, rows, pair):
         # Only x is saved: a row-parallel partner may unpack it before this backward runs, and
         # recompute's saved tensors unpack once. The parameters themselves are kept instead
         # (their main grads need the objects; a saved-tensor hook, the memory tracker's, may
         # unpack a saved parameter as another tensor object).
         ctx.save_for_backward(x)
         ctx.group, ctx.sequence_parallel, ctx.rows = group, sequence_parallel, rows
-        ctx.weight, ctx.bias = weight, bias
+        ctx.weight, ctx.bias, ctx.pair = weight, bias, pair
         ctx.gathered = None  # x's full sequence, when the partner gathered it (SP)
         used_weight, used_bias = _used(weight, rows), _used(bias, rows)
         if not sequence_parallel:
             return F.linear(x, used_weight, used_bias)
-        _last_column = weakref.ref(ctx)
+        if pair is not None:
+            pair.column_ran(ctx)
         gather = all_gather_sequence_start(x, group)
         product = _times(used_weight.t(), used_bias)
         y, _ = _product_under_gather(x, gather, group, product, used_weight.shape[0])
@@ -240,7 +269,7 @@ class _ColumnParallel(torch.autograd.Function):
     def backward(ctx, dy):
         group, rows, sp = ctx.group, ctx.rows, ctx.sequence_parallel
         grad_weight, grad_bias = _column_grad_params(ctx)
-        queue = queue_for(grad_weight, grad_bias)
+        queue = _queue(ctx, grad_weight, grad_bias)
         total, ctx.gathered = ctx.gathered, None
         x = None if total is not None else ctx.saved_tensors[0]
         gather = None
@@ -275,20 +304,7 @@ class _ColumnParallel(torch.autograd.Function):
         else:
             wgrad, bgrad = _column_weight_grads(grad_weight, grad_bias, rows, total, dy)
         dx = None if reduction is None else reduction.wait()
-        return dx, wgrad, bgrad, None, None, None
-
-
-def _partner(group: Any) -> Any:
-    """The backward node of the column-parallel linear this row-parallel one follows (SP, the
-    same group): the block's q/k/v before its attention output, its gate/up (fc) before its
-    down projection. Its backward runs right after this one's. Taken once: a row-parallel
-    linear with no column-parallel one before it finds none (never an earlier micro-batch's)."""
-    global _last_column
-    column = None if _last_column is None else _last_column()
-    if column is None or column.group is not group:
-        return None
-    _last_column = None
-    return column
+        return dx, wgrad, bgrad, None, None, None, None
 
 
 def _gather_output_grad(ctx: Any, shard: torch.Tensor) -> comm.Pending:
@@ -299,7 +315,7 @@ def _gather_output_grad(ctx: Any, shard: torch.Tensor) -> comm.Pending:
     partner = ctx.partner
     if partner is not None and partner.gathered is None:
         weight, bias = _column_grad_params(partner)
-        if weight is not None and queue_for(weight, bias) is None:
+        if weight is not None and _queue(partner, weight, bias) is None:
             (x,) = partner.saved_tensors
             if x.dtype == shard.dtype:
                 both = all_gather_sequence_together_start([shard, x], ctx.group)
@@ -318,11 +334,11 @@ class _RowParallel(torch.autograd.Function):
     `_gather_output_grad`), dx = dy W, dW = dy^T x."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, sequence_parallel):
+    def forward(ctx, x, weight, group, sequence_parallel, pair):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        ctx.group, ctx.sequence_parallel, ctx.pair = group, sequence_parallel, pair
         ctx.weight = weight  # the parameter itself, for its main grad (see _ColumnParallel)
-        ctx.partner = _partner(group) if sequence_parallel else None
+        ctx.partner = pair.take_column() if sequence_parallel and pair is not None else None
         if sequence_parallel and comm.size(group) > 1:  # y: partial sums over tp, scattered
             return _product_then_scatter(x, group, _times(weight.t()), weight.shape[0])
         y = F.linear(x, weight)  # (b, s, out): a partial sum over tp
@@ -345,13 +361,13 @@ class _RowParallel(torch.autograd.Function):
         ctx.partner = None
         dw = None
         if ctx.needs_input_grad[1]:
-            queue = queue_for(ctx.weight)
+            queue = _queue(ctx, ctx.weight)
             if queue is not None:
                 work = (_deferred_row_weight_grad, x, gather_group, ctx.weight, shard)
                 queue.put(functools.partial(*work), x, shard)
             else:
                 dw = _weight_grad(ctx.weight, None, _flat(x), _flat(dy))
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def traced_linear(
@@ -372,15 +388,22 @@ def column_parallel_linear(
     rows: Rows,
     group: Any,
     sequence_parallel: bool,
+    pair: LinearPair | None = None,
 ) -> torch.Tensor:
     """y = x W[rows]^T + b[rows], x the sequence shard (SP) or the replicated input; y covers
-    the full sequence."""
-    return _ColumnParallel.apply(x, weight, bias, group, sequence_parallel, rows)
+    the full sequence. `pair`: shared with the row-parallel linear after it (None: none, and
+    no deferral)."""
+    return _ColumnParallel.apply(x, weight, bias, group, sequence_parallel, rows, pair)
 
 
 @eager_only
 def row_parallel_linear(
-    x: torch.Tensor, weight: torch.Tensor, group: Any, sequence_parallel: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: Any,
+    sequence_parallel: bool,
+    pair: LinearPair | None = None,
 ) -> torch.Tensor:
-    """x W^T summed over tp: the sequence shard (SP) or the full, replicated result."""
-    return _RowParallel.apply(x, weight, group, sequence_parallel)
+    """x W^T summed over tp: the sequence shard (SP) or the full, replicated result. `pair`:
+    shared with the column-parallel linear before it (None: none, and no deferral)."""
+    return _RowParallel.apply(x, weight, group, sequence_parallel, pair)

@@ -14,7 +14,6 @@ from megalite import comm
 from megalite.context_parallel.layout import SequenceCut
 from megalite.data.dataset import TokenBatch
 from megalite.data_parallel.finalize import finalize_grads
-from megalite.expert_parallel.aux_loss import set_step_scale
 from megalite.optimizer.clip import clip_coefficient
 from megalite.pipeline.executor import IntervalTimer, MicroBatch, StepTimes, bubble_fraction
 from megalite.training.compile import eager
@@ -121,7 +120,8 @@ def train_step(
     loss_weight = 1.0 / (cfg.train.global_batch_size * cfg.model.seq_len)
     # a micro-batch's auxiliary losses (MoE routers) weigh what its token losses weigh
     share = cfg.train.micro_batch_size / cfg.train.global_batch_size
-    set_step_scale(share * run.scaler.scale)
+    for layer in run.moe_layers.values():
+        layer.scale_aux_loss(share * run.scaler.scale)
     local_loss, times = run.executor.run(
         run.schedule(len(batches)), batches, loss_weight, run.scaler.scale, timer
     )

@@ -39,17 +39,11 @@ class MLP(nn.Module):
     def __init__(self, ctx: BuildContext) -> None:
         super().__init__()
         cfg, sp = ctx.cfg, ctx.sequence_parallel
-        init = normal_init(cfg.init_std)
-        self.fc = ColumnParallelLinear(
-            cfg.hidden, cfg.ffn_hidden, ctx.ps, bias=True, init=init, sequence_parallel=sp
-        )
+        init, pair = normal_init(cfg.init_std), ctx.linear_pair()
+        linear = dict(bias=True, sequence_parallel=sp, pair=pair)
+        self.fc = ColumnParallelLinear(cfg.hidden, cfg.ffn_hidden, ctx.ps, init=init, **linear)
         self.proj = RowParallelLinear(
-            cfg.ffn_hidden,
-            cfg.hidden,
-            ctx.ps,
-            bias=True,
-            init=ctx.out_proj_init,
-            sequence_parallel=sp,
+            cfg.ffn_hidden, cfg.hidden, ctx.ps, init=ctx.out_proj_init, **linear
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -39,10 +39,10 @@ class MLP(nn.Module):
     def __init__(self, ctx: BuildContext) -> None:
         super().__init__()
         cfg, ps, sp = ctx.cfg, ctx.ps, ctx.sequence_parallel
-        init = normal_init(cfg.init_std)
+        init, pair = normal_init(cfg.init_std), ctx.linear_pair()
         gate_up = [ColumnOutput("gate", cfg.ffn_hidden), ColumnOutput("up", cfg.ffn_hidden)]
         self.gate_up = FusedColumnParallelLinear(
-            cfg.hidden, gate_up, ps, bias=False, init=init, sequence_parallel=sp
+            cfg.hidden, gate_up, ps, bias=False, init=init, sequence_parallel=sp, pair=pair
         )
         self.down = RowParallelLinear(
             cfg.ffn_hidden,
@@ -51,6 +51,7 @@ class MLP(nn.Module):
             bias=False,
             init=ctx.out_proj_init,
             sequence_parallel=sp,
+            pair=pair,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Mixtral (Jiang et al. 2024): Llama's attention, norms and rotary embeddings with a mixture of
-SwiGLU experts in place of each MLP (`moe.py`), top-k routed; DeepSeek-V3's sigmoid router with
-bias balancing and shared experts as options (`model.moe_*`).
+SwiGLU experts in place of each MLP (the shared block `models/moe.py`), top-k routed;
+DeepSeek-V3's sigmoid router with bias balancing and shared experts as options (`model.moe_*`).
 `model.py` builds it, `hf.py` maps it to `MixtralForCausalLM`, `formulas.py` counts it."""
 
 import math

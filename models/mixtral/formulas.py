@@ -16,7 +16,7 @@ from megalite.models.formulas import (
     pre_norm_block_saved,
 )
 from megalite.models.llama.formulas import LlamaFormulas
-from megalite.models.mixtral.moe import active_experts
+from megalite.models.moe import active_experts
 
 from megalite.config import Config, ModelConfig
 

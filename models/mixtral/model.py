@@ -1,4 +1,4 @@
-"""Mixtral: Llama with a mixture of experts (`moe.MoE`) as each block's MLP.
+"""Mixtral: Llama with a mixture of experts (the shared `models/moe.py`) as each block's MLP.
 
 Read it beside models/llama/model.py: the attention, the norms, the embedding and the head are
 the same shared pieces; only the block's feed-forward differs.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import partial
 
 from megalite.models.llama.model import Block, Llama
-from megalite.models.mixtral.moe import MoE
+from megalite.models.moe import MoE
 
 
 class Mixtral(Llama):

@@ -233,7 +233,7 @@ def test_dropped_pairs_are_not_computed(builtin_corpus, monkeypatch):
     """A capacity bounds the experts' work: the grouped GEMMs see the kept pairs alone."""
     import math
 
-    import megalite.models.mixtral.moe as moe_module
+    import megalite.models.moe as moe_module
     import torch
 
     from megalite.config import load_config
@@ -259,7 +259,7 @@ def test_dropped_pairs_are_not_computed(builtin_corpus, monkeypatch):
 
 def _keep_masks(tp: int, cp: int) -> list:
     """Every training forward's keep mask (this rank's tokens) over 4 steps of fixed windows."""
-    import megalite.models.mixtral.moe as moe_module
+    import megalite.models.moe as moe_module
 
     from megalite.config import load_config
     from megalite.parallel_state import build_parallel_state

@@ -31,7 +31,7 @@ from megalite.tensor_parallel import (
     sequence_shard,
 )
 from megalite.tensor_parallel import normal_init as normal
-from megalite.tensor_parallel.deferred import WeightGradQueue, deferring
+from megalite.tensor_parallel.deferred import WeightGradQueue
 
 pytestmark = pytest.mark.serial  # asserts on wall-clock time (Makefile)
 
@@ -215,7 +215,7 @@ def _with_and_without(option: str, arch: str, sp: bool, zero: int) -> float:
                 buffer.start_sync()
             ids = torch.randint(0, cfg.model.vocab_size, (B, 17))
             queue = WeightGradQueue()
-            with deferring(queue) if split else contextlib.nullcontext():
+            with ctx.deferral.deferring(queue) if split else contextlib.nullcontext():
                 chunk(ids[:, :-1], ids[:, 1:]).backward()
             if split:
                 assert all(b.handle is None and b.staging is None for b in buffer.buckets)

@@ -16,7 +16,7 @@ from megalite.config import load_config
 from megalite.data_parallel.grad_buffer import build_grad_buffers
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import TPRandom
-from megalite.tensor_parallel.deferred import WeightGradQueue, deferring
+from megalite.tensor_parallel.deferred import WeightGradQueue
 from megalite.tensor_parallel.linear import (
     _deferred_column_weight_grads,
     _deferred_row_weight_grad,
@@ -106,7 +106,7 @@ def test_only_opaque_linears_defer_their_weight_gradients(trace_linears):
     model = _compiled_model("gpt", trace_linears)
     (buffer,) = build_grad_buffers([model], ParallelState.single(), bucket_mb=1.0, zero=0)
     loss, queue = _loss(model), WeightGradQueue()
-    with deferring(queue):
+    with model.ctx.deferral.deferring(queue):
         loss.backward()
     deferred = [getattr(work, "func", None) for work in queue.work]
     gemms = [f for f in deferred if f in (_deferred_column_weight_grads, _deferred_row_weight_grad)]

@@ -1,6 +1,7 @@
-"""The mixture-of-experts MLP (Shazeer et al. 2017; Mixtral, Jiang et al. 2024; DeepSeek-V3):
-a router sends each token to its top-k experts, each a SwiGLU MLP, and adds their outputs
-weighted by the router's gates.
+"""The mixture-of-experts MLP, a block any architecture's layers can take in place of the dense
+MLP (Shazeer et al. 2017; Mixtral, Jiang et al. 2024; DeepSeek-V3): a router sends each token to
+its top-k experts, each a SwiGLU MLP, and adds their outputs weighted by the router's gates;
+DeepSeek's shared experts run on every token beside them.
 
 How it is laid out over tensor parallelism: every expert is split over tp ranks as the dense MLP
 is (gate and up by columns, down by rows), so a tp rank computes its slice of every expert for
@@ -18,6 +19,9 @@ Parameters: each expert's weights are global tensors of their own, named by the 
 index (`experts.<e>.gate.weight` ...), held as blocks of rows of one parameter per kind (like the
 fused q/k/v), so init, checkpoints and Hugging Face conversion see per-expert tensors while the
 GEMMs see one (experts, rows, columns) weight.
+
+Under `train.compile` every collective runs outside the block's graphs: the expert path and the
+capacity decision are eager, and the routing counts are summed by `comm.all_reduce_eagerly`.
 """
 
 from __future__ import annotations
@@ -105,6 +109,7 @@ class MoE(nn.Module):
         self.expert_bias.meta = ParamMeta((n,), constant_init(0.0))  # saved, replicated
         self.load = torch.zeros(n, dtype=torch.int64, device=ps.device)
         self.dropped = torch.zeros((), dtype=torch.int64, device=ps.device)
+        self.aux_loss_scale = torch.ones((), device=ps.device)  # `scale_aux_loss`
         per_rank = n // ps.ep_size  # this ep rank's experts, by global index
         self.local_experts = range(ps.ep_rank * per_rank, (ps.ep_rank + 1) * per_rank)
         names = [f"experts.{e}" for e in self.local_experts]
@@ -143,7 +148,7 @@ class MoE(nn.Module):
         if self.shared_gate_up is not None:
             out = out + self.shared(tokens)
         out = tp_output(out.view(b, -1, h), ctx.ps, ctx.sequence_parallel)
-        return attach_aux_loss(out, aux)
+        return attach_aux_loss(out, aux, self.aux_loss_scale)
 
     def gather_choices(self, experts: torch.Tensor) -> torch.Tensor:
         """The expert choices of the tp group's tokens (SP: gathered; else already all here)."""
@@ -223,11 +228,13 @@ class MoE(nn.Module):
         part (the shares sum to the whole; see `router.balancing_loss`)."""
         cfg, ps = self.cfg, self.ctx.ps
         counts = expert_counts(routing.experts, cfg.moe_experts)
-        shards = ps.tp_size if self.ctx.sequence_parallel else 1
-        if shards > 1:
-            comm.all_reduce(counts, ps.tp_group)
+        groups = []  # the ranks holding the micro-batch's other tokens: SP's, then cp's
+        if self.ctx.sequence_parallel and ps.tp_size > 1:
+            groups.append(ps.tp_group)
         if ps.cp_size > 1:
-            comm.all_reduce(counts, ps.cp_group)
+            groups.append(ps.cp_group)
+        if groups:  # eager, a graph break, only where there is something to sum
+            counts = comm.all_reduce_eagerly(counts, *groups)
         if self.training and not replaying():
             self.load += counts
         total = batch * cfg.seq_len
@@ -238,6 +245,11 @@ class MoE(nn.Module):
         if cfg.moe_z_loss_coef:
             loss = loss + cfg.moe_z_loss_coef * z_loss(logits, total)
         return loss
+
+    def scale_aux_loss(self, scale: float) -> None:
+        """Before a step: the gradient of one micro-batch's auxiliary loss in the objective of
+        the step's backward passes (`training.step`: its share of the batch x the loss scale)."""
+        self.aux_loss_scale.fill_(scale)
 
     def take_load(self, load: torch.Tensor, updated: bool) -> None:
         """After a step, with this step's routed (token, choice) pairs per expert over the whole
