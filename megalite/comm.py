@@ -18,12 +18,12 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from megalite import comm_trace, nccl_contract
+from megalite import comm_trace
 from megalite.comm_trace import CommObserver
 from megalite.eager_boundary import eager_only
 
@@ -131,10 +131,36 @@ class _Tracked:
         return getattr(self.work, name)
 
 
+class Emulation(Protocol):
+    """What a test puts between comm and a gloo backend (`megalite.testing.nccl_like`), so
+    that gloo runs the trainer's communication as NCCL would."""
+
+    def applies(self, group: Any) -> bool: ...
+    def issue(self, call: comm_trace.Call, issue: Callable[[bool], Any], async_op: bool) -> Any: ...
+    def batch_isend_irecv(self, ops: list[dist.P2POp], call: comm_trace.Call) -> list[Any]: ...
+
+
+_emulation: Emulation | None = None
+"""The test mode's emulation, or None: the backend as it is (every run outside the tests)."""
+
+
+def set_emulation(emulation: Emulation | None) -> None:
+    """Run every later call on a group the emulation `applies` to through it (None: none)."""
+    global _emulation
+    _emulation = emulation
+
+
+def _emulates(group: Any) -> bool:
+    return _emulation is not None and _emulation.applies(group)
+
+
 def _issue(call: comm_trace.Call, issue: Callable[[bool], Any], async_op: bool) -> Any:
     """Run `issue(async_op)`: watched while it blocks, or its handle tracked when asynchronous."""
     with _blocking(call):
-        work = issue(async_op)
+        if _emulates(call.group):
+            work = _emulation.issue(call, issue, async_op)
+        else:
+            work = issue(async_op)
     if not async_op:
         return work
     for observer in _observers:
@@ -174,8 +200,8 @@ def all_reduce_max(tensor: torch.Tensor, group: Any) -> None:
     if size(group) > 1:
         _require_contiguous("all_reduce_max", [tensor])
         call = _enter("all_reduce_max", tensor, group)
-        with _blocking(call):
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        maximum = dist.ReduceOp.MAX
+        _issue(call, lambda a: dist.all_reduce(tensor, maximum, group, async_op=a), False)
 
 
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Any, async_op=False) -> Any:
@@ -474,29 +500,37 @@ class P2PBatch:
 
 
 def post_p2p(
-    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]
+    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Any
 ) -> P2PBatch | None:
-    """Start point-to-point sends and receives (tensor, global peer rank) as one batch and return
-    its handle (None for an empty batch).
+    """Start point-to-point sends and receives (tensor, global peer rank) over `group` as one
+    batch and return its handle (None for an empty batch).
 
-    NCCL runs a rank's p2p batches one after another on one stream, and a send completes only
-    when the receiver's stream reaches the matching receive; gloo runs a rank's batches side by
-    side, so a batching that deadlocks on GPUs runs here. With MEGALITE_NCCL_LIKE_P2P=1 (the
-    test suite) the batch goes through `nccl_contract.batch_isend_irecv`, which behaves and
-    returns as NCCL's does.
+    The batch goes on `group`'s own communicator (each op names its peer by its rank in the
+    group, `group_peer`): a `P2POp` without a group would go on the world's, where NCCL would
+    queue it behind every other purpose's traffic (`nccl_contract`, item 10). NCCL runs a
+    group's batches one after another on one stream, and a send completes only when the
+    receiver's stream reaches the matching receive; gloo runs a rank's batches side by side, so
+    a batching that deadlocks on GPUs runs here. Under the test mode's emulation
+    (`megalite.testing.nccl_like`) the batch behaves and returns as NCCL's does.
     """
     _require_contiguous("p2p", [t for t, _ in sends + recvs])
-    calls = [_enter("send", t, None, peer) for t, peer in sends]
-    calls += [_enter("recv", t, None, peer) for t, peer in recvs]
+    calls = [_enter("send", t, group, peer) for t, peer in sends]
+    calls += [_enter("recv", t, group, peer) for t, peer in recvs]
     if not calls:
         return None
-    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-    emulated = nccl_contract.enabled(ops[0].group)
-    batch_isend_irecv = nccl_contract.batch_isend_irecv if emulated else dist.batch_isend_irecv
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=_peer(group, p)) for t, p in sends]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=_peer(group, p)) for t, p in recvs]
     with _blocking(calls[-1]):
-        works = batch_isend_irecv(ops)
+        if _emulates(group):
+            works = _emulation.batch_isend_irecv(ops, calls[-1])
+        else:
+            works = dist.batch_isend_irecv(ops)
     return P2PBatch(list(works), calls[-1])
+
+
+def _peer(group: Any, global_rank: int) -> int:
+    """`global_rank`'s rank within `group`."""
+    return dist.get_group_rank(group, global_rank)
 
 
 def any_rank(flag: bool) -> bool:
@@ -514,8 +548,7 @@ def any_rank(flag: bool) -> bool:
 def barrier(group: Any = None) -> None:
     if dist.is_initialized():
         call = _enter("barrier", None, group)
-        with _blocking(call):
-            dist.barrier(group=group)
+        _issue(call, lambda a: dist.barrier(group=group, async_op=a), False)
 
 
 @eager_only  # a compiled region calls it as one opaque op: its graphs hold no collective

@@ -69,6 +69,12 @@ class _Trace:
             self.group_ranks[id(group)] = ",".join(map(str, ranks))
         return self.group_ranks[id(group)]
 
+    def name_of(self, group: Any) -> str:
+        """The group's purpose and ranks, 'pp@0,2': two groups of the same ranks (a purpose
+        each, `parallel_state`) are two streams whose calls interleave freely."""
+        group = dist.group.WORLD if group is None else group
+        return f"{group.group_desc}@{self.ranks_of(group)}"
+
 
 _trace = _Trace()
 
@@ -91,7 +97,7 @@ class Call:
     """This rank's count of calls so far, this one included."""
     op: str
     group: Any
-    """The process group (None: the world); for p2p, None."""
+    """The process group (None: the world); for p2p, the group it is posted on."""
     dtype: torch.dtype | None
     numel: int
     peer: int | None = None
@@ -175,9 +181,10 @@ class TraceFile(CommObserver):
             return
         shape = "-" if call.dtype is None else _dtype_x_count(call.dtype, call.numel)
         if call.peer is None:
-            writer.write(f"group {_trace.ranks_of(call.group)} {call.op} {shape}\n")
+            writer.write(f"group {_trace.name_of(call.group)} {call.op} {shape}\n")
         else:
-            writer.write(f"{call.op} {call.peer} {shape}\n")
+            purpose = _trace.name_of(call.group).partition("@")[0]
+            writer.write(f"{call.op} {purpose}@{call.peer} {shape}\n")
 
 
 progress = Progress()
@@ -201,18 +208,21 @@ def _read(directory: Path) -> dict[int, list[str]]:
 
 def _sequences(traces: dict[int, list[str]]) -> dict[str, dict[int, list[str]]]:
     """Stream name -> {rank: its calls in order}. A group's stream holds its collectives; the
-    stream 'a->b' holds a's sends to b and b's receives from a."""
+    stream 'p2p pp a->b' holds a's sends to b on the pp group and b's receives from a there.
+    A name is `purpose@ranks` (`purpose@peer` for p2p); the purpose may be absent."""
     streams: dict[str, dict[int, list[str]]] = {}
     for rank, lines in traces.items():
         for line in lines:
             kind, who, call = line.split(" ", 2)
+            purpose, _, who = who.rpartition("@")
+            on = f"{purpose}@" if purpose else ""
             if kind == "group":
-                name, members, entry = f"group {who}", map(int, who.split(",")), call
+                name, members = f"group {on}{who}", map(int, who.split(","))
             else:
                 src, dst = (rank, int(who)) if kind == "send" else (int(who), rank)
-                name, members, entry = f"p2p {src}->{dst}", (src, dst), call
+                name, members = f"p2p {on}{src}->{dst}", (src, dst)
             stream = streams.setdefault(name, {member: [] for member in members})
-            stream[rank].append(entry)
+            stream[rank].append(call)
     return streams
 
 

@@ -1,6 +1,7 @@
-"""Where NCCL differs from gloo, as torch 2.13's own source has it, and how the test mode makes
-gloo behave like NCCL through the same megalite code (`comm` calls `batch_isend_irecv` here
-where it would call torch's).
+"""Where NCCL differs from gloo, as torch 2.13's own source has it: the rules megalite's
+communication is written to. The test mode makes gloo keep them through the same megalite code
+(`megalite.testing.nccl_like`, which the tests install into `comm`); no trainer code branches
+on it.
 
 The contract megalite relies on (distributed_c10d.py, ProcessGroupNCCL):
 
@@ -9,11 +10,11 @@ The contract megalite relies on (distributed_c10d.py, ProcessGroupNCCL):
    `cm.works`, the single work of `_end_coalescing`. gloo returns one work per op. megalite treats
    a batch as done when every handle it returned is (`comm.P2PBatch`), so either shape works.
 2. Sends block: NCCL runs a batch as one grouped kernel that ends when every send has met its
-   receive, and a rank's batches run one after another on one stream. On gloo a send's `wait()`
+   receive, and a group's batches run one after another on its stream. On gloo a send's `wait()`
    also blocks until the receiver posts, but only posting is ordered: a rank's batches run side
    by side, so a batching that deadlocks on one stream can run there. The emulation completes a
-   send only once its receiver has posted the receive, and completes each batch before the next
-   starts (the host waits where NCCL's stream would: at least as strict).
+   send only once its receiver has posted the receive, and ends each of a group's operations before
+   it issues the group's next (the host waits where NCCL's stream would: at least as strict).
 3. `wait()` on NCCL makes the current CUDA stream wait for the work; the host goes on. A received
    tensor may be read on the host only after a synchronising call (`.item()`, `.cpu()`), and step
    timers must be CUDA events, not the host clock (`executor.IntervalTimer`). On gloo (CPU) wait
@@ -43,72 +44,16 @@ The contract megalite relies on (distributed_c10d.py, ProcessGroupNCCL):
    world rank takes, members or not (non-members make a no-colour split): one world-wide split
    per group. Without it, each communicator bootstraps through the store on its first
    collective, inside step 1. `parallel_state` binds the device on CUDA and splits each axis's
-   groups with one `split_group` call (5 calls where `new_group` would make 464 at 1,024 ranks).
+   groups with one `split_group` call (6 calls where `new_group` would make 528 at 1,024 ranks).
 9. `use_local_synchronization=True` lets non-members skip `new_group`, but with a bound device
    they then skip their part of the split and the members hang; on gloo torch names such groups
    by a hash that depends on how many groups each process already made. megalite never uses it.
+10. One group's work runs in issue order: ProcessGroupNCCL enqueues every collective and
+   batched p2p of a communicator on that communicator's one stream per device, so an operation
+   starts only once every earlier one of its group has ended, whatever the host waits for.
+   A `P2POp` without a group goes on the world's communicator. Traffic of different purposes
+   (pipeline p2p, ring-attention steps, ZeRO gathers and reduce-scatters, all-to-alls) is
+   therefore given groups of its own even where the ranks coincide (`parallel_state`), and
+   every p2p names its group (`comm.post_p2p`). gloo runs a group's operations side by side,
+   which hides this; the emulation keeps the order and records what queued behind what.
 """
-
-from __future__ import annotations
-
-import os
-from typing import Any
-
-import torch
-import torch.distributed as dist
-
-NCCL_LIKE_P2P_ENV = "MEGALITE_NCCL_LIKE_P2P"
-"""Set to 1 (the test suite does) for gloo p2p with NCCL's semantics (items 1 and 2)."""
-
-_HANDSHAKE_TAG = 1  # the program's own messages use tag 0
-
-
-def enabled(group: Any = None) -> bool:
-    """Whether p2p on `group` runs under the emulation: asked for, and on gloo (an NCCL group
-    is NCCL itself)."""
-    return os.environ.get(NCCL_LIKE_P2P_ENV) == "1" and dist.get_backend(group) == "gloo"
-
-
-class CoalescedWork:
-    """NCCL's coalesced work for one batch. The batch ran to its end before the emulation
-    returned it (as NCCL's stream would before the next one), but what it received lands in the
-    receive buffers only once the work is seen complete (`wait`, or `is_completed` saying so):
-    until then they hold NaN, as an NCCL buffer holds whatever it held before the kernel wrote
-    it, so a read that skips the wait shows. It holds the batch's tensors, as NCCL's work
-    stashes them (item 7)."""
-
-    def __init__(
-        self, tensors: list[torch.Tensor], landing: list[tuple[torch.Tensor, torch.Tensor]]
-    ):
-        self.tensors, self.landing = tensors, landing
-
-    def wait(self, timeout: Any = None) -> bool:
-        for buffer, received in self.landing:
-            buffer.copy_(received)
-        self.landing = []
-        return True
-
-    def is_completed(self) -> bool:
-        return self.wait()
-
-
-def batch_isend_irecv(ops: list[dist.P2POp]) -> list[CoalescedWork]:
-    """`dist.batch_isend_irecv` as NCCL runs it, on gloo: one work for the batch (item 1), sends
-    that complete only when matched and a batch that ends before the next begins (item 2)."""
-    group = ops[0].group
-    works, announced, landing = [], [], []
-    for op in ops:
-        if op.op is dist.isend:
-            works.append(dist.isend(op.tensor, op.peer, group=group))
-            announced.append(dist.irecv(torch.empty(1), op.peer, group=group, tag=_HANDSHAKE_TAG))
-        else:
-            received = torch.empty_like(op.tensor)
-            landing.append((op.tensor, received))
-            works.append(dist.irecv(received, op.peer, group=group))
-            announced.append(dist.isend(torch.ones(1), op.peer, group=group, tag=_HANDSHAKE_TAG))
-    for work in works + announced:
-        work.wait()
-    for buffer, _ in landing:
-        if buffer.is_floating_point():
-            buffer.fill_(float("nan"))
-    return [CoalescedWork([op.tensor for op in ops], landing)]

@@ -304,7 +304,8 @@ def build_parallel_state(
 
     Every group times out after `timeout_s` (None: the world group's, which init_distributed
     set from fault.collective_timeout_s), where torch would give the backend's default (NCCL:
-    10 minutes). A group that spans the world is the world group, with the world's time-out.
+    10 minutes). A group that spans the world is a communicator of its own all the same (the
+    world group carries the run's control traffic: verdicts, metrics, checkpoint tokens).
     A single process outside torch.distributed gets the layout of one rank, or the error that
     says how many processes the layout needs."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -322,22 +323,20 @@ def build_parallel_state(
 
 
 def create_groups(dims: ParallelDims, rank: int, timeout: datetime.timedelta) -> dict[str, Any]:
-    """This rank's group of each of the grid's named groups, each made once whatever the number
-    of names it serves.
+    """This rank's group of each of the grid's named groups: one communicator per purpose.
 
     None where the name's groups have one rank (comm treats None as a group of one: nothing
-    to create, no communicator to hold); the world group where a group spans the world; the
-    group an earlier name made where two have the same ranks (the embedding pair is the
-    pipeline when pp is 2). Every rank takes the same decisions, from the grid alone, so each
-    creating call is made on every rank."""
-    made: dict[tuple[int, ...], Any] = {tuple(range(dims.world_size)): dist.group.WORLD}
+    to create, no communicator to hold). Every other name gets groups of its own, even where
+    its ranks are another name's or the whole world's: NCCL runs one group's work in issue
+    order on one stream (`nccl_contract`, item 10), so a ring step on a group it shared with the
+    ZeRO gathers, or an all-to-all on the world's, would wait behind traffic it does not need.
+    Every rank takes the same decisions, from the grid alone, so each creating call is made on
+    every rank."""
     mine: dict[str, Any] = {}
     for name, groups in dims.named_groups().items():
-        fresh = [tuple(g) for g in groups if len(g) > 1 and tuple(g) not in made]
-        if fresh:
-            made.update(zip(fresh, _create_axis(name, fresh, rank, timeout)))
-        own = next((tuple(g) for g in groups if rank in g), None)
-        mine[name] = made[own] if own is not None and len(own) > 1 else None
+        several = [tuple(g) for g in groups if len(g) > 1]
+        made = _create_axis(name, several, rank, timeout) if several else []
+        mine[name] = next((m for g, m in zip(several, made) if rank in g), None)
     return mine
 
 

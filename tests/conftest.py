@@ -10,12 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from megalite.nccl_contract import NCCL_LIKE_P2P_ENV
+from megalite.testing import nccl_like, subprocess_hooks
 
-# Every multi-process test (forked ranks and torchrun alike inherit it) runs p2p as NCCL does:
-# one work per batch, blocking sends (megalite.nccl_contract). A test that wants gloo's own
-# behaviour sets the variable to 0.
-os.environ.setdefault(NCCL_LIKE_P2P_ENV, "1")
+# Every multi-process test runs communication as NCCL does (megalite.nccl_contract): one work
+# per p2p batch, sends that complete when matched, each group's operations in issue order.
+# Forked ranks inherit the emulation installed here; subprocesses (the CLI, torchrun's workers)
+# install it at start-up from the variables set here. A test that wants gloo's own behaviour
+# uses the `gloo_as_it_is` fixture.
+nccl_like.install()
+os.environ.update(subprocess_hooks.environment(nccl_like=True))
 
 TEST_VOCAB = 500
 
@@ -99,3 +102,13 @@ def builtin_corpus_8000():
     from megalite.data import builtin_data
 
     return builtin_data(8000)
+
+
+@pytest.fixture
+def gloo_as_it_is(monkeypatch):
+    """gloo's own communication, without the NCCL emulation, in this test and the ranks and
+    subprocesses it starts."""
+    nccl_like.uninstall()
+    monkeypatch.setenv(subprocess_hooks.HOOKS_ENV, "")
+    yield
+    nccl_like.install()

@@ -19,6 +19,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -216,7 +217,8 @@ def write_snapshot(snapshot: Snapshot) -> None:
     for i, (file, tensors) in enumerate(snapshot.files.items()):
         index["files"][file] = write_atomic(tmp_dir / file, *safetensors_chunks(tensors))
         if i == 0:
-            _test_stall(snapshot.step)
+            for hook in first_file_written:
+                hook(snapshot.step)
     if snapshot.rank == 0 and snapshot.tokenizer is not None:
         for name, source in tokenizer_files(snapshot.tokenizer).items():
             index["files"][name] = write_atomic(tmp_dir / name, source.read_bytes())
@@ -237,19 +239,14 @@ def index_file(rank: int) -> str:
     return f"index_rank{rank:05d}.json"
 
 
-STALL_ENV = "MEGALITE_TEST_STALL_SAVE"
-"""Test hook, `<step>:<seconds>`: the writer of that step's checkpoint sleeps after its first
-file, so that a test can kill it mid-write or train on while it writes."""
+first_file_written: list[Callable[[int], None]] = []
+"""Called with the step once a save's first file is written: where the tests' fault injection
+(`megalite.testing.faults.stall_save`) holds a writer, so that a test can kill it mid-write or
+train on while it writes. Empty in every run."""
 
 INDEX_WAIT_S = 5.0
 """How long rank 0 looks again for an index it does not see (a shared filesystem's metadata
 can lag behind another node's write) before refusing to publish."""
-
-
-def _test_stall(step: int) -> None:
-    stall = os.environ.get(STALL_ENV)
-    if stall is not None and int(stall.split(":")[0]) == step:
-        time.sleep(float(stall.split(":")[1]))
 
 
 def publish(

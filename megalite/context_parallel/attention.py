@@ -101,10 +101,11 @@ class _Attention:
 
 
 class _Ring:
-    """A rank's place in the cp ring: who it sends to and receives from."""
+    """A rank's place in the cp ring: who it sends to and receives from, over the cp group's
+    own communicator (its steps never queue behind another purpose's traffic)."""
 
-    def __init__(self, ranks: tuple[int, ...], cp_rank: int) -> None:
-        self.size, self.rank = len(ranks), cp_rank
+    def __init__(self, ranks: tuple[int, ...], cp_rank: int, group: Any) -> None:
+        self.size, self.rank, self.group = len(ranks), cp_rank, group
         self.next, self.prev = ranks[(cp_rank + 1) % self.size], ranks[(cp_rank - 1) % self.size]
 
     def holder(self, step: int) -> int:
@@ -114,7 +115,7 @@ class _Ring:
     def pass_on(self, tensor: torch.Tensor) -> tuple[comm.P2PBatch | None, torch.Tensor]:
         """Start sending `tensor` to the next rank and receiving its like from the previous."""
         received = torch.empty_like(tensor)
-        return comm.post_p2p([(tensor, self.next)], [(received, self.prev)]), received
+        return comm.post_p2p([(tensor, self.next)], [(received, self.prev)], self.group), received
 
 
 def _fresh(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,11 +125,13 @@ def _fresh(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class RingAttention(torch.autograd.Function):
-    """Ring attention over the cp ranks (`ranks`, this one `cp_rank`); cp 1 is the plain case."""
+    """Ring attention over the cp ranks (`ranks`, this one `cp_rank`, their `group`); cp 1 is
+    the plain case."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: SequenceLayout, ranks: tuple[int, ...], cp_rank: int, scale):
-        ring, blocks = _Ring(ranks, cp_rank), _Attention(layout, scale)
+    def forward(ctx, q, k, v, layout: SequenceLayout, ranks: tuple[int, ...], cp_rank: int,
+                group: Any, scale: float):  # fmt: skip
+        ring, blocks = _Ring(ranks, cp_rank, group), _Attention(layout, scale)
         out, lse = _fresh(q)
         kv = torch.stack([k, v])  # one message per step
         for step in range(ring.size):
@@ -169,7 +172,7 @@ class RingAttention(torch.autograd.Function):
         if grads_pending is not None:
             grads_pending.wait()
             dkv = grads_incoming
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *[None] * 5
 
 
 def _whole_window(pieces: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -252,4 +255,4 @@ def chunked_attention(
     scale = 1.0 / math.sqrt(q.shape[-1])
     if comm_mode == "allgather" and len(ranks) > 1:
         return AllGatherAttention.apply(q, k, v, layout, group, scale)
-    return RingAttention.apply(q, k, v, layout, ranks, cp_rank, scale)
+    return RingAttention.apply(q, k, v, layout, ranks, cp_rank, group, scale)

@@ -300,7 +300,9 @@ class PipelineExecutor:
             else:
                 buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=step.device)
                 receives.append((action, buffer))
-        posted = comm.post_p2p(sends, [(buffer, self._peer(a)) for a, buffer in receives])
+        posted = comm.post_p2p(
+            sends, [(buffer, self._peer(a)) for a, buffer in receives], self.ps.pp_group
+        )
         for action, buffer in receives:
             step.received[(action.op, action.microbatch, action.chunk)] = (posted, buffer)
         for output in outputs:

@@ -3,23 +3,21 @@ the ranks agree after each step (`CheckpointSaver.finish_if_written`), so a writ
 one rank holds the publishing back on all of them, and every rank enters the same collectives
 (`run_ranks` compares their traces)."""
 
-import os
+import contextlib
 from pathlib import Path
 
 import torch
 from run_configs import TWO_LAYERS
 
 import megalite.training.step as step_module
-from megalite.checkpoint.writer import STALL_ENV
 from megalite.config import load_config
 from megalite.launch import run_ranks
+from megalite.testing.faults import stall_save
 from megalite.training.loop import train
 
 
 def _train(out_dir: str) -> list[str | None]:
     """Rank 1's writer of step 2 stalls 1 s; each rank records `latest` after every step."""
-    if torch.distributed.get_rank() == 1:
-        os.environ[STALL_ENV] = "2:1.0"
     latest, real_finalize = [], step_module.finalize_grads
     path = Path(out_dir) / "checkpoints" / "latest"
 
@@ -30,7 +28,8 @@ def _train(out_dir: str) -> list[str | None]:
     step_module.finalize_grads = finalize_grads
     extra = ["train.steps=6", "checkpoint.interval=2", "checkpoint.async_save=true"]
     cfg = load_config(None, [*TWO_LAYERS, *extra, "parallel.zero=1", f"train.out_dir={out_dir}"])
-    train(cfg)
+    with stall_save(2, 1.0) if torch.distributed.get_rank() == 1 else contextlib.nullcontext():
+        train(cfg)
     return latest
 
 

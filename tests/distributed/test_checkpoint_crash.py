@@ -1,6 +1,6 @@
 """Runs killed (SIGKILL, as by a preemption or the OOM killer) in the middle of writing a
 checkpoint, synchronously or asynchronously, and in the middle of their first one. The kill is
-made deterministic by the writer's test hook (`MEGALITE_TEST_STALL_SAVE`): the writer of the
+made deterministic by the tests' fault injection (`megalite.testing.faults.stall_save`): the writer of the
 named step sleeps after its first file, and the test kills the process once that file is on
 disk. Afterwards the previous checkpoint is still `latest` and loads, and a relaunch removes
 the unfinished directory, says so, and trains to the uninterrupted run's losses.
@@ -21,8 +21,8 @@ import torch
 from run_configs import TWO_LAYERS
 
 from megalite.checkpoint.sharded import read_manifest
-from megalite.checkpoint.writer import STALL_ENV
 from megalite.config import load_config
+from megalite.testing import subprocess_hooks
 from megalite.training.loop import train
 
 STEPS = 4
@@ -71,7 +71,8 @@ def killed(tmp_path_factory, builtin_corpus) -> dict[str, Path]:
         # as many threads as this process, which trains the reference and the relaunches:
         # another count sums in another order, and the losses would differ in the last bits
         threads = str(torch.get_num_threads())
-        env = {**os.environ, "OMP_NUM_THREADS": threads, STALL_ENV: f"{step}:600"}
+        hooks = subprocess_hooks.environment(stall_save=(step, 600))
+        env = {**os.environ, "OMP_NUM_THREADS": threads, **hooks}
         command = [sys.executable, "-m", "megalite", "train", *settings(root / name, *extra)]
         procs[name] = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env

@@ -1,6 +1,6 @@
 """Context parallelism computes what the single process computes: each sequence cut into 2*cp
 chunks over cp ranks (ring attention or all-gathered K/V), alone and with tensor + sequence
-parallelism, every pipeline schedule, ZeRO 1 and 2 over dp x cp, recompute and document
+parallelism, every pipeline schedule (the zero-bubble ones' deferred weight GEMMs included), ZeRO 1 and 2 over dp x cp, recompute and document
 masking; at long sequences; and checkpoints that resume at another cp."""
 
 import json
@@ -37,6 +37,12 @@ LLAMA = ("model.arch=llama", "model.n_kv_heads=2")
             ("parallel.cp=2", "parallel.pp=2", "parallel.schedule=interleaved", "parallel.vpp=2")
             + ("train.recompute=segments",),
         ),
+        (4, (), ("parallel.cp=2", "parallel.pp=2", "parallel.schedule=zb-h1")),
+        (
+            4,
+            LLAMA,
+            ("parallel.cp=2", "parallel.pp=2", "parallel.schedule=zb-v", "parallel.vpp=2"),
+        ),
         (4, ("data.document_mask=true",), ("parallel.cp=2", "parallel.zero=1")),
         (4, LLAMA, ("parallel.cp=2", "parallel.zero=2")),
     ],
@@ -47,6 +53,8 @@ LLAMA = ("model.arch=llama", "model.n_kv_heads=2")
         "gpt-cp2-pp2-1f1b",
         "gpt-cp2-pp2-gpipe-full-recompute",
         "llama-cp2-pp2-interleaved-segments",
+        "gpt-cp2-pp2-zb-h1",
+        "llama-cp2-pp2-zb-v",
         "gpt-docmask-cp2-dp2-zero1",
         "llama-cp2-dp2-zero2",
     ],

@@ -45,17 +45,15 @@ def _check(rank: int, world_size: int, tp: int, pp: int, seen: dict, timeout_s: 
         own = next((g for g in groups if rank in g), [rank])
         if len(own) == 1:
             assert seen[axis] is None, (rank, axis)
-        else:
-            world = len(own) == world_size  # the world group itself: launched with the run's
-            expected = (own, RUN_TIMEOUT_S if world else timeout_s, sum(r + 1.0 for r in own))
-            assert seen[axis] == expected, (rank, axis)
+        else:  # a group of its own even where it spans the world: the time-out given
+            assert seen[axis] == (own, timeout_s, sum(r + 1.0 for r in own)), (rank, axis)
 
 
 @pytest.mark.parametrize("timeout_s", [321.0, None], ids=["given", "the-worlds"])
 def test_every_group_sums_over_its_ranks_and_carries_the_timeout(timeout_s):
     """Layouts of 8 ranks one after another in each process (pp 4 leaves the middle stages out
-    of the embedding pairs; tp 2 x pp 2 reuses the world and the pipeline; tp 1 x pp 1 is pure
-    data parallelism over the world), then the first again."""
+    of the embedding pairs; at tp 2 x pp 2 the embedding pairs have the pipeline's ranks; tp 1
+    x pp 1 is pure data parallelism over the world), then the first again."""
     layouts = [(2, 2), (1, 4), (2, 1), (1, 1), (2, 2)]
     results = run_ranks(8, _layouts, layouts, timeout_s, timeout=RUN_TIMEOUT_S)
     for rank, per_layout in enumerate(results):
@@ -92,3 +90,23 @@ def test_group_timeout_reads_what_gloo_was_given():
         return group_timeout(group, CPU).total_seconds()
 
     assert run_ranks(2, made, timeout=RUN_TIMEOUT_S) == [45.0, 45.0]
+
+
+def _purposes(tp: int, pp: int, cp: int, ep: int) -> list[tuple[str, str]]:
+    """The pairs of names that share a group object, or a name whose group is the world's."""
+    ps = build_parallel_state(tp, pp, CPU, cp=cp, ep=ep)
+    held = {name: group for name, group in ps.groups.items() if group is not None}
+    shared = [(a, b) for a in held for b in held if a < b and held[a] is held[b]]
+    return shared + [(name, "world") for name, g in held.items() if g is dist.group.WORLD]
+
+
+@pytest.mark.parametrize(
+    "tp,pp,cp,ep",
+    [(1, 1, 2, 1), (1, 2, 1, 1), (1, 1, 1, 4), (1, 1, 2, 2), (2, 2, 1, 1)],
+    ids=["cp-is-dp-cp", "pp2-embedding-is-pp", "ep-is-dp", "edp1-expert-dp-is-cp", "mp-is-world"],
+)
+def test_every_purpose_has_a_communicator_of_its_own(tp, pp, cp, ep):
+    """NCCL runs one group's work in issue order on one stream, so names whose ranks coincide
+    (in each case named here) still get a group each, and none is the world's, which carries
+    the run's control traffic."""
+    assert run_ranks(4, _purposes, tp, pp, cp, ep, timeout=RUN_TIMEOUT_S) == [[]] * 4

@@ -7,7 +7,6 @@ import pytest
 import torch
 from equivalence import EVAL, TINY, assert_equivalent, assert_same_val_losses
 
-from megalite import nccl_contract
 from megalite.config import load_config
 from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
@@ -74,14 +73,13 @@ EIGHT_MICROBATCHES = ("train.micro_batch_size=1",)  # m = 2 pp: the interleaved 
         (4, 3, "interleaved"),
     ],
 )
-def test_pp_with_nccl_blocking_p2p(builtin_corpus, tmp_path, monkeypatch, pp, vpp, schedule):
+def test_pp_with_nccl_blocking_p2p(builtin_corpus, tmp_path, pp, vpp, schedule):
     """p2p as NCCL runs it (one work per batch; a send completes only when the receiver has
     posted the receive; a rank's batches run one after another): training and evaluation (which
     runs the forwards of a GPipe list, vpp 2 in the interleaved cases) still equal the single
     process. Receives listed right before their compute (the executor's order until issue 13)
     hang here with vpp 2; receives taken from the handles of a batch's ops one by one (until
     issue 22) find no handle on NCCL, and the first backward fails."""
-    monkeypatch.setenv(nccl_contract.NCCL_LIKE_P2P_ENV, "1")  # inherited by the forked ranks
     layers = (f"model.n_layers={max(4, pp * vpp)}",)  # a layer per chunk at least
     model = GPT + EVAL + EIGHT_MICROBATCHES + layers
     layout = (f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"parallel.schedule={schedule}")
@@ -89,10 +87,9 @@ def test_pp_with_nccl_blocking_p2p(builtin_corpus, tmp_path, monkeypatch, pp, vp
     assert_same_val_losses(model, tmp_path)
 
 
-def test_pp_with_gloo_p2p(builtin_corpus, tmp_path, monkeypatch):
+def test_pp_with_gloo_p2p(builtin_corpus, tmp_path, gloo_as_it_is):
     """gloo's own p2p, one work per op (the rest of the suite runs NCCL's one work per batch):
     the executor's batches are ready when all their works are, whichever shape comes back."""
-    monkeypatch.setenv(nccl_contract.NCCL_LIKE_P2P_ENV, "0")
     layout = ("parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved")
     assert_equivalent(2, GPT + EIGHT_MICROBATCHES, layout, tmp_path)
 

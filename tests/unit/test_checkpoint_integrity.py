@@ -24,13 +24,13 @@ import megalite.training.step as step_module
 from megalite.checkpoint.files import safetensors_chunks, write_atomic
 from megalite.checkpoint.saver import CheckpointSaver
 from megalite.checkpoint.sharded import Checkpoint, CheckpointError, read_manifest
-from megalite.checkpoint.writer import STALL_ENV
 from megalite.config import load_config
 from megalite.data import GlobalBatchSampler
 from megalite.parallel_state import ParallelState
 from megalite.training.loop import TrainingError, run_state, train
 from megalite.training.metrics import drop_rows_after
 from megalite.training.run_lock import LOCK_FILE, RunLock, RunLockError
+from megalite.testing.faults import stall_save
 from megalite.training.setup import build_run
 
 STEPS = 4
@@ -170,13 +170,13 @@ def test_drop_rows_after_keeps_earlier_rows_and_drops_a_torn_one(tmp_path):
 
 
 def test_async_saves_write_what_sync_saves_do_while_training_goes_on(
-    trained, tmp_path, monkeypatch
+    trained, tmp_path
 ):
     """The step-2 writer pauses after its first file while steps 3 and 4 train on: the files
     must still hold step 2's state (copied before training went on), byte for byte."""
     out_dir = tmp_path / "async"
-    monkeypatch.setenv(STALL_ENV, "2:1.0")
-    train(config(out_dir, "checkpoint.async_save=true"))
+    with stall_save(2, 1.0):
+        train(config(out_dir, "checkpoint.async_save=true"))
     assert [r["loss"] for r in metrics(out_dir)] == [r["loss"] for r in metrics(trained)]
     for step in ("step_000002", "step_000004"):
         ours = read_manifest(out_dir / "checkpoints" / step)  # every file verifies

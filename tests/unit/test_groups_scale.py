@@ -62,10 +62,11 @@ def _named_groups(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]
     return ParallelDims.for_world(world_size, tp=tp, pp=pp).named_groups()
 
 
-def _expected_groups(world_size: int, tp: int, pp: int) -> set[tuple[int, ...]]:
-    """The groups that need a process group of their own: more than one rank, not the world."""
-    every = {tuple(g) for groups in _named_groups(world_size, tp, pp).values() for g in groups}
-    return {g for g in every if 1 < len(g) < world_size}
+def _expected_groups(world_size: int, tp: int, pp: int) -> list[tuple[int, ...]]:
+    """The groups that need a process group of their own: each name's of more than one rank,
+    the world's included (a communicator per purpose)."""
+    named = _named_groups(world_size, tp, pp).values()
+    return [tuple(g) for groups in named for g in groups if len(g) > 1]
 
 
 def _check_state(ps: Any, rank: int, world_size: int, tp: int, pp: int) -> None:
@@ -93,9 +94,11 @@ def _check_state(ps: Any, rank: int, world_size: int, tp: int, pp: int) -> None:
 def test_each_group_is_created_once_with_the_timeout_and_none_has_one_rank(
     fake_world, new_group_calls, tp, pp, world_size, ranks
 ):
-    """Before: 464 new_group calls per rank at 1,024 ranks and 11 at tp 2 x pp 2 (4 of them
-    size-1 groups), none with a time-out. Now one call per group of more than one rank that is
-    not the world, each carrying the time-out; axes with the same ranks share a group."""
+    """At first: 464 new_group calls per rank at 1,024 ranks and 11 at tp 2 x pp 2 (4 of them
+    size-1 groups), none with a time-out. Then one call per group of more than one rank that
+    is not the world, axes with the same ranks sharing one. Now one call per named group of
+    more than one rank, each carrying the time-out: 528 at 1,024 ranks, since dp_cp is dp's
+    ranks at cp 1 but a purpose of its own."""
     expected = _expected_groups(world_size, tp, pp)
     for rank in ranks or range(world_size):
         fake_world(rank, world_size)
@@ -104,26 +107,26 @@ def test_each_group_is_created_once_with_the_timeout_and_none_has_one_rank(
         ps = build_parallel_state(tp, pp, torch.device("cpu"), timeout_s=TIMEOUT_S)
         seconds = time.perf_counter() - start
         created = [tuple(r) for r, _ in new_group_calls]
-        assert sorted(created) == sorted(expected)  # each once, no size-1 group, not the world
+        assert sorted(created) == sorted(expected)  # each once per name, no size-1 group
         assert all(
             kw["timeout"] == datetime.timedelta(seconds=TIMEOUT_S) for _, kw in new_group_calls
         )
-        assert (
-            seconds < 2.0
-        )  # measured ~6 ms at 1,024 ranks (464 calls): non-members return at once
+        assert seconds < 2.0  # measured ~8 ms at 1,024 ranks (528 calls): non-members return
         _check_state(ps, rank, world_size, tp, pp)
         assert ps.world_group is dist.group.WORLD
 
 
-def test_the_issue_layout_needs_four_groups_per_rank(fake_world, new_group_calls):
-    """tp 2 x pp 2 on 4 ranks: the two tp pairs and the two pipelines. dp is 1 (no group), the
-    model-parallel group is the world, and the embedding pair is the pipeline."""
+def test_the_issue_layout_needs_seven_groups_per_rank(fake_world, new_group_calls):
+    """tp 2 x pp 2 on 4 ranks: the two tp pairs, the two pipelines, the model-parallel group
+    (the world's ranks) and the two embedding pairs (the pipelines' ranks), each its own
+    communicator. dp is 1 (no group)."""
     fake_world(0, 4)
     ps = build_parallel_state(2, 2, torch.device("cpu"), timeout_s=TIMEOUT_S)
-    assert [r for r, _ in new_group_calls] == [[0, 1], [2, 3], [0, 2], [1, 3]]
+    pipelines = [[0, 2], [1, 3]]
+    assert [r for r, _ in new_group_calls] == [[0, 1], [2, 3], *pipelines, [0, 1, 2, 3], *pipelines]
     assert ps.dp_group is None
-    assert ps.model_parallel_group is dist.group.WORLD
-    assert ps.embedding_group is ps.pp_group
+    assert ps.model_parallel_group is not dist.group.WORLD
+    assert ps.embedding_group is not ps.pp_group
 
 
 class _Split:
@@ -135,7 +138,7 @@ class _Split:
 
 def test_a_bound_device_splits_each_axis_once(fake_world, new_group_calls, monkeypatch):
     """With NCCL's device bound, every world rank takes part in every split; one split_group per
-    axis (5 at 1,024 ranks) replaces one new_group per group (464), each a world-wide split."""
+    name (6 at 1,024 ranks) replaces one new_group per group (528), each a world-wide split."""
     rank, splits = 517, []
 
     def split_group(split_ranks, timeout, group_desc):
@@ -148,8 +151,8 @@ def test_a_bound_device_splits_each_axis_once(fake_world, new_group_calls, monke
     ps = build_parallel_state(8, 8, torch.device("cpu"), timeout_s=TIMEOUT_S)
     assert new_group_calls == []
     grid = _named_groups(1024, 8, 8)
-    # cp's groups have one rank and dp_cp's are dp's (cp is 1): neither needs a split
-    split_axes = ("tp", "dp", "pp", "model_parallel", "embedding")
+    # cp's groups have one rank: no split; dp_cp's are dp's ranks (cp is 1) but split apart
+    split_axes = ("tp", "dp", "pp", "model_parallel", "dp_cp", "embedding")
     assert [(axis, ranks) for axis, ranks, _ in splits] == [(a, grid[a]) for a in split_axes]
     assert {timeout for *_, timeout in splits} == {datetime.timedelta(seconds=TIMEOUT_S)}
     for axis, groups in grid.items():

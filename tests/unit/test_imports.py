@@ -142,3 +142,16 @@ def test_hugging_face_conversion_imports_no_training_module():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_trainer_module_imports_the_test_hooks():
+    """`megalite.testing` (the NCCL emulation, injected faults) is what tests inject: the
+    trainer neither imports it nor reads a variable to switch it on."""
+    graph = import_graph()
+    importers = sorted(
+        module
+        for module, targets in graph.items()
+        if not module.startswith("megalite.testing")
+        and any(t.startswith("megalite.testing") for t in targets)
+    )
+    assert importers == []
