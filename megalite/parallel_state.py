@@ -154,6 +154,36 @@ def choose_device(requested: str = "auto") -> torch.device:
     return device
 
 
+LAUNCH_ORDER_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def keep_launch_order(tp: int) -> None:
+    """Under tensor parallelism, give each GPU one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1)
+    before this process starts CUDA, as Megatron-LM requires.
+
+    Why: an overlapped TP or SP GEMM (`tensor_parallel.linear`) issues its collective and then
+    the GEMM meant to hide it. With several queues the GPU may start the GEMM first, fill every
+    SM, and the collective's kernel waits for it: the overlap is gone. With one, kernels start
+    in the order they were launched. Another value already set is refused (it would silently
+    undo the overlap), and so is a process whose CUDA has started (the driver reads the
+    variable once, when it makes the context)."""
+    if tp == 1:
+        return
+    value = os.environ.get(LAUNCH_ORDER_ENV)
+    if value not in (None, "1"):
+        raise ConfigError(
+            f"{LAUNCH_ORDER_ENV}={value} with parallel.tp={tp}: tensor parallelism overlaps its "
+            f"collectives with GEMMs only when kernels start in launch order; unset it or set "
+            f"{LAUNCH_ORDER_ENV}=1"
+        )
+    if value is None and torch.cuda.is_initialized():
+        raise MegaliteError(
+            f"CUDA started before megalite could set {LAUNCH_ORDER_ENV}=1 for parallel.tp={tp}: "
+            "export it before starting the process"
+        )
+    os.environ[LAUNCH_ORDER_ENV] = "1"
+
+
 def local_gpu(local_rank: int, visible: int) -> int:
     """The index of this rank's GPU among the `visible` ones this process sees.
 

@@ -50,6 +50,7 @@ from megalite.parallel_state import (
     build_parallel_state,
     choose_device,
     init_distributed,
+    keep_launch_order,
     layout_change,
     node_presence,
 )
@@ -203,8 +204,10 @@ def setup_topology(cfg: Config) -> ParallelState:
     size before any process group exists."""
     cfg.layout_for_world(int(os.environ.get("WORLD_SIZE", 1)))
     device = choose_device(cfg.train.device)
-    init_distributed(device, collective_timeout(cfg.fault))
     p = cfg.parallel
+    if device.type == "cuda":
+        keep_launch_order(p.tp)  # before init_distributed starts CUDA
+    init_distributed(device, collective_timeout(cfg.fault))
     return build_parallel_state(p.tp, p.pp, device, collective_timeout(cfg.fault), cp=p.cp, ep=p.ep)
 
 
