@@ -1,6 +1,8 @@
 """Pick the Triton kernel or its PyTorch reference, per call.
 
-``MEGALITE_KERNELS`` (read at every call, so tests can switch it):
+``MEGALITE_KERNELS``, a user's switch, read once per process (a host that launches a thousand
+kernels a step should not look the variable up for each; `use` switches it for benchmarks, and
+the test suite reads it afresh for every test):
 
 * ``auto`` (default): Triton when every tensor is on CUDA and Triton is installed, else the
   PyTorch reference. This is the "same code path on a laptop" rule of DESIGN.md.
@@ -10,6 +12,7 @@
   instead of letting Triton fail somewhere deep in its compiler.
 """
 
+import functools
 import os
 from collections.abc import Callable
 from typing import TypeVar
@@ -23,12 +26,19 @@ ENV_VAR = "MEGALITE_KERNELS"
 CHOICES = ("auto", "triton", "torch")
 
 
+@functools.cache
 def requested_backend() -> str:
-    """The value of ``MEGALITE_KERNELS`` (``auto`` when unset), validated."""
+    """The value of ``MEGALITE_KERNELS`` (``auto`` when unset), validated; read on first use."""
     value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if value not in CHOICES:
         raise ValueError(f"{ENV_VAR}={value!r}: expected one of {', '.join(CHOICES)}")
     return value
+
+
+def use(value: str) -> None:
+    """Run the kernels `value` asks for from now on, in this process and those it starts."""
+    os.environ[ENV_VAR] = value
+    requested_backend.cache_clear()
 
 
 def kernel_backend(*tensors: torch.Tensor) -> str:

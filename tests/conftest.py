@@ -5,6 +5,7 @@ share of the cores, and a few modules kept whole in one worker."""
 
 import getpass
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -112,3 +113,32 @@ def gloo_as_it_is(monkeypatch):
     monkeypatch.setenv(subprocess_hooks.HOOKS_ENV, "")
     yield
     nccl_like.install()
+
+
+KERNELS_SWITCH = "MEGALITE_KERNELS"
+
+
+@pytest.fixture(autouse=True)
+def kernels_switch_read_afresh(monkeypatch):
+    """The trainer reads MEGALITE_KERNELS once per process (`kernels.dispatch`); tests switch it
+    with monkeypatch, before and between their calls, so each test and each switch reads it
+    afresh."""
+
+    def forget() -> None:
+        dispatch = sys.modules.get("megalite.kernels.dispatch")  # not imported: nothing to forget
+        if dispatch is not None:
+            dispatch.requested_backend.cache_clear()
+
+    def switching(change):
+        def changed(name, *args, **kwargs):
+            change(name, *args, **kwargs)
+            if name == KERNELS_SWITCH:
+                forget()
+
+        return changed
+
+    monkeypatch.setenv = switching(monkeypatch.setenv)
+    monkeypatch.delenv = switching(monkeypatch.delenv)
+    forget()
+    yield
+    forget()

@@ -438,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    os.environ["MEGALITE_KERNELS"] = "triton"  # measure the kernels, never a silent fallback
+    from megalite.kernels import dispatch  # after TRITON_INTERPRET is settled
+
+    dispatch.use("triton")  # measure the kernels, never a silent fallback
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
     print(f"device: {name}, torch {torch.__version__}")
     bench_attention(args, device)

@@ -178,7 +178,9 @@ def pick_device(args: argparse.Namespace) -> torch.device:
         os.environ["TRITON_INTERPRET"] = "1"  # before megalite.kernels imports triton
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     # measure the kernel where it can run, never a silent fallback; the reference elsewhere
-    os.environ["MEGALITE_KERNELS"] = "triton" if cuda or args.cpu_smoke else "torch"
+    from megalite.kernels import dispatch  # after TRITON_INTERPRET is settled
+
+    dispatch.use("triton" if cuda or args.cpu_smoke else "torch")
     return torch.device("cuda" if cuda else "cpu")
 
 

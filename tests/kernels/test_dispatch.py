@@ -1,4 +1,6 @@
-"""MEGALITE_KERNELS picks the Triton kernels or the PyTorch references, at call time."""
+"""MEGALITE_KERNELS picks the Triton kernels or the PyTorch references, read once per process."""
+
+import os
 
 import pytest
 import torch
@@ -64,3 +66,16 @@ def test_forced_triton_with_interpreter_enabled_too_late_says_why(monkeypatch):
     monkeypatch.setattr(dispatch, "INTERPRETED_AT_IMPORT", False)
     with pytest.raises(RuntimeError, match="set after megalite.kernels was imported"):
         kernel_backend(torch.zeros(1))
+
+
+def test_the_switch_is_read_once_per_process(monkeypatch):
+    """A run reads MEGALITE_KERNELS on its first kernel call, not at every call; `use`
+    switches it (the benchmarks), for this process and those it starts."""
+    from megalite.kernels import dispatch
+
+    monkeypatch.setenv("MEGALITE_KERNELS", "torch")
+    assert kernel_backend(torch.zeros(1)) == "torch"
+    os.environ["MEGALITE_KERNELS"] = "cuda"  # a later change of the variable goes unread
+    assert kernel_backend(torch.zeros(1)) == "torch"
+    dispatch.use("auto")
+    assert kernel_backend(torch.zeros(1)) == "torch" and os.environ["MEGALITE_KERNELS"] == "auto"
