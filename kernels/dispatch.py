@@ -5,7 +5,7 @@ kernels a step should not look the variable up for each; `use` switches it for b
 the test suite reads it afresh for every test):
 
 * ``auto`` (default): Triton when every tensor is on CUDA and Triton is installed, else the
-  PyTorch reference. This is the "same code path on a laptop" rule of DESIGN.md.
+  PyTorch reference: the "same code path on every device" rule of docs/architecture.md.
 * ``torch``: always the reference.
 * ``triton``: always the Triton kernel. On CPU that only works under the Triton interpreter
   (``TRITON_INTERPRET=1`` set before megalite is imported); otherwise we raise one clear error

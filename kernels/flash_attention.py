@@ -1,12 +1,12 @@
 """FlashAttention-2 style attention in Triton, with its PyTorch reference.
 
 Why a kernel: plain attention materialises the (seq x seq) score matrix per head, which is the
-``5*a*s/h`` term of the activation-memory formula in DESIGN.md. Here each program holds one
-block of query rows, streams key/value blocks through an online softmax, and saves only the
-output and the per-row log-sum-exp for backward. Backward recomputes the probabilities block by
-block: a preprocess kernel computes ``delta = rowsum(dO * O)``, one kernel produces dK/dV (one
-program per key block, looping over the query blocks and over the query heads of its GQA
-group, so no atomics and no repeated K/V), and one produces dQ.
+``5*a*s/h`` term of the activation-memory formula in docs/architecture.md. Here each program
+holds one block of query rows, streams key/value blocks through an online softmax, and saves
+only the output and the per-row log-sum-exp for backward. Backward recomputes the probabilities
+block by block: a preprocess kernel computes ``delta = rowsum(dO * O)``, one kernel produces
+dK/dV (one program per key block, looping over the query blocks and over the query heads of its
+GQA group, so no atomics and no repeated K/V), and one produces dQ.
 
 Layout is the model's: q (batch, seq, n_heads, head_dim), k/v (batch, seq, n_kv_heads,
 head_dim); the kernels index with strides, so no transpose copies. Query head ``h`` uses key

@@ -2,9 +2,9 @@
 ranks agree on it.
 
 Every rank of a group must run the same collectives in the same order with the same dtype and
-element count, and a send must meet a receive of the same size (DESIGN.md, the equivalence
-principle). When they do not, gloo aborts with "Received data size doesn't match", and NCCL
-hangs or silently corrupts memory. Neither names the call that diverged.
+element count, and a send must meet a receive of the same size (docs/architecture.md, the
+equivalence principle). When they do not, gloo aborts with "Received data size doesn't match",
+and NCCL hangs or silently corrupts memory. Neither names the call that diverged.
 
 With `MEGALITE_COLLECTIVE_TRACE=<dir>` set (the multi-process tests always set it), `comm.py`
 appends one line per call to `<dir>/rank<N>.trace` *before* issuing it, so the record survives a

@@ -2,7 +2,7 @@
 is compiled on its own, so one compiled graph serves all the blocks of a model, on every
 pipeline stage and virtual chunk, whatever the schedule runs next.
 
-What is compiled and what is not (DESIGN.md, "A compiled step"):
+What is compiled and what is not (docs/architecture.md, "A compiled step"):
 - compiled: the compute between the tensor-parallel linears: norms, residual adds, dropout,
   rotary, bias-GELU / SwiGLU and the attention core. The elementwise kernels take their
   PyTorch references inside the compiled region (`kernels.dispatch.use_triton`'s `fusable`):

@@ -1,6 +1,6 @@
-"""One training step, as data flows (DESIGN.md): micro-batches through the schedule, gradient
-fix-ups, overflow check, global norm, the bad-step verdict (`optimizer/bad_steps.py`), clipping,
-the optimizer step on this rank's shard."""
+"""One training step, as data flows (docs/architecture.md): micro-batches through the
+schedule, gradient fix-ups, overflow check, global norm, the bad-step verdict
+(`optimizer/bad_steps.py`), clipping, the optimizer step on this rank's shard."""
 
 from __future__ import annotations
 

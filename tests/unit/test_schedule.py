@@ -200,7 +200,8 @@ def test_peak_activations_1f1b_and_gpipe(pp: int):
 @pytest.mark.parametrize("vpp", [2, 3])
 def test_peak_activations_interleaved(pp: int, vpp: int):
     """Rank 0 holds its warmup forwards plus one: min(2(P-1) + (V-1)N + 1, mV) chunks. With
-    N = P and m > P that is P + (P-1)/V micro-batches' worth, DESIGN's (1 + (P-1)/(P V)) * P;
+    N = P and m > P that is P + (P-1)/V micro-batches' worth, the (1 + (P-1)/(P V)) * P of
+    docs/architecture.md;
     with m = P every forward is in flight at once: P micro-batches' worth."""
     for m in range(pp, 13):
         for group in group_sizes(pp, vpp, m):
