@@ -10,7 +10,7 @@ registers and spills to local memory. Triton compiles ahead of time for any GPU
 1. `record_launches` runs megalite's kernel calls (`kernel_calls`, at the sizes of a model:
    `Shapes`) on empty CPU tensors, forward and backward, each launch recorded instead of run:
    the kernel, its arguments, and the candidates Triton's autotuner would time for that call
-   (after the kernel's own pruning);
+   (after the kernel's own pruning); torch's matrix products are not computed there either;
 2. `jobs` binds each candidate to its launch's arguments as ``JITFunction.run`` would, for each
    `Target` (Hopper, Ampere, Ada, Blackwell), once per distinct compile; `build` compiles one
    and reads what it needs: shared memory (Triton's own figure, the one it checks at load
@@ -36,8 +36,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from ._triton import BUILD_ONLY, BUILD_ONLY_ENV
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -155,10 +159,38 @@ def _require_build_only() -> None:
         )
 
 
+class _UncomputedProducts(TorchDispatchMode):
+    """torch's matrix products, not computed: each gives an empty tensor of the shape, strides
+    and dtype the product would have (out= and in-place ones leave theirs unwritten). A recording
+    reads no value (the kernels' outputs are empty already), and on a CPU without bf16
+    instructions a 16-bit product costs ~90x an fp32 one: a recorded bf16 training step then
+    costs only its elementwise ops. The tensors stay a 16-bit step's, so every launch binds the
+    dtypes, sizes, strides and fresh (aligned) allocations a GPU's step gives it."""
+
+    PRODUCTS = frozenset(
+        (aten.mm, aten.bmm, aten.addmm, aten.addmm_, aten.baddbmm, aten.baddbmm_, aten.addbmm,
+         aten.addbmm_)
+    )  # fmt: skip
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket not in self.PRODUCTS:
+            return func(*args, **kwargs)
+        if "out" in kwargs:
+            return kwargs["out"]
+        if func.overloadpacket.__name__.endswith("_"):
+            return args[0]
+        meta = func(*tree_map_only(torch.Tensor, lambda t: t.to("meta"), args), **kwargs)
+        return torch.empty_strided(
+            meta.shape, meta.stride(), dtype=meta.dtype, device=args[0].device
+        )
+
+
 @contextlib.contextmanager
 def record_launches(into: list[Launch], call: str) -> Iterator[None]:
     """Inside: every Triton launch is appended to `into` instead of run (the kernels' outputs
-    stay empty), as made by `call` (a name, for the rows of the table)."""
+    stay empty), as made by `call` (a name, for the rows of the table); torch's matrix products
+    are not computed either (`_UncomputedProducts`)."""
     _require_build_only()
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
@@ -176,7 +208,8 @@ def record_launches(into: list[Launch], call: str) -> Iterator[None]:
     runs = JITFunction.run, Autotuner.run
     JITFunction.run, Autotuner.run = jit_run, autotuned_run
     try:
-        yield
+        with _UncomputedProducts():
+            yield
     finally:
         JITFunction.run, Autotuner.run = runs
 

@@ -14,7 +14,8 @@ import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
-from megalite.kernels.gpu_build import TARGETS, Built, Job, Launch, problems
+import torch
+from megalite.kernels.gpu_build import TARGETS, Built, Job, Launch, _UncomputedProducts, problems
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -225,7 +226,8 @@ def test_one_rank_of_a_layout_compiles_what_one_gpu_does_not(tmp_path):
 def test_a_training_step_launches_only_what_the_build_compiles(tmp_path):
     """The build's recorded calls stand for what training launches: one bf16 training step of
     each tiny model, recorded in a build-only process (on every rank of its layout for tp 4 +
-    SP, tp 2 x ep 2, cp 2 with documents and cp 4 all-gather), launches no compile (kernel,
+    SP, tp 2 x ep 2, cp 2 with documents and cp 4 all-gather; its matrix products uncomputed,
+    so a CPU without bf16 instructions records it as fast), launches no compile (kernel,
     argument types, specialisations, constants, candidate) that `build_kernels` of the same
     config and layout does not compile. It caught
     the weight-gradient kernel's overwrite mode and the causal blocks of document masking and
@@ -307,6 +309,25 @@ def test_a_training_step_launches_only_what_the_build_compiles(tmp_path):
         assert {"_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"} <= set(result["kernels"])
     assert "_rows_kernel" in found["mixtral"]["kernels"]
     assert "_fwd_kernel" in found["gpt"]["kernels"]
+
+
+def test_a_recording_computes_no_matrix_product():
+    """Inside a recording torch's products give empty tensors of the shape, strides and dtype
+    they would have, and out= or in-place ones leave theirs as they were: a bf16 step's products
+    cost nothing on a CPU without bf16 instructions. Every other op still computes."""
+    a, b = torch.ones(6, 4, dtype=torch.bfloat16), torch.ones(5, 4, dtype=torch.bfloat16)
+    out, accumulated = torch.zeros(6, 5, dtype=torch.bfloat16), torch.zeros(6, 5)
+    with _UncomputedProducts():
+        products = [a @ b.t(), torch.addmm(out, a, b.t()), torch.ones(3, 6, 4) @ torch.ones(4, 2)]
+        torch.mm(a, b.t(), out=out)
+        accumulated.addmm_(a.float(), b.float().t())
+        added = a + a
+    expected = [a.float() @ b.float().t(), a.float() @ b.float().t(), torch.empty(3, 6, 2)]
+    for product, like in zip(products, expected):
+        assert (product.shape, product.stride()) == (like.shape, like.stride())
+    assert [p.dtype for p in products] == [torch.bfloat16, torch.bfloat16, torch.float32]
+    assert not out.any() and not accumulated.any()
+    assert torch.equal(added, torch.full_like(a, 2))
 
 
 def _built(launch: Launch, target: str, shared: int, error: str | None = None) -> Built:
