@@ -8,10 +8,10 @@ and communicates only its input gradient and puts the rest of its backward on th
 weight (and bias) gradient, dW = dy^T x added into the fp32 main grad, holding x and dy until
 then. The gradient buffers, built with the same `Deferral`, put the arrival of every other
 parameter's gradient on the queue too (the parameter keeps its `.grad` until then), so a bucket
-completes, and is reduced, only once the W step has run the queue. Deferring only the linears' GEMMs is what the paper, Megatron's
-and torchtitan's implementations do: they are the backward's weight work; norms, biases and the
-embedding are elementwise or a scatter, and the fused LM head computes its gradients in its
-forward.
+completes, and is reduced, only once the W step has run the queue. Deferring only the linears'
+GEMMs is what the paper, Megatron's and torchtitan's implementations do: they are the
+backward's weight work; norms, biases and the embedding are elementwise or a scatter, and the
+fused LM head computes its gradients in its forward.
 """
 
 from __future__ import annotations

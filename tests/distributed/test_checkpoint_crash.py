@@ -1,9 +1,9 @@
 """Runs killed (SIGKILL, as by a preemption or the OOM killer) in the middle of writing a
 checkpoint, synchronously or asynchronously, and in the middle of their first one. The kill is
-made deterministic by the tests' fault injection (`megalite.testing.faults.stall_save`): the writer of the
-named step sleeps after its first file, and the test kills the process once that file is on
-disk. Afterwards the previous checkpoint is still `latest` and loads, and a relaunch removes
-the unfinished directory, says so, and trains to the uninterrupted run's losses.
+made deterministic by the tests' fault injection (`megalite.testing.faults.stall_save`): the
+writer of the named step sleeps after its first file, and the test kills the process once that
+file is on disk. Afterwards the previous checkpoint is still `latest` and loads, and a relaunch
+removes the unfinished directory, says so, and trains to the uninterrupted run's losses.
 
 The three runs to kill are started at once, as `python -m megalite train` processes, to share
 their start-up time; the relaunches run in this process."""

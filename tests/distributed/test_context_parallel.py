@@ -1,7 +1,8 @@
 """Context parallelism computes what the single process computes: each sequence cut into 2*cp
 chunks over cp ranks (ring attention or all-gathered K/V), alone and with tensor + sequence
-parallelism, every pipeline schedule (the zero-bubble ones' deferred weight GEMMs included), ZeRO 1 and 2 over dp x cp, recompute and document
-masking; at long sequences; and checkpoints that resume at another cp."""
+parallelism, every pipeline schedule (the zero-bubble ones' deferred weight GEMMs included),
+ZeRO 1 and 2 over dp x cp, recompute and document masking; at long sequences; and checkpoints
+that resume at another cp."""
 
 import json
 import shutil

@@ -27,10 +27,10 @@ from megalite.checkpoint.sharded import Checkpoint, CheckpointError, read_manife
 from megalite.config import load_config
 from megalite.data import GlobalBatchSampler
 from megalite.parallel_state import ParallelState
+from megalite.testing.faults import stall_save
 from megalite.training.loop import TrainingError, run_state, train
 from megalite.training.metrics import drop_rows_after
 from megalite.training.run_lock import LOCK_FILE, RunLock, RunLockError
-from megalite.testing.faults import stall_save
 from megalite.training.setup import build_run
 
 STEPS = 4
@@ -169,9 +169,7 @@ def test_drop_rows_after_keeps_earlier_rows_and_drops_a_torn_one(tmp_path):
 # ----------------------------------------------------------------------------- async saves
 
 
-def test_async_saves_write_what_sync_saves_do_while_training_goes_on(
-    trained, tmp_path
-):
+def test_async_saves_write_what_sync_saves_do_while_training_goes_on(trained, tmp_path):
     """The step-2 writer pauses after its first file while steps 3 and 4 train on: the files
     must still hold step 2's state (copied before training went on), byte for byte."""
     out_dir = tmp_path / "async"

@@ -123,7 +123,7 @@ class _SlowWork:
         return time.perf_counter() >= self.done_at
 
 
-def test_async_collective_splits_into_overlapped_and_exposed(monkeypatch):
+def test_async_collective_splits_into_overlapped_and_exposed(monkeypatch, gloo_as_it_is):
     """Issued on the tp group, then compute, then a wait for the rest of its 50 ms: the time
     until the wait is overlapped with compute, the wait is exposed (the rank was blocked), both
     counted for tp; the comm timer sees it through `comm.observe`, with `comm` unpatched. (The
