@@ -10,7 +10,9 @@ derived here alone (`for_world`).
 Expert parallelism (Megatron-LM's) shards the experts of mixture-of-experts layers over ep
 ranks carved out of dp: the same ranks seen as a second grid, `expert_dims`, with dp split into
 ep (fastest) times edp. The dense weights keep the grid above (replicated over all of dp); an
-expert's weights are sharded over tp, ep and pp and replicated over cp x edp.
+expert's weights are sharded over tp, ep and pp and replicated over cp x edp. The two grids
+are the named views of the ranks (`views`): a group is asked for by the axes it spans in either
+(`group_name`), and a parameter's placements name the axes of its view.
 Nothing here imports torch, so a layout that cannot run fails before torch is loaded.
 """
 
@@ -162,26 +164,59 @@ class ParallelDims:
         over these together, and ZeRO shards the optimizer over them."""
         return tuple(axis for axis in self.sizes if axis not in self.weight_axes)
 
-    def named_groups(self) -> dict[str, list[list[int]]]:
-        """Every group a run creates, by the name `ParallelState` gives it, in the order every
-        rank creates them: each axis's (fastest first), the model-parallel groups (the weight
-        axes together: one copy of the model), the replicas of one piece of the weights
-        (`dp_cp`, Megatron's data-parallel group with context parallelism: the dp group when cp
-        is 1), the embedding pairs; with expert parallelism the ep groups and the replicas of
+    @functools.cached_property
+    def views(self) -> dict[str, ParallelDims]:
+        """The named views of the same ranks: `dense` (this grid) and `expert` (dp split into ep
+        x edp, `expert_dims`). An axis is looked up in the first view that has it."""
+        return {"dense": self, "expert": self.expert_dims}
+
+    def view_of(self, axes: tuple[str, ...]) -> ParallelDims:
+        """The first view holding every one of `axes`: the grid they are coordinates of."""
+        for view in self.views.values():
+            if set(axes) <= set(view.sizes):
+                return view
+        raise ValueError(f"no view of the grid has all of the axes {axes}")
+
+    def group_axes(self) -> dict[str, tuple[str, ...]]:
+        """The axes each named group spans (the embedding pairs: none, they are two stages of
+        pp), in the order every rank creates them: each axis's (fastest first), the
+        model-parallel groups (the weight axes together: one copy of the model), the replicas
+        of one piece of the weights (`dp_cp`, Megatron's data-parallel group with context
+        parallelism: the dp group's ranks when cp is 1, a communicator of its own all the
+        same), the embedding pairs; with expert parallelism the ep groups and the replicas of
         one piece of the experts (`expert_dp`: cp x edp) last."""
         named = {
-            **{axis: self.groups(axis) for axis in self.sizes},
-            "model_parallel": self.groups(*self.weight_axes),
-            "dp_cp": self.groups(*self.replica_axes),
-            "embedding": self.embedding_groups(),
+            **{axis: (axis,) for axis in self.sizes},
+            "model_parallel": self.weight_axes,
+            "dp_cp": self.replica_axes,
+            "embedding": (),
         }
         if self.ep > 1:  # the experts' all-to-all, and the replicas of one expert's weights
-            experts = self.expert_dims
-            named |= {
-                "ep": experts.groups("ep"),
-                "expert_dp": experts.groups(*experts.replica_axes),
-            }
+            named |= {"ep": ("ep",), "expert_dp": self.expert_dims.replica_axes}
         return named
+
+    def named_groups(self) -> dict[str, list[list[int]]]:
+        """Every group a run creates, by the name `ParallelState` gives it, in creation order
+        (`group_axes`): the partition of the world into that name's groups."""
+        return {
+            name: self.view_of(axes).groups(*axes) if axes else self.embedding_groups()
+            for name, axes in self.group_axes().items()
+        }
+
+    def group_name(self, axes: tuple[str, ...]) -> str:
+        """The named group spanning exactly `axes` (in any order). At ep 1 the expert view is
+        the dense grid: edp is dp and ep has one rank, so the experts' replicas are `dp_cp`."""
+        if self.ep == 1:
+            axes = tuple(DERIVED if axis == "edp" else axis for axis in axes if axis != "ep")
+        name = self._names_by_axes.get(frozenset(axes))
+        if name is None:
+            raise ValueError(f"no group spans the axes {axes}: name one in ParallelDims.group_axes")
+        return name
+
+    @functools.cached_property
+    def _names_by_axes(self) -> dict[frozenset[str], str]:
+        """`group_name`'s table, made once: layers ask for their groups at every call."""
+        return {frozenset(axes): name for name, axes in self.group_axes().items() if axes}
 
     def label(self, rank: int, axes: tuple[str, ...]) -> str:
         """`rank`'s coordinates on `axes` as a name, `tp01_pp00`: how checkpoint files name

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import math
 import os
 import socket
@@ -27,28 +26,16 @@ from megalite.errors import ConfigError, MegaliteError
 from megalite.parallel_dims import ParallelDims
 
 
-class _PerAxis:
-    """`ps.tp_size`, `ps.tp_rank`, `ps.tp_group` (likewise for every axis, and the groups of
-    `ParallelDims.named_groups`): an axis's size, this rank's coordinate on it, its group."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.axis, self.kind = name.rsplit("_", 1)
-
-    def __get__(self, ps: ParallelState | None, owner: type | None = None) -> Any:
-        if ps is None:
-            return self
-        if self.kind == "size":
-            return ps.dims.sizes[self.axis]
-        if self.kind == "rank":
-            return ps.coords[self.axis]
-        return ps.groups.get(self.axis)
-
-
 @dataclass(frozen=True)
 class ParallelState:
     """This rank's place in the grid and the groups it belongs to (None when of size 1). Built
     without groups (`ParallelState(dims, rank, device)`) it describes a rank for code that
-    needs no collective: estimates, tests."""
+    needs no collective: estimates, tests.
+
+    A group is asked for by the axes it spans, in either view of the grid (`ParallelDims.views`):
+    `group("tp")`, `group("cp", "dp")` (the replicas of the dense weights: gradients are summed,
+    ZeRO shards, over them), `group("ep")` (the experts' all-to-all), `group("cp", "edp")` (the
+    replicas of one expert's weights). `size` and `coord` answer for the same axes."""
 
     dims: ParallelDims
     rank: int
@@ -58,75 +45,37 @@ class ParallelState:
     would have one rank."""
     world_group: Any = None
 
-    tp_size = _PerAxis()
-    cp_size = _PerAxis()
-    dp_size = _PerAxis()
-    pp_size = _PerAxis()
-    tp_rank = _PerAxis()
-    cp_rank = _PerAxis()
-    dp_rank = _PerAxis()
-    pp_rank = _PerAxis()
-    tp_group = _PerAxis()
-    cp_group = _PerAxis()
-    dp_group = _PerAxis()
-    pp_group = _PerAxis()
-    model_parallel_group = _PerAxis()
-    dp_cp_group = _PerAxis()
-    """The ranks holding the same weights (dp x cp): gradients are summed, ZeRO shards, over it."""
-    embedding_group = _PerAxis()
-    ep_group = _PerAxis()
-    """The expert-parallel ranks (within dp): the experts' tokens travel over it, all-to-all."""
-
-    @functools.cached_property
-    def coords(self) -> dict[str, int]:
-        return self.dims.coords(self.rank)
-
     @property
     def world_size(self) -> int:
         return self.dims.world_size
 
-    @property
-    def dp_cp_size(self) -> int:
-        return self.dp_size * self.cp_size
+    def size(self, *axes: str) -> int:
+        """How many ranks the group of `axes` has."""
+        return math.prod(self.dims.view_of(axes).sizes[axis] for axis in axes)
+
+    def coord(self, *axes: str) -> int:
+        """This rank's place in its group of `axes`, the grid's faster axes varying fastest
+        (`coord("cp", "dp")` is dp_rank * cp + cp_rank): for one axis, its coordinate."""
+        view = self.dims.view_of(axes)
+        coords, place, stride = view.coords(self.rank), 0, 1
+        for axis in (a for a in view.sizes if a in axes):
+            place, stride = place + coords[axis] * stride, stride * view.sizes[axis]
+        return place
+
+    def group(self, *axes: str) -> Any:
+        """This rank's process group spanning `axes` (None: a group of one rank)."""
+        if self.size(*axes) == 1:
+            return None
+        return self.groups.get(self.dims.group_name(axes))
+
+    def ranks(self, *axes: str) -> tuple[int, ...]:
+        """Global ranks of this rank's group of `axes`, indexed by `coord` (for p2p)."""
+        return tuple(self.dims.view_of(axes).group_of(self.rank, *axes))
 
     @property
-    def dp_cp_rank(self) -> int:
-        """This rank's place among the replicas of its weights (cp varies fastest)."""
-        return self.dp_rank * self.cp_size + self.cp_rank
-
-    @property
-    def ep_size(self) -> int:
-        return self.dims.ep
-
-    @functools.cached_property
-    def ep_rank(self) -> int:
-        """This rank's place among its ep group: which 1/ep of the experts it holds."""
-        return self.dims.expert_dims.coords(self.rank)["ep"]
-
-    @property
-    def expert_dp_group(self) -> Any:
-        """The ranks holding the same experts (cp x edp): expert gradients are summed, and ZeRO
-        shards their optimizer state, over it (dp x cp itself when ep is 1)."""
-        return self.groups.get("expert_dp") if self.ep_size > 1 else self.dp_cp_group
-
-    @property
-    def expert_dp_size(self) -> int:
-        return self.dp_cp_size // self.ep_size
-
-    @functools.cached_property
-    def expert_dp_rank(self) -> int:
-        """This rank's place among the replicas of its experts (cp varies fastest)."""
-        return self.dims.expert_dims.coords(self.rank)["edp"] * self.cp_size + self.cp_rank
-
-    @functools.cached_property
-    def cp_ranks(self) -> tuple[int, ...]:
-        """Global ranks of this rank's context-parallel ring, indexed by cp_rank (for p2p)."""
-        return tuple(self.dims.group_of(self.rank, "cp"))
-
-    @functools.cached_property
-    def pp_ranks(self) -> tuple[int, ...]:
-        """Global ranks of this rank's pipeline, indexed by pp_rank (for p2p)."""
-        return tuple(self.dims.group_of(self.rank, "pp"))
+    def embedding_group(self) -> Any:
+        """The first and last pipeline stage: two ranks of pp, not a group of any axis."""
+        return self.groups.get("embedding")
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
@@ -449,7 +398,7 @@ def layout_change(
 
     (global_then, micro_then), (global_now, micro_now) = saved_batch, batch
     microbatches_then = global_then // (micro_then * saved["dp"])
-    microbatches_now = global_now // (micro_now * ps.dp_size)
+    microbatches_now = global_now // (micro_now * ps.size("dp"))
     if global_then == global_now:
         global_batch = f"the same global batch of {global_now}"
     else:

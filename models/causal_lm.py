@@ -77,4 +77,4 @@ class CausalLM(nn.Module):
             positions = layout.positions
         if not self.ctx.sequence_parallel:
             return positions
-        return sequence_shard(positions.expand(b, -1), self.ctx.ps.tp_group)
+        return sequence_shard(positions.expand(b, -1), self.ctx.ps.group("tp"))

@@ -36,10 +36,10 @@ def build_chunks(
         recompute_layers=cfg.train.recompute_layers,
         cp_comm=p.cp_comm,
     )
-    n_stages = ps.pp_size * p.vpp
+    n_stages = ps.size("pp") * p.vpp
     model = model_class(cfg.model.arch)
     chunks = []
-    for stage, layers in chunk_layers(cfg, ps.pp_rank):
+    for stage, layers in chunk_layers(cfg, ps.coord("pp")):
         chunk = model(ctx, layers, has_embedding=stage == 0, has_head=stage == n_stages - 1)
         if random_init:
             init_parameters(chunk, cfg.train.seed, ps)

@@ -201,7 +201,7 @@ class Attention(nn.Module):
 
     def __init__(self, ctx: BuildContext, *, bias: bool, rotary: bool) -> None:
         super().__init__()
-        cfg, ps, tp = ctx.cfg, ctx.ps, ctx.ps.tp_size
+        cfg, ps, tp = ctx.cfg, ctx.ps, ctx.ps.size("tp")
         self.ctx, self.rotary, self.head_dim = ctx, rotary, cfg.head_dim
         init = normal_init(cfg.init_std)
         sp, pair = ctx.sequence_parallel, ctx.linear_pair()
@@ -267,7 +267,9 @@ class Attention(nn.Module):
         if layout is not None and not layout.plain:  # pieces of windows, or documents
             ps = self.ctx.ps
             mode = self.ctx.cp_comm
-            return chunked_attention(q, k, v, layout, ps.cp_ranks, ps.cp_rank, ps.cp_group, mode)
+            return chunked_attention(
+                q, k, v, layout, ps.ranks("cp"), ps.coord("cp"), ps.group("cp"), mode
+            )
         p = self.ctx.cfg.dropout if self.training else 0.0
         if p == 0.0:
             return flash_attention(q, k, v, causal=True)

@@ -77,7 +77,7 @@ def expert_weight(
     """One parameter holding, for each expert name and each (kind, global shape, tp split dim)
     in turn, this rank's piece of that global tensor as a block of rows. `expert`: routed
     experts, sharded over ep (the shared ones are on every ep rank, like the dense weights)."""
-    tp, parts = ctx.ps.tp_size, []
+    tp, parts = ctx.ps.size("tp"), []
     for name in experts:
         for kind, shape, split in kinds:
             meta = ParamMeta(shape, init, tp_split_dim=split, expert=expert)
@@ -110,8 +110,8 @@ class MoE(nn.Module):
         self.load = torch.zeros(n, dtype=torch.int64, device=ps.device)
         self.dropped = torch.zeros((), dtype=torch.int64, device=ps.device)
         self.aux_loss_scale = torch.ones((), device=ps.device)  # `scale_aux_loss`
-        per_rank = n // ps.ep_size  # this ep rank's experts, by global index
-        self.local_experts = range(ps.ep_rank * per_rank, (ps.ep_rank + 1) * per_rank)
+        per_rank = n // ps.size("ep")  # this ep rank's experts, by global index
+        self.local_experts = range(ps.coord("ep") * per_rank, (ps.coord("ep") + 1) * per_rank)
         names = [f"experts.{e}" for e in self.local_experts]
         self.gate_up = expert_weight(ctx, names, [("gate", (f, h), 0), ("up", (f, h), 0)], init)
         self.down = expert_weight(ctx, names, [("down", (h, f), 1)], out_init)
@@ -154,7 +154,7 @@ class MoE(nn.Module):
         """The expert choices of the tp group's tokens (SP: gathered; else already all here)."""
         if not self.ctx.sequence_parallel:
             return experts
-        return all_gather_sequence(experts, self.ctx.ps.tp_group)
+        return all_gather_sequence(experts, self.ctx.ps.group("tp"))
 
     @eager_only  # `train.compile`: data-dependent counts (see `experts`)
     def within_capacity(self, experts: torch.Tensor) -> torch.Tensor:
@@ -163,13 +163,13 @@ class MoE(nn.Module):
         windows' choices are gathered from the cp ranks and put back in order first, and this
         rank's chunks of the mask are returned. Every rank counts the micro-batch's drops."""
         cfg, ps = self.cfg, self.ctx.ps
-        windows = gather_windows(experts, ps.cp_group)
+        windows = gather_windows(experts, ps.group("cp"))
         b, s, k = windows.shape
         limit = capacity(b * s, cfg.moe_experts, k, cfg.moe_capacity_factor)
         keep, dropped = drop_over_capacity(windows.flatten(0, 1), limit)
         if self.training and not replaying():
             self.dropped += dropped
-        chunks = local_chunks(s, comm.size(ps.cp_group), comm.rank(ps.cp_group))
+        chunks = local_chunks(s, comm.size(ps.group("cp")), comm.rank(ps.group("cp")))
         return shard_sequence(keep.view(b, s, k), chunks).flatten(0, 1)
 
     @eager_only
@@ -199,8 +199,8 @@ class MoE(nn.Module):
         routed = order if keep is None else order[: int(keep.sum())]
         rows = tokens[routed // k]
         exchange = None
-        if self.ctx.ps.ep_size > 1:
-            exchange = Dispatch.plan(counts, self.ctx.ps.ep_group)
+        if self.ctx.ps.size("ep") > 1:
+            exchange = Dispatch.plan(counts, self.ctx.ps.group("ep"))
             rows, counts = exchange.dispatch(rows), exchange.local_counts
         f = self.gate_up.weight.shape[0] // (2 * local)
         gate_up = self.gate_up.weight.view(local, 2 * f, -1)
@@ -229,10 +229,10 @@ class MoE(nn.Module):
         cfg, ps = self.cfg, self.ctx.ps
         counts = expert_counts(routing.experts, cfg.moe_experts)
         groups = []  # the ranks holding the micro-batch's other tokens: SP's, then cp's
-        if self.ctx.sequence_parallel and ps.tp_size > 1:
-            groups.append(ps.tp_group)
-        if ps.cp_size > 1:
-            groups.append(ps.cp_group)
+        if self.ctx.sequence_parallel and ps.size("tp") > 1:
+            groups.append(ps.group("tp"))
+        if ps.size("cp") > 1:
+            groups.append(ps.group("cp"))
         if groups:  # eager, a graph break, only where there is something to sum
             counts = comm.all_reduce_eagerly(counts, *groups)
         if self.training and not replaying():

@@ -51,7 +51,7 @@ def _causal_flops(args: argparse.Namespace) -> float:
 
 
 def _measure(args: argparse.Namespace, ps: Any, mode: str) -> dict[str, float]:
-    device, cp = ps.device, ps.cp_size
+    device, cp = ps.device, ps.size("cp")
     dtype = (
         torch.bfloat16
         if (args.dtype or ("bf16" if device.type == "cuda" else "fp32")) == "bf16"
@@ -68,15 +68,17 @@ def _measure(args: argparse.Namespace, ps: Any, mode: str) -> dict[str, float]:
     for t in (q, k, v):
         t.requires_grad_(True)
     grad = torch.randn_like(q)
-    layout = SequenceLayout.build(args.seq, cp, ps.cp_rank, device)  # cp 1: the kernel alone
+    layout = SequenceLayout.build(args.seq, cp, ps.coord("cp"), device)  # cp 1: the kernel alone
 
     def once() -> None:
-        out = chunked_attention(q, k, v, layout, ps.cp_ranks, ps.cp_rank, ps.cp_group, mode)
+        out = chunked_attention(
+            q, k, v, layout, ps.ranks("cp"), ps.coord("cp"), ps.group("cp"), mode
+        )
         out.backward(grad)
 
     times = []
     for step in range(args.warmup + args.steps):
-        comm.barrier(ps.cp_group)
+        comm.barrier(ps.group("cp"))
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -99,7 +101,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]] | None:
     init_distributed(device)
     ps = build_parallel_state(1, 1, device, cp=args.cp)
     rows = []
-    for mode in ("p2p", "allgather") if ps.cp_size > 1 else ("p2p",):
+    for mode in ("p2p", "allgather") if ps.size("cp") > 1 else ("p2p",):
         result = _measure(args, ps, mode)
         worst = torch.tensor([result["ms"]], device=device)
         comm.all_reduce_max(worst, ps.world_group)

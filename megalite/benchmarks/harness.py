@@ -128,8 +128,8 @@ def megalite_step(run: Run, lr: float) -> Callable[[torch.Tensor], dict[str, flo
     ps = run.ps
 
     def step(tokens: torch.Tensor) -> dict[str, float]:
-        per_rank = tokens.shape[0] // ps.dp_size
-        mine = tokens[ps.dp_rank * per_rank : (ps.dp_rank + 1) * per_rank]
+        per_rank = tokens.shape[0] // ps.size("dp")
+        mine = tokens[ps.coord("dp") * per_rank : (ps.coord("dp") + 1) * per_rank]
         metrics = train_step(run, mine, lr)
         return {"loss": metrics.loss, "bubble": metrics.bubble_fraction}
 

@@ -60,7 +60,7 @@ def full_tensor_init(model: torch.nn.Module, seed: int, ps: ParallelState) -> in
         meta.init(real, generator)
         drawn += real.numel()
         if meta.tp_split_dim is not None:
-            full = full.chunk(ps.tp_size, dim=meta.tp_split_dim)[ps.tp_rank]
+            full = full.chunk(ps.size("tp"), dim=meta.tp_split_dim)[ps.coord("tp")]
         param.copy_(full)
     return drawn
 

@@ -60,8 +60,8 @@ def collective_layouts(args: argparse.Namespace, ps: Any, repeats: int = 30) -> 
     """Median ms of one SP all-gather and one reduce-scatter of a micro-batch's activation in
     each layout: (b, s, h) in token shards (megalite), (b, s, h) split on dim 1 (a transposing
     copy before and after each collective once b > 1), (s, b, h) split on dim 0 (Megatron)."""
-    b, s, h, tp = args.micro_batch, args.seq, args.hidden, ps.tp_size
-    group = ps.tp_group
+    b, s, h, tp = args.micro_batch, args.seq, args.hidden, ps.size("tp")
+    group = ps.group("tp")
     layouts = {
         "(b, s, h), token shards": (
             (b, s // tp, h),
@@ -105,7 +105,7 @@ def copy_share(args: argparse.Namespace, ps: Any) -> list[dict[str, Any]]:
         for micro_batch in MICRO_BATCHES:
             sizes = dict(hidden=hidden, heads=heads, micro_batch=micro_batch, microbatches=1)
             sized = argparse.Namespace(**{**vars(args), **sizes})
-            cfg = harness.parallel_config(sized, 1, tp=ps.tp_size, sp=True, pp=1, zero=0)
+            cfg = harness.parallel_config(sized, 1, tp=ps.size("tp"), sp=True, pp=1, zero=0)
             step = harness.megalite_step(harness.megalite_run(cfg, ps), args.lr)
             batches = harness.make_batches(sized, args.warmup + args.steps, micro_batch)
             copies, comm_timer = LayoutCopies(), CommTimer.of(ps)

@@ -140,10 +140,10 @@ class SavedTensors:
         meta = param.meta
         entry = self.entry(name)
         split = meta.tp_split_dim is not None
-        if entry["pieces"] == (ps.tp_size if split else 1) and entry["global_shape"] == list(
+        if entry["pieces"] == (ps.size("tp") if split else 1) and entry["global_shape"] == list(
             meta.global_shape
         ):
-            return ps.tp_rank if split else 0
+            return ps.coord("tp") if split else 0
         return None
 
     def local(self, name: str, param: nn.Parameter, ps: ParallelState) -> torch.Tensor:
@@ -180,5 +180,5 @@ def local_piece(
             f"{tuple(meta.global_shape)}: the config does not match the checkpoint's model"
         )
     if meta.tp_split_dim is not None:
-        full = full.chunk(ps.tp_size, dim=meta.tp_split_dim)[ps.tp_rank]
+        full = full.chunk(ps.size("tp"), dim=meta.tp_split_dim)[ps.coord("tp")]
     return full

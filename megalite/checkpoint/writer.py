@@ -17,9 +17,9 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ from megalite.checkpoint.staging import HostStaging
 from megalite.checkpoint.state import RunState
 from megalite.data.tokenizer import tokenizer_files
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel import global_tensors
+from megalite.tensor_parallel import ParamMeta, global_tensors
 
 
 def _entry(meta, pieces: int) -> dict[str, Any]:
@@ -68,7 +68,7 @@ def _saved_name(param: torch.Tensor, name: str, ps: ParallelState) -> str | None
     """The name `param` is saved under by this rank, or None: a tied copy is saved by its
     original, a tp-replicated tensor by tp rank 0."""
     meta = param.meta
-    if meta.tied_name is not None or (meta.tp_split_dim is None and ps.tp_rank > 0):
+    if meta.tied_name is not None or (meta.placement("tp").kind != "shard" and ps.coord("tp") > 0):
         return None
     return name
 
@@ -85,23 +85,28 @@ def owned_tensors(state: RunState) -> tuple[dict[str, dict[str, torch.Tensor]], 
 
     def add(key: str, param, file: str, lo: int, tensor: torch.Tensor) -> None:
         split = param.meta.tp_split_dim is not None
-        piece, pieces = (ps.tp_rank, ps.tp_size) if split else (0, 1)
+        piece, pieces = (ps.coord("tp"), ps.size("tp")) if split else (0, 1)
         entry = entries.setdefault(key.split("@")[0], _entry(param.meta, pieces))
         entry["segments"].append([piece, lo, lo + tensor.numel(), file, key])
         files.setdefault(file, {})[key] = tensor.detach()
 
-    # The first replica of a piece writes it: of the dense weights over dp x cp, of the experts
-    # over cp x edp (into a file named by the experts' grid: one per (tp, ep, pp) piece).
-    first = {False: ps.dp_cp_rank == 0, True: ps.expert_dp_rank == 0}
-    weights = {False: model_file, True: weights_file(ps.dims.expert_dims, ps.rank)}
+    def first(meta: ParamMeta) -> bool:
+        """Whether this rank is the first replica of its piece: it writes the piece."""
+        return ps.coord(*meta.replica_axes(ps.dims)) == 0
+
+    def weights(meta: ParamMeta) -> str:
+        """The file of its piece, named by its view's weight axes: the experts' one per (tp, ep,
+        pp) piece, written by the first of cp x edp, the dense weights' by the first of dp x cp."""
+        return weights_file(ps.dims.view_of(meta.replica_axes(ps.dims)), ps.rank)
+
     for name, tensor in global_tensors(state.params).items():  # fused parameters as parts
-        if first[tensor.meta.expert] and _saved_name(tensor, name, ps) is not None:
-            add(name, tensor, weights[tensor.meta.expert], 0, tensor)
-    if first[False] and ps.tp_rank == 0:  # the routing biases: one copy per pipeline stage
-        for name, tensor in state.routing.items():
+        if first(tensor.meta) and _saved_name(tensor, name, ps) is not None:
+            add(name, tensor, weights(tensor.meta), 0, tensor)
+    for name, tensor in state.routing.items():  # the routing biases: one copy per stage
+        if first(tensor.meta) and _saved_name(tensor, name, ps) is not None:
             add(name, tensor, model_file, 0, tensor)
     for name, tensor, lo, _, views in optimizer.owned_pieces():
-        if (optimizer.sharded or first[tensor.meta.expert]) and _saved_name(tensor, name, ps):
+        if (optimizer.sharded or first(tensor.meta)) and _saved_name(tensor, name, ps):
             for kind, view in views.items():
                 add(f"{state_name(name, kind)}@{lo}", tensor, optim_file, lo, view)
     return files, entries

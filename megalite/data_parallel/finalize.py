@@ -21,7 +21,7 @@ from torch import nn
 from megalite import comm
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.layers import ParamMeta, param_parts
+from megalite.tensor_parallel.layers import PARTIAL, ParamMeta, param_parts
 
 
 def _owned_parts(buffer: GradBuffer, param: nn.Parameter) -> list[tuple[int, int, ParamMeta]]:
@@ -65,15 +65,20 @@ def _sum_owned(buffers: list[GradBuffer], select: Callable[[ParamMeta], bool], g
         offset += piece.numel()
 
 
+def _tied(meta: ParamMeta) -> bool:
+    """Partial over pp: GPT's tied embedding, a copy on the first and on the last stage."""
+    return meta.placement("pp") == PARTIAL
+
+
 def finalize_grads(buffers: list[GradBuffer], ps: ParallelState) -> None:
     for buffer in buffers:
         buffer.finish_sync()
-    _sum_owned(buffers, lambda meta: meta.tp_grad_reduce, ps.tp_group)
-    originals = _owned_grads(buffers, lambda meta: meta.pp_tied and meta.tied_name is None)
-    copies = _owned_grads(buffers, lambda meta: meta.pp_tied and meta.tied_name is not None)
+    _sum_owned(buffers, lambda meta: meta.placement("tp") == PARTIAL, ps.group("tp"))
+    originals = _owned_grads(buffers, lambda meta: _tied(meta) and meta.tied_name is None)
+    copies = _owned_grads(buffers, lambda meta: _tied(meta) and meta.tied_name is not None)
     if originals and copies:  # both tied copies on this rank (zb-v's first rank): own buckets
         for original, copy in zip(originals, copies, strict=True):
             original.add_(copy)
             copy.copy_(original)
-    elif ps.pp_size > 1:
-        _sum_owned(buffers, lambda meta: meta.pp_tied, ps.embedding_group)
+    elif ps.size("pp") > 1:
+        _sum_owned(buffers, _tied, ps.embedding_group)

@@ -95,9 +95,6 @@ class GradBuffer:
     fuse_wgrad: bool = True
     """Let tensor-parallel linears add their weight gradients straight into the fp32 main
     grads (`accumulate_main_grad`); False: they return a `.grad` like any other parameter."""
-    expert: bool = False
-    """Its parameters are MoE experts: replicated over `expert_dp` (cp x edp) rather than over
-    dp x cp, so that is the group its gradients are reduced, and its state sharded, over."""
     deferral: Deferral | None = None
     """The model's deferral of weight gradients (its linears'), which a split backward's B step
     opens: while it is open, every gradient's arrival waits for the W step too."""
@@ -105,17 +102,26 @@ class GradBuffer:
     @property
     def replica_group(self) -> Any:
         """The ranks holding the same parameters as this buffer's."""
-        return self.ps.expert_dp_group if self.expert else self.ps.dp_cp_group
+        return self.ps.group(*self.replica_axes)
 
     @property
     def replica_size(self) -> int:
-        return self.ps.expert_dp_size if self.expert else self.ps.dp_cp_size
+        return self.ps.size(*self.replica_axes)
 
     @property
     def replica_rank(self) -> int:
-        return self.ps.expert_dp_rank if self.expert else self.ps.dp_cp_rank
+        return self.ps.coord(*self.replica_axes)
+
+    @property
+    def weight_axes(self) -> tuple[str, ...]:
+        """The axes along which ranks hold other pieces of its parameters' view of the model."""
+        return self.ps.dims.view_of(self.replica_axes).weight_axes
 
     def __post_init__(self) -> None:
+        # The axes its parameters are replicas over (`ParamMeta.replica_axes`): dp x cp for the
+        # dense weights, cp x edp for the experts. Its gradients are reduced, and its state
+        # sharded, over them.
+        (self.replica_axes,) = {param.meta.replica_axes(self.ps.dims) for param in self.params}
         dp = self.replica_size
         self.sharded = self.shard_optimizer and dp > 1
         self.grads_sharded = self.shard_grads and self.sharded
@@ -469,15 +475,16 @@ def build_grad_buffers(
     own_bucket: set[nn.Parameter] = frozenset(),
     fuse_wgrad: bool = True,
 ) -> list[GradBuffer]:
-    """One buffer per (model chunk, parameter dtype, expert or not), parameters in reverse
-    (backward) order. `zero`: 0 (everything replicated), 1 (optimizer state sharded), 2
+    """One buffer per (model chunk, parameter dtype, replica axes: the experts apart), parameters
+    in reverse (backward) order. `zero`: 0 (everything replicated), 1 (optimizer state sharded), 2
     (gradients too); `fuse_wgrad`: see `GradBuffer.fuse_wgrad`."""
     buffers = []
     bucket_numel = max(1, int(bucket_mb * 2**20 / 4))
     for chunk in chunks:
-        by_kind: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
+        by_kind: dict[tuple[torch.dtype, tuple[str, ...]], list[nn.Parameter]] = {}
         for param in reversed(list(chunk.parameters())):
-            by_kind.setdefault((param.dtype, param.meta.expert), []).append(param)
+            replicas = param.meta.replica_axes(ps.dims)
+            by_kind.setdefault((param.dtype, replicas), []).append(param)
         chunk_buffers = [
             GradBuffer(
                 params,
@@ -487,10 +494,9 @@ def build_grad_buffers(
                 set(own_bucket),
                 zero == 2,
                 fuse_wgrad,
-                expert,
                 chunk.ctx.deferral,
             )
-            for (_, expert), params in by_kind.items()
+            for params in by_kind.values()
         ]
         if any(buffer.sharded for buffer in chunk_buffers):
             _install_gather_waits(chunk, chunk_buffers)

@@ -90,7 +90,7 @@ def _noise_segments(
     the rounding noise of its elements."""
     segments = []
     for name, meta, _, lo, hi, index in _meetings(buffer, start, end, names):
-        piece = meta.piece_in_global(ps.tp_rank, ps.tp_size)
+        piece = meta.piece_in_global(ps.coord("tp"), ps.size("tp"))
         segments.append(NoiseSegment(lo, hi, tensor_key(meta.tied_name or name), index, piece))
     return segments
 
@@ -144,8 +144,9 @@ class DistributedOptimizer:
             )
 
     def _counts_in_norm(self, meta: ParamMeta) -> bool:
-        replicated_over_tp = meta.tp_split_dim is None
-        return meta.tied_name is None and (self.ps.tp_rank == 0 or not replicated_over_tp)
+        """Each element once: a tensor not sharded over tp counts on tp rank 0 alone."""
+        sharded = meta.placement("tp").kind == "shard"
+        return meta.tied_name is None and (sharded or self.ps.coord("tp") == 0)
 
     def _left_out_of_norm(self, meta: ParamMeta) -> bool:
         return not self._counts_in_norm(meta)
@@ -157,23 +158,28 @@ class DistributedOptimizer:
     def grad_norm(self) -> float:
         """Global L2 norm of the (unscaled) gradient over every rank. Under ZeRO each rank
         counts its owned pieces, which partition the model over the world. Otherwise each rank
-        counts all it holds, summed over the ranks holding one copy of the model: the dense
-        weights over tp x pp, the experts over tp x pp x ep."""
-        # dense, experts, and the copies left out of the norm: the update applies them too, so
-        # a non-finite one (on this rank alone, after the reductions) makes the norm NaN
-        sumsq = torch.zeros(3, dtype=torch.float64, device=self.ps.device)
+        counts all it holds, summed over the ranks holding one copy of its view of the model
+        (its buffer's weight axes): the dense weights over tp x pp, the experts over tp x ep x
+        pp, that is tp x pp and then the axes the experts' view adds (ep)."""
+        # one sum per view (dense, experts), then the copies left out of the norm: the update
+        # applies them too, so a non-finite one (on this rank alone, after the reductions)
+        # makes the norm NaN
+        views = [view.weight_axes for view in self.ps.dims.views.values()]
+        sumsq = torch.zeros(len(views) + 1, dtype=torch.float64, device=self.ps.device)
         for state in self.states:
             for start, end in state.counted:
-                sumsq[int(state.buffer.expert)] += sum_of_squares(state.grads[start:end])
+                view = views.index(state.buffer.weight_axes)
+                sumsq[view] += sum_of_squares(state.grads[start:end])
             for start, end in state.copies:
-                sumsq[2] += sum_of_squares(state.grads[start:end])
+                sumsq[-1] += sum_of_squares(state.grads[start:end])
         if self.sharded:
             comm.all_reduce(sumsq, self.ps.world_group)
         else:
-            comm.all_reduce(sumsq, self.ps.model_parallel_group)
-            comm.all_reduce(sumsq[1:], self.ps.ep_group)
-        norm = sumsq[:2].sum().sqrt()
-        return torch.where(sumsq[2].isfinite(), norm, sumsq[2]).item()  # one wait for the device
+            comm.all_reduce(sumsq, self.ps.group(*views[0]))
+            for i, axes in enumerate(views[1:], start=1):  # this view's sum and those after it
+                comm.all_reduce(sumsq[i:], self.ps.group(*(a for a in axes if a not in views[0])))
+        norm = sumsq[:-1].sum().sqrt()
+        return torch.where(sumsq[-1].isfinite(), norm, sumsq[-1]).item()  # one wait for the device
 
     def found_non_finite(self) -> bool:
         """Whether any rank's gradient has inf/nan (fp16 overflow), agreed over all ranks."""

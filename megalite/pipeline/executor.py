@@ -224,8 +224,8 @@ class PipelineExecutor:
     """The chunks lie in a V (zb-v): local chunk 1 is virtual stage 2P - 1 - p."""
 
     def __post_init__(self) -> None:
-        n_stages = self.ps.pp_size * self.vpp
-        rank, size = self.ps.pp_rank, self.ps.pp_size
+        n_stages = self.ps.size("pp") * self.vpp
+        rank, size = self.ps.coord("pp"), self.ps.size("pp")
         stages = [virtual_stage(rank, c, size, self.v_shape) for c in range(self.vpp)]
         self.is_first = [s == 0 for s in stages]
         self.is_last = [s == n_stages - 1 for s in stages]
@@ -235,8 +235,9 @@ class PipelineExecutor:
         self.fed_by = [local.get(s - 1) for s in stages]
 
     def _peer(self, action: Action) -> int:
-        peer_rank, _ = peer_of(action, self.ps.pp_rank, self.ps.pp_size, self.vpp, self.v_shape)
-        return self.ps.pp_ranks[peer_rank]
+        ps = self.ps
+        peer_rank, _ = peer_of(action, ps.coord("pp"), ps.size("pp"), self.vpp, self.v_shape)
+        return ps.ranks("pp")[peer_rank]
 
     def run(
         self,
@@ -301,7 +302,7 @@ class PipelineExecutor:
                 buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=step.device)
                 receives.append((action, buffer))
         posted = comm.post_p2p(
-            sends, [(buffer, self._peer(a)) for a, buffer in receives], self.ps.pp_group
+            sends, [(buffer, self._peer(a)) for a, buffer in receives], self.ps.group("pp")
         )
         for action, buffer in receives:
             step.received[(action.op, action.microbatch, action.chunk)] = (posted, buffer)

@@ -8,8 +8,8 @@ optim.offload=cpu):
 - parameters, module buffers (rotary tables), fp32 gradients and optimizer state, counted as
   megalite lays them out: one flat buffer per chunk, cut into buckets padded to a multiple of
   the replicas, dp x cp (the ranks that hold the same weights, over which gradients are
-  reduced and ZeRO shards: `ParallelState.dp_cp_group`; "dp" in the rest of this list), with
-  ZeRO-1 owning 1/dp of each bucket (fp32 master where params are 16-bit, Adam m and v, the
+  reduced and ZeRO shards: `ParallelState.group("dp", "cp")`; "dp" in the rest of this list),
+  with ZeRO-1 owning 1/dp of each bucket (fp32 master where params are 16-bit, Adam m and v, the
   reduced-gradient shard, the update's scratch); ZeRO-2 keeps only the shard, and its
   backward stages two consecutive buckets at most (`GradBuffer`: the bucket just completed and
   the one whose reduce-scatter is in flight, each with its received piece);

@@ -147,7 +147,7 @@ def build_report(
 ) -> dict[str, Any]:
     """The report from this rank's mean step times and memory parts. Collective."""
     ps, cfg = run.ps, run.cfg
-    coords = {axis: getattr(ps, axis) for axis in COORDS}
+    coords = {"rank": ps.rank} | {name: ps.coord(name[:-5]) for name in COORDS[1:]}
     row = {**coords, **times, **{f"mem.{k}": v for k, v in memory.items()}}
     ranks = [rank_entry(r, cost) for r in gather_ranks(run, row)]
     add_estimates(ranks, estimate_layout(cfg, ps.world_size, device=ps.device.type))

@@ -107,9 +107,9 @@ class CommTimer(comm.CommObserver):
         """The observer of `ps`'s groups: tp, cp (the ring's peers), and dp, the replicas of the
         weights (dp x cp, and cp x edp for experts: gradients, ZeRO's gather) as well as the dp
         group itself. ep is told by the call (an all-to-all), since its group may be dp's."""
-        groups = [("tp", ps.tp_group), ("cp", ps.cp_group), ("dp", ps.dp_group)]
-        groups += [("dp", ps.dp_cp_group), ("dp", ps.expert_dp_group)]
-        peers = frozenset(ps.cp_ranks) - {ps.rank} if ps.cp_size > 1 else frozenset()
+        groups = [("tp", ps.group("tp")), ("cp", ps.group("cp")), ("dp", ps.group("dp"))]
+        groups += [("dp", ps.group(*view.replica_axes)) for view in ps.dims.views.values()]
+        peers = frozenset(ps.ranks("cp")) - {ps.rank} if ps.size("cp") > 1 else frozenset()
         return cls(groups, ps.device, peers)
 
     def _axis(self, call: comm_trace.Call) -> str | None:

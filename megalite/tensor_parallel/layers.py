@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.parallel_dims import ParallelDims
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_head_loss
 from megalite.tensor_parallel.linear import (
@@ -65,6 +66,27 @@ class PieceInGlobal(NamedTuple):
     gap: int = 0
 
 
+@dataclass(frozen=True)
+class Placement:
+    """How a parameter lies along one axis of the grid (torch DTensor's placements, plus what
+    its gradient needs).
+
+    - shard: the ranks along the axis hold different pieces, split along tensor dim `dim`
+      (None: different tensors altogether, as pp's stages and ep's experts hold).
+    - replicate: the same values on every rank of the axis. Along a weight axis (tp) the
+      gradient is the same too; along the others, the replica axes, each rank's gradient is
+      its data's share, summed over them by the gradient buffer (and ZeRO shards over them).
+    - partial: the same values, but each rank's gradient only a part of it, summed over the
+      axis by `finalize` (tp under SP or for shared kv heads; pp for the tied embedding)."""
+
+    kind: Literal["shard", "replicate", "partial"]
+    dim: int | None = None
+
+
+REPLICATE = Placement("replicate")
+PARTIAL = Placement("partial")
+
+
 @dataclass
 class ParamMeta:
     """How a local parameter relates to its global tensor."""
@@ -93,6 +115,35 @@ class ParamMeta:
     """A fused parameter (q/k/v, gate/up) holds several global tensors as consecutive blocks of
     rows; each has its own meta and name, and init, gradient fix-ups, the optimizer and
     checkpoints see only those (`param_parts`). The fused tensor itself is never global."""
+
+    @property
+    def view(self) -> str:
+        """The view of the grid its placements name axes of (`ParallelDims.views`)."""
+        return "expert" if self.expert else "dense"
+
+    def placement(self, axis: str) -> Placement:
+        """Its placement along `axis`: the weight axes from the fields above; every other axis
+        of its view (cp, dp; edp) holds replicas of it."""
+        if axis == "tp":
+            if self.tp_split_dim is not None:
+                return Placement("shard", self.tp_split_dim)
+            return PARTIAL if self.tp_grad_reduce else REPLICATE
+        if axis == "pp":
+            return PARTIAL if self.pp_tied else Placement("shard")
+        if axis == "ep" and self.expert:
+            return Placement("shard")
+        return REPLICATE
+
+    def placements(self, dims: ParallelDims) -> dict[str, Placement]:
+        """Its placement along every axis of its view of `dims`, fastest first."""
+        return {axis: self.placement(axis) for axis in dims.views[self.view].sizes}
+
+    def replica_axes(self, dims: ParallelDims) -> tuple[str, ...]:
+        """The axes of its view it is a replica over, fastest first: its gradient is summed, and
+        ZeRO shards its state, over them; their first rank writes it to a checkpoint."""
+        weight_axes = dims.views[self.view].weight_axes
+        placed = self.placements(dims).items()
+        return tuple(a for a, p in placed if a not in weight_axes and p == REPLICATE)
 
     def piece_in_global(self, tp_rank: int, tp_size: int) -> PieceInGlobal:
         """Where tp rank `tp_rank`'s piece lies in the global tensor, flattened."""
@@ -159,16 +210,16 @@ def tp_input(x: torch.Tensor, ps: ParallelState, sequence_parallel: bool) -> tor
     """Prepare the input of the LM head: all-gather the sequence shards (SP), or mark the
     replicated input so its gradient is all-reduced."""
     if sequence_parallel:
-        return gather_from_sequence_region(x, ps.tp_group)
-    return copy_to_tp_region(x, ps.tp_group)
+        return gather_from_sequence_region(x, ps.group("tp"))
+    return copy_to_tp_region(x, ps.group("tp"))
 
 
 def tp_output(x: torch.Tensor, ps: ParallelState, sequence_parallel: bool) -> torch.Tensor:
     """Combine the partial sums of row-parallel layers: reduce-scatter to sequence shards (SP) or
     all-reduce."""
     if sequence_parallel:
-        return reduce_scatter_to_sequence_region(x, ps.tp_group)
-    return reduce_from_tp_region(x, ps.tp_group)
+        return reduce_scatter_to_sequence_region(x, ps.group("tp"))
+    return reduce_from_tp_region(x, ps.group("tp"))
 
 
 @dataclass(frozen=True)
@@ -213,14 +264,14 @@ class FusedColumnParallelLinear(nn.Module):
         for out in outputs:
             shared = out.shared_heads > 0
             meta = dict(tp_split_dim=None if shared else 0, tp_grad_reduce=shared)
-            rows = out.features if shared else out.features // ps.tp_size
+            rows = out.features if shared else out.features // ps.size("tp")
             weight = ParamMeta((out.features, in_features), init, **meta)
             bias_meta = ParamMeta((out.features,), constant_init(0.0), weight_decay=False, **meta)
             weights.append(Part(f"{out.name}.weight", weight, rows))
             biases.append(Part(f"{out.name}.bias", bias_meta, rows))
             if shared:  # the one head this rank's query heads use
                 width = out.features // out.shared_heads
-                head = ps.tp_rank * out.shared_heads // ps.tp_size
+                head = ps.coord("tp") * out.shared_heads // ps.size("tp")
                 used.append(slice(start + head * width, start + (head + 1) * width))
             else:
                 used.append(slice(start, start + rows))
@@ -241,7 +292,7 @@ class FusedColumnParallelLinear(nn.Module):
         if self.traceable:
             y = traced_linear(x, self.weight, bias, self.rows)
         else:
-            group, sp = self.ps.tp_group, self.sequence_parallel
+            group, sp = self.ps.group("tp"), self.sequence_parallel
             y = column_parallel_linear(x, self.weight, bias, self.rows, group, sp, self.pair)
         return y.split(self.sizes, dim=-1)
 
@@ -318,7 +369,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.ps, self.sequence_parallel, self.pair = ps, sequence_parallel, pair
         self.weight = make_param(
-            (out_features, in_features // ps.tp_size),
+            (out_features, in_features // ps.size("tp")),
             ParamMeta((out_features, in_features), init, tp_split_dim=1),
             ps,
         )
@@ -345,7 +396,7 @@ class RowParallelLinear(nn.Module):
         if self.traceable:
             y = traced_linear(x, self.weight)
         else:
-            group, sp = self.ps.tp_group, self.sequence_parallel
+            group, sp = self.ps.group("tp"), self.sequence_parallel
             y = row_parallel_linear(x, self.weight, group, sp, self.pair)
         return y if self.bias is None else y + self.bias
 
@@ -372,9 +423,9 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.ps, self.sequence_parallel = ps, sequence_parallel
         self.vocab_size = vocab_size
-        padded = padded_vocab_size(vocab_size, ps.tp_size, round_to)
-        self.rows_per_rank = padded // ps.tp_size
-        self.vocab_start = ps.tp_rank * self.rows_per_rank
+        padded = padded_vocab_size(vocab_size, ps.size("tp"), round_to)
+        self.rows_per_rank = padded // ps.size("tp")
+        self.vocab_start = ps.coord("tp") * self.rows_per_rank
         self.weight = make_param(
             (self.rows_per_rank, hidden),
             ParamMeta((padded, hidden), init, tp_split_dim=0, init_rows=vocab_size),
@@ -382,7 +433,7 @@ class VocabParallelEmbedding(nn.Module):
         )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.ps.tp_size == 1:
+        if self.ps.size("tp") == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.rows_per_rank)
@@ -411,8 +462,8 @@ class VocabParallelOutput(nn.Module):
     ) -> None:
         super().__init__()
         self.ps, self.sequence_parallel, self.vocab_size = ps, sequence_parallel, vocab_size
-        padded = padded_vocab_size(vocab_size, ps.tp_size, round_to)
-        self.vocab_start = ps.tp_rank * (padded // ps.tp_size)
+        padded = padded_vocab_size(vocab_size, ps.size("tp"), round_to)
+        self.vocab_start = ps.coord("tp") * (padded // ps.size("tp"))
         if tied is not None:
             self.weight = tied.weight
         else:
@@ -424,7 +475,7 @@ class VocabParallelOutput(nn.Module):
                 tied_name=tied_name,
                 pp_tied=tied_name is not None,
             )
-            self.weight = make_param((padded // ps.tp_size, hidden), meta, ps)
+            self.weight = make_param((padded // ps.size("tp"), hidden), meta, ps)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """The summed token loss (fp32 scalar) given targets; else full logits (b, s, vocab) for
@@ -432,7 +483,7 @@ class VocabParallelOutput(nn.Module):
         x = tp_input(x, self.ps, self.sequence_parallel)
         if targets is None:
             logits = F.linear(x, self.weight)  # (b, s, padded vocab / tp)
-            return gather_from_tp_region(logits, self.ps.tp_group)[..., : self.vocab_size]
+            return gather_from_tp_region(logits, self.ps.group("tp"))[..., : self.vocab_size]
         return vocab_parallel_head_loss(
-            x, self.weight, targets, self.ps.tp_group, self.vocab_start, self.vocab_size
+            x, self.weight, targets, self.ps.group("tp"), self.vocab_start, self.vocab_size
         )

@@ -101,7 +101,9 @@ def init_parameters(
     parameter's parts are drawn as the separate tensors they were before fusing."""
     for name, piece in global_tensors(dict(model.named_parameters())).items():
         source = piece.meta.tied_name or name
-        shard = draw_shard(piece.meta, source, seed, ps.tp_rank, ps.tp_size, values_per_block)
+        shard = draw_shard(
+            piece.meta, source, seed, ps.coord("tp"), ps.size("tp"), values_per_block
+        )
         piece.copy_(shard)
 
 
@@ -113,7 +115,7 @@ def stage_seed(seed: int, pp_rank: int) -> int:
 def seed_dropout(seed: int, ps: ParallelState) -> None:
     """Seed torch's default generator, which drops tp-replicated activations: the same on the
     stage's tp ranks, another on each stage."""
-    torch.manual_seed(stage_seed(seed, ps.pp_rank))
+    torch.manual_seed(stage_seed(seed, ps.coord("pp")))
 
 
 class TPRandom:
@@ -123,7 +125,7 @@ class TPRandom:
     def __init__(self, seed: int, ps: ParallelState) -> None:
         self.device = ps.device
         generator = torch.Generator(device=ps.device)
-        generator.manual_seed(stage_seed(seed, ps.pp_rank) + 2718 + 1009 * ps.tp_rank)
+        generator.manual_seed(stage_seed(seed, ps.coord("pp")) + 2718 + 1009 * ps.coord("tp"))
         self.state = generator.get_state()
 
     def _default_state(self) -> torch.Tensor:

@@ -318,8 +318,8 @@ def rank_batch(data: BlendedDataset, pairs: list[tuple[int, int]], run: Run) -> 
     inputs on the first pipeline stage, the targets on the last, nothing on a middle stage.
     Every tp rank of a stage reads the same share."""
     ps = run.ps
-    share = len(pairs) // ps.dp_size
-    mine = pairs[ps.dp_rank * share : (ps.dp_rank + 1) * share]
+    share = len(pairs) // ps.size("dp")
+    mine = pairs[ps.coord("dp") * share : (ps.coord("dp") + 1) * share]
     first, last = any(run.executor.is_first), any(run.executor.is_last)
     first = first or run.sequence_cut.needs_inputs  # every stage finds the documents
     return data.read(mine, inputs=first, targets=last).to(ps.device)

@@ -70,8 +70,8 @@ class Run:
             raise ValueError("data.document_mask needs the data's eos_id (Run.eos_id)")
         return SequenceCut(
             self.cfg.model.seq_len,
-            self.ps.cp_size,
-            self.ps.cp_rank,
+            self.ps.size("cp"),
+            self.ps.coord("cp"),
             self.eos_id if masked else None,
             self.cfg.data.reset_positions,
             self.ps.device,
@@ -99,8 +99,8 @@ class Run:
             p = self.cfg.parallel
             self._schedules[key] = build_schedule(
                 p.schedule,
-                self.ps.pp_size,
-                self.ps.pp_rank,
+                self.ps.size("pp"),
+                self.ps.coord("pp"),
                 num_microbatches,
                 p.vpp,
                 p.microbatch_group_size,
@@ -135,7 +135,7 @@ def build_run(
         for chunk in chunks
     ]
     buffers = [b for chunk_buffers in buffers_of_chunk for b in chunk_buffers]
-    seq = cfg.model.seq_len // ps.cp_size // (ps.tp_size if cfg.parallel.sp else 1)
+    seq = cfg.model.seq_len // ps.size("cp") // (ps.size("tp") if cfg.parallel.sp else 1)
     executor = PipelineExecutor(
         chunks,
         ps,
@@ -147,7 +147,7 @@ def build_run(
     )
     compile_watch = None
     if cfg.train.compile:
-        compile_blocks(chunks, can_trace_linears(ps.tp_size, cfg.parallel.schedule))
+        compile_blocks(chunks, can_trace_linears(ps.size("tp"), cfg.parallel.schedule))
         compile_watch = CompileWatch()
     return Run(
         cfg=cfg,

@@ -59,14 +59,14 @@ def route_balance(run: Run, updated: bool) -> tuple[float | None, int | None]:
     ps = run.ps
     dropped = torch.stack([layer.dropped for layer in layers])
     stats = torch.cat([torch.stack([layer.load for layer in layers]), dropped[:, None]], dim=1)
-    comm.all_reduce(stats, ps.dp_group)
+    comm.all_reduce(stats, ps.group("dp"))
     for layer, row in zip(layers, stats):
         layer.take_load(row[:-1], updated)
     load = stats[:, :-1].double()
     worst = (load.amax(dim=1) / load.mean(dim=1).clamp_min(1e-9)).amax().view(1)
     lost = stats[:, -1].sum().view(1)
-    comm.all_reduce_max(worst, ps.pp_group)  # over the pipeline's stages
-    comm.all_reduce(lost, ps.pp_group)
+    comm.all_reduce_max(worst, ps.group("pp"))  # over the pipeline's stages
+    comm.all_reduce(lost, ps.group("pp"))
     return worst.item(), int(lost.item())
 
 
@@ -101,8 +101,8 @@ def micro_batches(
 def global_loss(local: torch.Tensor, run: Run) -> float:
     """Sum the per-rank shares of the mean: over the replicas (dp x cp: each holds some of the
     tokens) and from the last pipeline stage."""
-    comm.all_reduce(local, run.ps.dp_cp_group)
-    comm.all_reduce(local, run.ps.pp_group)
+    comm.all_reduce(local, run.ps.group(*run.ps.dims.replica_axes))
+    comm.all_reduce(local, run.ps.group("pp"))
     return local.item()
 
 
@@ -140,7 +140,7 @@ def train_step(
         run.optimizer.step(lr, grad_scale=coefficient / scale)
     imbalance, dropped = route_balance(run, updated)
     wait_and_compute = torch.tensor([times.wait_s, times.compute_s], device=run.ps.device)
-    comm.all_reduce(wait_and_compute, run.ps.pp_group)
+    comm.all_reduce(wait_and_compute, run.ps.group("pp"))
     bubble = bubble_fraction(*wait_and_compute.tolist())  # of the whole pipeline
     metrics = StepMetrics(loss, grad_norm, skipped, bubble, times, bad)
     metrics.expert_imbalance, metrics.dropped_tokens = imbalance, dropped
@@ -160,7 +160,7 @@ def eval_loss(run: Run, batch: TokenBatch) -> float:
     """Mean token loss of `batch` (this rank's share of an evaluation batch)."""
     run.train(False)
     batches = micro_batches(batch, run.cfg.train.micro_batch_size, run.sequence_cut)
-    total_tokens = batch.size * run.ps.dp_size * run.cfg.model.seq_len
+    total_tokens = batch.size * run.ps.size("dp") * run.cfg.model.seq_len
     compiled = run.compile_watch is not None
     with eager() if compiled else contextlib.nullcontext():  # no graphs for a few batches
         schedule = run.schedule(len(batches), True)

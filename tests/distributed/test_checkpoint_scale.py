@@ -44,12 +44,12 @@ def _save(root: str):
     saved = [
         p
         for p in global_tensors(run.named_parameters()).values()
-        if p.meta.tied_name is None and (p.meta.tp_split_dim is not None or ps.tp_rank == 0)
+        if p.meta.tied_name is None and (p.meta.tp_split_dim is not None or ps.coord("tp") == 0)
     ]
     elements = sum(p.numel() for p in saved)
     with comm.record_collectives() as log:
         save_checkpoint(Path(root), state, keep=1)
-    return ps.tp_rank, ps.dp_rank, written, elements, [(r.op, r.bytes) for r in log]
+    return ps.coord("tp"), ps.coord("dp"), written, elements, [(r.op, r.bytes) for r in log]
 
 
 def test_each_rank_saves_only_its_own_shards(tmp_path):

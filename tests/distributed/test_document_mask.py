@@ -71,7 +71,7 @@ def _losses_and_grads(cfg, ps):
     model(cut.shard(windows[:, :-1]), cut.shard(windows[:, 1:]), layout).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     for grad in grads.values():  # each cp rank took the loss of its own chunks
-        comm.all_reduce(grad, ps.cp_group)
+        comm.all_reduce(grad, ps.group("cp"))
     model.zero_grad(set_to_none=True)
     alone = torch.zeros(())
     for inputs, targets in documents(windows):  # no layout: plain causal attention, from 0

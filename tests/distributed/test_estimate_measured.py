@@ -118,7 +118,7 @@ def _measure(cfgs: list[Config]) -> list[tuple[int, dict[str, int], int]]:
         ps = build_parallel_state(p.tp, p.pp, torch.device("cpu"), cp=p.cp, ep=p.ep)
         run = build_run(cfg, ps, eos_id=EOS_ID if cfg.data.document_mask else None)
         run.train(True)
-        torch.manual_seed(ps.dp_rank)  # the cp ranks of a replica cut the same windows
+        torch.manual_seed(ps.coord("dp"))  # the cp ranks of a replica cut the same windows
         rows = MICROBATCHES * cfg.train.micro_batch_size
         tokens = torch.randint(0, cfg.model.vocab_size, (rows, cfg.model.seq_len + 1))
         batches = micro_batches(tokens, cfg.train.micro_batch_size, run.sequence_cut)
@@ -126,7 +126,7 @@ def _measure(cfgs: list[Config]) -> list[tuple[int, dict[str, int], int]]:
         with SavedActivationTracker(exclude=held) as saved:
             run.executor.run(run.schedule(len(batches)), batches, loss_weight=1e-3)
         assert saved.current == 0  # every saved tensor was released by backward
-        results.append((ps.pp_rank, live_bytes(run), saved.peak))
+        results.append((ps.coord("pp"), live_bytes(run), saved.peak))
     return results
 
 

@@ -32,9 +32,9 @@ def _shared(ps: ParallelState, **shared: object) -> ParallelState:
 
 def _ring_step(ps: ParallelState) -> None:
     kv = torch.full((2, 1, 4, 1, 8), float(ps.rank))  # (k/v, b, rows, heads, head dim)
-    pending, received = _Ring(ps.cp_ranks, ps.cp_rank, ps.cp_group).pass_on(kv)
+    pending, received = _Ring(ps.ranks("cp"), ps.coord("cp"), ps.group("cp")).pass_on(kv)
     pending.wait()
-    assert (received == ps.cp_ranks[(ps.cp_rank - 1) % ps.cp_size]).all()
+    assert (received == ps.ranks("cp")[(ps.coord("cp") - 1) % ps.size("cp")]).all()
 
 
 def _ring_after_a_pipeline_send(shared: bool) -> list[tuple[str, str, str]]:
@@ -45,13 +45,13 @@ def _ring_after_a_pipeline_send(shared: bool) -> list[tuple[str, str, str]]:
     if shared:
         ps = _shared(ps, pp=dist.group.WORLD, cp=dist.group.WORLD)
     activation = torch.ones(3)
-    if ps.pp_rank == 0:
-        send = comm.post_p2p([(activation, ps.pp_ranks[1])], [], ps.pp_group)
+    if ps.coord("pp") == 0:
+        send = comm.post_p2p([(activation, ps.ranks("pp")[1])], [], ps.group("pp"))
         _ring_step(ps)
         send.wait()
     else:
         _ring_step(ps)
-        comm.post_p2p([], [(torch.empty(3), ps.pp_ranks[0])], ps.pp_group).wait()
+        comm.post_p2p([], [(torch.empty(3), ps.ranks("pp")[0])], ps.group("pp")).wait()
     return [dataclasses.astuple(held) for held in emulation.held]
 
 
@@ -61,10 +61,10 @@ def _ring_after_a_zero_gather(shared: bool) -> list[tuple[str, str, str]]:
     emulation = nccl_like.install()
     ps = build_parallel_state(tp=1, pp=1, device=CPU, cp=2)
     if shared:
-        ps = _shared(ps, dp_cp=ps.cp_group)
+        ps = _shared(ps, dp_cp=ps.group("cp"))
     shard = torch.full((4,), float(ps.rank))
-    full = torch.empty(4 * ps.dp_cp_size)
-    gather = comm.all_gather_flat(full, shard, ps.dp_cp_group, async_op=True)
+    full = torch.empty(4 * ps.size("dp", "cp"))
+    gather = comm.all_gather_flat(full, shard, ps.group("dp", "cp"), async_op=True)
     _ring_step(ps)
     gather.wait()
     assert full.tolist() == [0.0] * 4 + [1.0] * 4

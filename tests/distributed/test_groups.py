@@ -25,7 +25,7 @@ def _groups(ps) -> dict[str, tuple[list[int], float, float] | None]:
     None where this rank has no group on that axis."""
     seen = {}
     for axis in ps.dims.named_groups():
-        group = getattr(ps, f"{axis}_group")
+        group = ps.groups.get(axis)
         if group is None:
             seen[axis] = None
             continue

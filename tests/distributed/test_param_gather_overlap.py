@@ -45,7 +45,7 @@ def _record_step_boundary(zero: int) -> tuple[list[tuple], int]:
     comm.all_gather_flat, buffer.wait_param_gather = gather, wait
     chunk.register_forward_pre_hook(lambda *_: log.append(("forward",)), prepend=True)
     chunk.layers["0"].register_forward_pre_hook(lambda *_: log.append(("layer 0",)))
-    torch.manual_seed(ps.dp_rank)
+    torch.manual_seed(ps.coord("dp"))
     for step in (1, 2):
         train_step(run, torch.randint(0, 500, (4, 33)), 1e-3)
         log.append(("step done", step))
@@ -101,7 +101,7 @@ def _losses(arch: tuple[str, ...], zero: int, lazy: bool) -> list[float]:
     if lazy:
         comm.all_gather_flat = gather
     try:
-        generator = torch.Generator().manual_seed(run.ps.dp_rank)
+        generator = torch.Generator().manual_seed(run.ps.coord("dp"))
         return [
             train_step(run, torch.randint(0, 500, (4, 33), generator=generator), 1e-3).loss
             for _ in range(3)

@@ -271,7 +271,7 @@ def _slowed_tp_profile(out_dir: str) -> tuple[dict, list[tuple[dict, float]]]:
         None, [*TINY, "parallel.tp=2", "parallel.sp=true", f"train.out_dir={out_dir}"]
     )
     ps = build_parallel_state(2, 1, torch.device("cpu"))
-    if ps.tp_rank == 1:
+    if ps.coord("tp") == 1:
         weight_grad = linear._weight_grad
 
         def slow_weight_grad(weight, rows, x, dy):
@@ -283,7 +283,7 @@ def _slowed_tp_profile(out_dir: str) -> tuple[dict, list[tuple[dict, float]]]:
     run = build_run(cfg, ps)
     torch.manual_seed(0)
     tokens = torch.randint(cfg.model.vocab_size, (8, cfg.model.seq_len + 1))
-    lifetimes = _IssueToCompletion(ps.tp_group)
+    lifetimes = _IssueToCompletion(ps.group("tp"))
     steps = []
     # registered second, its clock readings sit inside the comm timer's (less of its overhead)
     with comm.observe(CommTimer.of(ps)) as timer, comm.observe(lifetimes):

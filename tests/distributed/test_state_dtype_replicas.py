@@ -21,9 +21,9 @@ def _train(tp: int, pp: int, zero: int) -> dict[str, torch.Tensor]:
     cfg = load_config(None, [*TINY, "model.arch=gpt", "optim.state_dtype=bf16", *layout])
     ps = build_parallel_state(tp, pp, torch.device("cpu"))
     run = build_run(cfg, ps)
-    generator = torch.Generator().manual_seed(5 + ps.dp_rank)  # replicas see other data
+    generator = torch.Generator().manual_seed(5 + ps.coord("dp"))  # replicas see other data
     for _ in range(6):
-        train_step(run, torch.randint(0, 500, (8 // ps.dp_size, 33), generator=generator), 3e-3)
+        train_step(run, torch.randint(0, 500, (8 // ps.size("dp"), 33), generator=generator), 3e-3)
     run.optimizer.finish_param_gather()
     return {name: p.detach().clone() for name, p in run.named_parameters().items()}
 

@@ -50,7 +50,7 @@ def _dense(*tensors):
 
 
 def _seq_shard(t, ps, sp):
-    return sequence_shard(t, ps.tp_group) if sp else t
+    return sequence_shard(t, ps.group("tp")) if sp else t
 
 
 def _sequence_collectives(tp):
@@ -60,11 +60,11 @@ def _sequence_collectives(tp):
     ps = _state(tp)
     torch.manual_seed(0)
     full = torch.randn(3, 8, 5)
-    shard = sequence_shard(full, ps.tp_group)
+    shard = sequence_shard(full, ps.group("tp"))
     with comm.observe(_CopyCounter()) as copies:
-        gathered = all_gather_sequence(shard, ps.tp_group)
-        reduced = reduce_scatter_sequence(full * (ps.tp_rank + 1), ps.tp_group)
-        together = all_gather_sequence_together_start([shard, 2 * shard], ps.tp_group).wait()
+        gathered = all_gather_sequence(shard, ps.group("tp"))
+        reduced = reduce_scatter_sequence(full * (ps.coord("tp") + 1), ps.group("tp"))
+        together = all_gather_sequence_together_start([shard, 2 * shard], ps.group("tp")).wait()
     return full, shard, gathered, reduced, together, copies.count
 
 
@@ -105,16 +105,16 @@ def _column(tp, sp):
         torch.randn(B, S, OUT),
     )
     layer = ColumnParallelLinear(H, OUT, ps, bias=True, init=normal_init(1.0), sequence_parallel=sp)
-    layer.weight.data.copy_(w.chunk(tp, 0)[ps.tp_rank])
-    layer.bias.data.copy_(bias.chunk(tp, 0)[ps.tp_rank])
+    layer.weight.data.copy_(w.chunk(tp, 0)[ps.coord("tp")])
+    layer.bias.data.copy_(bias.chunk(tp, 0)[ps.coord("tp")])
     x_in = _seq_shard(x, ps, sp).clone().requires_grad_()
     y = layer(x_in)  # (b, s, out/tp)
-    (y * g.chunk(tp, -1)[ps.tp_rank]).sum().backward()
+    (y * g.chunk(tp, -1)[ps.coord("tp")]).sum().backward()
 
     wd, bd, xd = _dense(w, bias, x)
     yd = F.linear(xd, wd, bd)
     (yd * g.double()).sum().backward()
-    r = ps.tp_rank
+    r = ps.coord("tp")
     return {
         "out": relative_error(y.double(), yd.chunk(tp, -1)[r]),
         "dx": relative_error(x_in.grad.double(), _seq_shard(xd.grad, ps, sp)),
@@ -133,19 +133,19 @@ def _row(tp, sp):
         torch.randn(B, S, OUT),
     )
     layer = RowParallelLinear(H, OUT, ps, bias=True, init=normal_init(1.0), sequence_parallel=sp)
-    layer.weight.data.copy_(w.chunk(tp, 1)[ps.tp_rank])
+    layer.weight.data.copy_(w.chunk(tp, 1)[ps.coord("tp")])
     layer.bias.data.copy_(bias)
-    x_in = x.chunk(tp, -1)[ps.tp_rank].clone().requires_grad_()  # input already split
+    x_in = x.chunk(tp, -1)[ps.coord("tp")].clone().requires_grad_()  # input already split
     y = layer(x_in)  # (b, s, out), or (b, s/tp, out) under SP
     (y * _seq_shard(g, ps, sp)).sum().backward()
     bias_grad = layer.bias.grad.clone()
     if layer.bias.meta.tp_grad_reduce:  # what finalize_grads does for partial gradients
-        dist.all_reduce(bias_grad, group=ps.tp_group)
+        dist.all_reduce(bias_grad, group=ps.group("tp"))
 
     wd, bd, xd = _dense(w, bias, x)
     yd = F.linear(xd, wd, bd)
     (yd * g.double()).sum().backward()
-    r = ps.tp_rank
+    r = ps.coord("tp")
     return {
         "out": relative_error(y.double(), _seq_shard(yd, ps, sp)),
         "dx": relative_error(x_in.grad.double(), xd.grad.chunk(tp, -1)[r]),
@@ -163,7 +163,7 @@ def _embedding(tp, sp):
     torch.manual_seed(0)
     padded = layer.rows_per_rank * tp
     w, ids, g = torch.randn(padded, H), torch.randint(0, vocab, (B, S)), torch.randn(B, S, H)
-    layer.weight.data.copy_(w.chunk(tp, 0)[ps.tp_rank])
+    layer.weight.data.copy_(w.chunk(tp, 0)[ps.coord("tp")])
     y = layer(ids)
     (y * _seq_shard(g, ps, sp)).sum().backward()
     (wd,) = _dense(w)
@@ -171,7 +171,7 @@ def _embedding(tp, sp):
     (yd * g.double()).sum().backward()
     return {
         "out": relative_error(y.double(), _seq_shard(yd, ps, sp)),
-        "dw": relative_error(layer.weight.grad.double(), wd.grad.chunk(tp, 0)[ps.tp_rank]),
+        "dw": relative_error(layer.weight.grad.double(), wd.grad.chunk(tp, 0)[ps.coord("tp")]),
     }
 
 
@@ -187,7 +187,7 @@ def _head_loss(tp, sp, tokens=(B, S), vocab=45):
     (b, s) = tokens
     x, w, targets = torch.randn(b, s, H), torch.randn(rows * tp, H), torch.randint(0, vocab, (b, s))
     w[vocab:] = 0.0  # padded rows are zero, as initialised
-    layer.weight.data.copy_(w.chunk(tp, 0)[ps.tp_rank])
+    layer.weight.data.copy_(w.chunk(tp, 0)[ps.coord("tp")])
     x_in = _seq_shard(x, ps, sp).clone().requires_grad_()
     loss = layer(x_in, targets)
     (loss * 0.37).backward()  # a scalar upstream gradient reaches both input gradients
@@ -202,8 +202,8 @@ def _head_loss(tp, sp, tokens=(B, S), vocab=45):
         "out": relative_error(loss.double(), lossd),
         "eval": relative_error(eval_loss.double(), lossd),
         "dx": relative_error(x_in.grad.double(), _seq_shard(xd.grad, ps, sp)),
-        "dw": relative_error(layer.weight.grad.double(), wd.grad.chunk(tp, 0)[ps.tp_rank]),
-        "dpad": float(layer.weight.grad[max(0, vocab - ps.tp_rank * rows) :].abs().sum()),
+        "dw": relative_error(layer.weight.grad.double(), wd.grad.chunk(tp, 0)[ps.coord("tp")]),
+        "dpad": float(layer.weight.grad[max(0, vocab - ps.coord("tp") * rows) :].abs().sum()),
     }
 
 
@@ -323,7 +323,7 @@ def _dropout_masks(tp):
     masks = []
     for mask in (replicated, split):
         gathered = [torch.empty_like(mask) for _ in range(tp)]
-        dist.all_gather(gathered, mask, group=ps.tp_group)
+        dist.all_gather(gathered, mask, group=ps.group("tp"))
         masks.append(gathered)
     return masks
 

@@ -75,7 +75,7 @@ def _overlap(sp: bool) -> list[tuple[str, ...]]:
 
     _track_async_collectives(events, handles)
     linear._weight_grad = tracked_weight_grad
-    if ps.tp_rank == 1:
+    if ps.coord("tp") == 1:
         time.sleep(DELAY_S)
     y.sum().backward()
     return events
@@ -119,7 +119,7 @@ def _sp_products(kind: str, tp: int) -> list[tuple[str, ...]]:
     ps = build_parallel_state(tp, 1, torch.device("cpu"))
     events, handles = [], []
     _track_async_collectives(events, handles)
-    late = ps.tp_rank == tp - 1
+    late = ps.coord("tp") == tp - 1
     if kind == "column forward":
         layer = ColumnParallelLinear(
             H, OUT, ps, bias=True, init=normal(1.0), sequence_parallel=True
@@ -131,7 +131,7 @@ def _sp_products(kind: str, tp: int) -> list[tuple[str, ...]]:
         with _GemmsInFlight(events, handles):
             y = layer(x)
         measured = list(events)
-        full = all_gather_sequence(x, ps.tp_group)
+        full = all_gather_sequence(x, ps.group("tp"))
         reference = torch.nn.functional.linear(full, layer.weight, layer.bias)
     elif kind == "row forward":
         layer = RowParallelLinear(H, OUT, ps, bias=False, init=normal(1.0), sequence_parallel=True)
@@ -143,8 +143,8 @@ def _sp_products(kind: str, tp: int) -> list[tuple[str, ...]]:
             y = layer(x)
         measured = list(events)
         summed = torch.nn.functional.linear(x, layer.weight)  # partial sums, then the sums
-        comm.all_reduce(summed, ps.tp_group)
-        reference = sequence_shard(summed, ps.tp_group)
+        comm.all_reduce(summed, ps.group("tp"))
+        reference = sequence_shard(summed, ps.group("tp"))
     else:
         layer = RowParallelLinear(H, OUT, ps, bias=False, init=normal(1.0), sequence_parallel=True)
         init_parameters(layer, 0, ps)
@@ -157,7 +157,7 @@ def _sp_products(kind: str, tp: int) -> list[tuple[str, ...]]:
         with _GemmsInFlight(events, handles):
             y.backward(dy)
         measured = list(events)
-        y, reference = x.grad, all_gather_sequence(dy, ps.tp_group) @ layer.weight
+        y, reference = x.grad, all_gather_sequence(dy, ps.group("tp")) @ layer.weight
     assert relative_error(y, reference) < 1e-6
     return measured
 

@@ -109,12 +109,12 @@ def _measure_memory() -> list[tuple[int, dict[str, int], int, int]]:
             cfg = _memory_config(layout, zero)
             ps = build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, torch.device("cpu"))
             run = build_run(cfg, ps)
-            torch.manual_seed(ps.dp_rank)
-            per_rank = cfg.train.global_batch_size // ps.dp_size
+            torch.manual_seed(ps.coord("dp"))
+            per_rank = cfg.train.global_batch_size // ps.size("dp")
             train_step(run, torch.randint(0, 500, (per_rank, cfg.model.seq_len + 1)), 1e-3)
             staging = max(buffer.staging_peak for buffer in run.buffers)
             assert all(buffer.staging_bytes == 0 for buffer in run.buffers)  # all released
-            results.append((ps.pp_rank, live_bytes(run), staging))
+            results.append((ps.coord("pp"), live_bytes(run), staging))
     return results
 
 

@@ -265,7 +265,7 @@ def test_a_training_step_launches_only_what_the_build_compiles(tmp_path):
             ps = setup_topology(cfg) if world > 1 else ParallelState.single()
             run = build_run(cfg, ps, eos_id=1)
             torch.manual_seed(0)
-            windows = cfg.train.global_batch_size // ps.dp_size
+            windows = cfg.train.global_batch_size // ps.size("dp")
             tokens = torch.randint(0, cfg.model.vocab_size, (windows, cfg.model.seq_len + 1))
             launches = []
             with gpu_build.record_launches(launches, "training step"):

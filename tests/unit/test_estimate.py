@@ -75,7 +75,7 @@ def test_parameters_and_buckets_match_the_built_model(overrides):
                     params = list(reversed([t for _, t in built if t.meta.expert == expert]))
                     if not params:
                         continue
-                    buffer = GradBuffer(params, ps, 2560, True, tied, expert=expert)
+                    buffer = GradBuffer(params, ps, 2560, True, tied)
                     mine = [q for q in predicted if q.expert == expert]
                     replicas = buffer.replica_size
                     assert buckets_of(mine, 2560, replicas) == [b.numel for b in buffer.buckets]

@@ -94,7 +94,7 @@ def test_gradients_and_optimizer_are_sharded_over_dp_x_cp(zero):
     if zero:
         assert cp_est.stages[0].part("optimizer") < alone.stages[0].part("optimizer") / 3
     [chunk], ps = _meta_chunks(cp2, 8, tp=1, cp=1, dp=1)
-    assert (ps.cp_rank, ps.dp_cp_size) == (1, 4)
+    assert (ps.coord("cp"), ps.size("dp", "cp")) == (1, 4)
     predicted = chunk_parameters(cp2, range(4), True, True)
     params = list(reversed(list(chunk.parameters())))
     buffer = GradBuffer(params, ps, 2560, shard_optimizer=zero > 0)

@@ -69,12 +69,20 @@ def _expected_groups(world_size: int, tp: int, pp: int) -> list[tuple[int, ...]]
     return [tuple(g) for groups in named for g in groups if len(g) > 1]
 
 
+def _named(ps: Any, name: str) -> Any:
+    """The group a name stands for, asked for as a run asks: by the axes it spans."""
+    axes = ps.dims.group_axes()[name]
+    group = ps.group(*axes) if axes else ps.embedding_group
+    assert group is ps.groups.get(name), name
+    return group
+
+
 def _check_state(ps: Any, rank: int, world_size: int, tp: int, pp: int) -> None:
     """Each axis's field is None when this rank's group of that axis has one rank (or it is in
     none), else a group with exactly the grid's ranks."""
     for axis, groups in _named_groups(world_size, tp, pp).items():
         own = next((g for g in groups if rank in g), [rank])
-        group = getattr(ps, f"{axis}_group")
+        group = _named(ps, axis)
         if len(own) == 1:
             assert group is None, axis
         else:
@@ -124,9 +132,9 @@ def test_the_issue_layout_needs_seven_groups_per_rank(fake_world, new_group_call
     ps = build_parallel_state(2, 2, torch.device("cpu"), timeout_s=TIMEOUT_S)
     pipelines = [[0, 2], [1, 3]]
     assert [r for r, _ in new_group_calls] == [[0, 1], [2, 3], *pipelines, [0, 1, 2, 3], *pipelines]
-    assert ps.dp_group is None
-    assert ps.model_parallel_group is not dist.group.WORLD
-    assert ps.embedding_group is not ps.pp_group
+    assert ps.group("dp") is None
+    assert ps.group("tp", "pp") is not dist.group.WORLD
+    assert ps.embedding_group is not ps.group("pp")
 
 
 class _Split:
@@ -157,7 +165,7 @@ def test_a_bound_device_splits_each_axis_once(fake_world, new_group_calls, monke
     assert {timeout for *_, timeout in splits} == {datetime.timedelta(seconds=TIMEOUT_S)}
     for axis, groups in grid.items():
         own = next((g for g in groups if rank in g and len(g) > 1), None)  # None: a group of one
-        group = getattr(ps, f"{axis}_group")
+        group = _named(ps, axis)
         assert (group.ranks if group is not None else None) == own, axis
 
 

@@ -4,8 +4,6 @@ and 4 with pp 2 (GPT's tied head on the last stage, Llama's GQA K/V replicated w
 n_kv_heads < tp, padded vocabulary rows); it draws no more than its shard; and a run that
 resumes or starts from `checkpoint.init_from` draws nothing."""
 
-from types import SimpleNamespace
-
 import megalite.models.factory as factory
 import pytest
 import torch
@@ -182,7 +180,8 @@ def test_each_pipeline_stage_drops_its_own_elements():
     and differ in the split activations' stream."""
 
     def draws(tp_rank: int, pp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ps = SimpleNamespace(device=torch.device("cpu"), tp_rank=tp_rank, pp_rank=pp_rank)
+        dims = ParallelDims.for_world(4, tp=2, pp=2)
+        ps = ParallelState(dims, dims.rank_of(tp=tp_rank, pp=pp_rank), torch.device("cpu"))
         seed_dropout(1234, ps)
         replicated = torch.rand(64)
         with TPRandom(1234, ps).fork():

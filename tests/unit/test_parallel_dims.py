@@ -3,13 +3,12 @@ groups partition the world, combined groups are unions along their axes, dp is d
 error that names the fix, and an axis inserted by name (cp, as context parallelism will add it)
 needs no new formula."""
 
-from types import SimpleNamespace
-
 import pytest
+import torch
 
 from megalite.config import ConfigError
 from megalite.parallel_dims import ParallelDims
-from megalite.parallel_state import layout_change
+from megalite.parallel_state import ParallelState, layout_change
 
 # (world size, tp, pp): pure dp, pure tp, pure pp, and mixed layouts
 LAYOUTS = [(4, 1, 1), (4, 4, 1), (4, 1, 4), (8, 2, 2), (12, 2, 3), (24, 2, 3)]
@@ -156,7 +155,7 @@ def test_a_layout_change_names_the_batch_it_was_saved_with():
     """Resumed on 2 ranks from 4 with another global or micro batch: the line counts the saved
     run's micro-batches with the saved run's batch sizes."""
     dims = ParallelDims.for_world(2)
-    ps = SimpleNamespace(dims=dims, world_size=2, dp_size=2)
+    ps = ParallelState(dims, 0, torch.device("cpu"))
     saved = ParallelDims.for_world(4).layout()
     assert layout_change(saved, ps, (8, 2), (8, 2)) == (
         "world size 4 -> 2: layout tp 1 pp 1 dp 4 -> tp 1 pp 1 dp 2, the same global batch of 8 "
