@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megalite import comm
 from megalite.comm_trace import Call
 
 _HANDSHAKE_TAG = 1  # the program's own messages use tag 0
@@ -141,7 +140,11 @@ class NcclLike:
 
 
 def install() -> NcclLike:
-    """Emulate NCCL in this process and those it forks from now on; returns the emulation."""
+    """Emulate NCCL in this process and those it forks from now on; returns the emulation.
+    (`comm` is imported here, not at the top: a subprocess's hook installs the emulation as
+    `comm` loads, and `comm` must not load while this module does.)"""
+    from megalite import comm
+
     emulation = NcclLike()
     comm.set_emulation(emulation)
     return emulation
@@ -149,4 +152,6 @@ def install() -> NcclLike:
 
 def uninstall() -> None:
     """gloo's own behaviour again."""
+    from megalite import comm
+
     comm.set_emulation(None)
