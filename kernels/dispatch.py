@@ -12,7 +12,6 @@ the test suite reads it afresh for every test):
   instead of letting Triton fail somewhere deep in its compiler.
 """
 
-import functools
 import os
 from collections.abc import Callable
 from typing import TypeVar
@@ -26,19 +25,37 @@ ENV_VAR = "MEGALITE_KERNELS"
 CHOICES = ("auto", "triton", "torch")
 
 
-@functools.cache
+_switch: dict[str, str] = {}
+"""``MEGALITE_KERNELS`` as first read: `requested_backend`'s cache (`forget_switch` empties it)."""
+
+
 def requested_backend() -> str:
-    """The value of ``MEGALITE_KERNELS`` (``auto`` when unset), validated; read on first use."""
+    """The value of ``MEGALITE_KERNELS`` (``auto`` when unset), validated; read on first use.
+    While torch.compile traces, read afresh: the trace takes it as a constant of the graph, and
+    a cache filled inside the trace would be a guard that fails, a recompile, once it is."""
+    if torch.compiler.is_compiling():
+        return _read_switch()
+    if "value" not in _switch:
+        _switch["value"] = _read_switch()
+    return _switch["value"]
+
+
+def _read_switch() -> str:
     value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if value not in CHOICES:
         raise ValueError(f"{ENV_VAR}={value!r}: expected one of {', '.join(CHOICES)}")
     return value
 
 
+def forget_switch() -> None:
+    """Read ``MEGALITE_KERNELS`` again at the next call (the test suite, after it switches it)."""
+    _switch.clear()
+
+
 def use(value: str) -> None:
     """Run the kernels `value` asks for from now on, in this process and those it starts."""
     os.environ[ENV_VAR] = value
-    requested_backend.cache_clear()
+    forget_switch()
 
 
 def kernel_backend(*tensors: torch.Tensor) -> str:

@@ -127,7 +127,7 @@ def kernels_switch_read_afresh(monkeypatch):
     def forget() -> None:
         dispatch = sys.modules.get("megalite.kernels.dispatch")  # not imported: nothing to forget
         if dispatch is not None:
-            dispatch.requested_backend.cache_clear()
+            dispatch.forget_switch()
 
     def switching(change):
         def changed(name, *args, **kwargs):
