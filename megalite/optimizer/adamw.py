@@ -81,6 +81,22 @@ def noise_seed(step: int, key: int) -> int:
     return (z ^ (z >> 31)) & 0xFFFFFFFF
 
 
+def noise_seeds(step: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`noise_seed(step, key)` for every key at once, as int32 (its bits), where the step count
+    is a tensor on the device: the count a skipped step leaves unchanged is known there only.
+    int64 arithmetic wraps as uint64 does; its right shifts are made logical by masking."""
+    z = (step.to(torch.int64) << 32) + keys
+    for shift, multiplier in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        z = (z ^ ((z >> shift) & ((1 << 64 - shift) - 1))) * _int64(multiplier)
+    z = (z ^ ((z >> 31) & ((1 << 33) - 1))) & 0xFFFFFFFF
+    return (z - (z >= 1 << 31).to(torch.int64) * (1 << 32)).to(torch.int32)
+
+
+def _int64(value: int) -> int:
+    """`value` mod 2^64 as a signed int64."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def rounding_noise(start: int, seed: int, out: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
     """Fill int32 `out` with the rounding noise, in [0, 2^16), of elements start, start + 1, ...:
     the top 16 bits of murmur3's fmix32 of (index * WEYL + seed) mod 2^32. `work`: int32 scratch
@@ -142,6 +158,11 @@ def stochastic_round_(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return x
 
 
+Piece = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int]]]
+"""A flat piece of fp32 state: master weights, gradient, first and second moment, and the
+ranges of it that decay."""
+
+
 class AdamW:
     """The update of flat optimizer-state pieces stored on `device` (the run's device, or the
     host under offload), with moments in `state_dtype`."""
@@ -154,24 +175,48 @@ class AdamW:
             self.chunk * 3, dtype=torch.float32, device=device
         )  # m, v, noise
         self.step_tensor = torch.zeros((), dtype=torch.float32, device=device)
-        self.step = 0
+        """Updates applied: the bias correction's step, moved on the device (a skipped step,
+        known only there, leaves it)."""
         self.inverse_scale: torch.Tensor | None = None
+        self.skip: torch.Tensor | None = None
+        self.seeds: dict[int, torch.Tensor] = {}
+        self.noise_for(set())
 
     def zeros(self, numel: int) -> torch.Tensor:
         """A zeroed moment of `numel` elements (never pinned: only the CPU or the GPU that
         holds it reads it, the copy engine never does)."""
         return torch.zeros(numel, dtype=self.state_dtype, device=self.device)
 
-    def begin_step(self, step: int, grad_scale: float) -> None:
-        """Set the step count (for bias correction and the rounding noise) and the gradient
-        scale of this step."""
-        self.step = step
-        self.step_tensor.fill_(step)
-        self.inverse_scale = (
-            None
-            if grad_scale == 1.0
-            else torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=self.device)
-        )
+    def begin_step(
+        self,
+        grad_scale: torch.Tensor | float,
+        skip: torch.Tensor | None = None,
+    ) -> None:
+        """Start a step: count it unless `skip` (a float flag, 1.0: skipped; both may be on
+        another device than the state's, offload's host, and are copied here), take the
+        gradient scale of this step, and (bf16 moments) the rounding-noise seeds of the
+        tensors `noise_keys` names at the new count."""
+        if skip is not None:
+            skip = skip.to(self.device, torch.float32)
+            self.step_tensor.add_(1.0 - skip)
+        else:
+            self.step_tensor.add_(1.0)
+        self.skip = skip
+        if isinstance(grad_scale, torch.Tensor):
+            self.inverse_scale = grad_scale.to(self.device, torch.float32).reciprocal()
+        elif grad_scale != 1.0:
+            self.inverse_scale = torch.full((), 1.0 / grad_scale, device=self.device)
+        else:
+            self.inverse_scale = None
+        if self.noise_keys:
+            seeds = noise_seeds(self.step_tensor, self.noise_keys_tensor).unbind()
+            self.seeds = dict(zip(self.noise_keys, seeds))
+
+    def noise_for(self, keys: set[int]) -> None:
+        """The tensors (`tensor_key`) whose elements the pieces hold: each step draws their
+        seeds in one go, on the state's device."""
+        self.noise_keys = sorted(keys) if self.state_dtype != torch.float32 else []
+        self.noise_keys_tensor = torch.tensor(self.noise_keys, dtype=torch.int64).to(self.device)
 
     @torch.no_grad()
     def update(
@@ -189,7 +234,7 @@ class AdamW:
         (bf16 moments round with their noise; elements outside every segment, the buckets'
         padding, round down)."""
         if self.state_dtype == torch.float32:
-            self._kernel(master, grads, exp_avg, exp_avg_sq, decay, lr)
+            self.update_in_place([(master, grads, exp_avg, exp_avg_sq, decay)], lr)
             return
         n = self.chunk
         m32, v32, bits = self.scratch[:n], self.scratch[n : 2 * n], self.scratch[2 * n :]
@@ -198,7 +243,8 @@ class AdamW:
             hi = min(lo + n, master.numel())
             m, v = exp_avg[lo:hi], exp_avg_sq[lo:hi]
             m_up, v_up = m32[: hi - lo].copy_(m), v32[: hi - lo].copy_(v)
-            self._kernel(master[lo:hi], grads[lo:hi], m_up, v_up, clip_ranges(decay, lo, hi), lr)
+            chunk = (master[lo:hi], grads[lo:hi], m_up, v_up, clip_ranges(decay, lo, hi))
+            self.update_in_place([chunk], lr)
             m.copy_(m_up)  # m32 is free now: the hash's work space
             chunk_bits = self._noise(noise, lo, hi, bits[: hi - lo], m_up.view(torch.int32))
             v.copy_(stochastic_round_(v_up, chunk_bits))
@@ -216,27 +262,32 @@ class AdamW:
         for segment in segments:
             a, b = max(segment.lo, lo), min(segment.hi, hi)
             if a < b:
-                seed = noise_seed(self.step, segment.tensor_key)
                 first, piece = segment.index - segment.lo, segment.piece  # i = first + p
-                out[a - lo : b - lo].add_(_int32((first + piece.offset) * WEYL + seed))
+                segment_out = out[a - lo : b - lo].add_(self.seeds[segment.tensor_key])
+                segment_out.add_(_int32((first + piece.offset) * WEYL))
                 if piece.run:
                     runs = torch.arange(first + a, first + b, out=work[: b - a])
                     runs.floor_divide_(piece.run).mul_(_int32(piece.gap * WEYL))
                     out[a - lo : b - lo].add_(runs)
         return _mix(out, work)
 
-    def _kernel(self, master, grads, exp_avg, exp_avg_sq, decay, lr: float) -> None:
-        """torch's fused AdamW on the decayed and the undecayed ranges of one fp32 piece."""
+    def update_in_place(self, pieces: list[Piece], lr: float) -> None:
+        """torch's fused AdamW on fp32 pieces (master, gradient, moments, decayed ranges): one
+        kernel call for the ranges that decay, one for the rest, however many pieces."""
         cfg = self.cfg
-        undecayed = complement(decay, master.numel())
-        for ranges, weight_decay in ((decay, cfg.weight_decay), (undecayed, 0.0)):
-            if not ranges:
+        lists = {cfg.weight_decay: [[], [], [], []], 0.0: [[], [], [], []]}
+        for *tensors, decay in pieces:
+            undecayed = complement(decay, tensors[0].numel())
+            for ranges, weight_decay in ((decay, cfg.weight_decay), (undecayed, 0.0)):
+                for views, t in zip(lists[weight_decay], tensors):
+                    views += [t[lo:hi] for lo, hi in ranges]
+        for weight_decay, views in lists.items():
+            if not views[0]:
                 continue
-            views = [[t[lo:hi] for lo, hi in ranges] for t in (master, grads, exp_avg, exp_avg_sq)]
             torch._fused_adamw_(
                 *views,
                 [],
-                [self.step_tensor] * len(ranges),
+                [self.step_tensor] * len(views[0]),
                 lr=lr,
                 beta1=cfg.beta1,
                 beta2=cfg.beta2,
@@ -245,4 +296,5 @@ class AdamW:
                 amsgrad=False,
                 maximize=False,
                 grad_scale=self.inverse_scale,
+                found_inf=self.skip,
             )

@@ -28,8 +28,6 @@ all-reduce over the world makes the non-finite verdict common.
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
 from typing import Any
 
 import torch
@@ -38,67 +36,125 @@ from megalite import comm
 from megalite.config import FaultConfig
 from megalite.parallel_state import ParallelState
 
+GOOD, LOSS_NOT_FINITE, GRAD_NOT_FINITE, SPIKE = 0, 1, 2, 3
+"""The verdict's codes, the first that applies."""
+
 
 class BadStepPolicy:
     """Judges each step and keeps the counters a checkpoint saves: bad steps in total, in a row
-    now, and the recent good losses the spike median is taken over."""
+    now, and the recent good losses the spike median is taken over. They live on the device
+    (`counters`, `recent`), so that a step is judged, and its update skipped, without waiting
+    for its loss to reach the host; the host reads them for the metrics row and checkpoints."""
 
     def __init__(self, max_in_a_row: int = 5, spike_factor: float = 0.0, window: int = 20) -> None:
-        self.max_in_a_row, self.spike_factor = max_in_a_row, spike_factor
-        self.total = 0
-        self.in_a_row = 0
-        self.recent: deque[float] = deque(maxlen=window)
+        self.max_in_a_row, self.spike_factor, self.window = max_in_a_row, spike_factor, window
+        self.counters = torch.zeros(3, dtype=torch.float64)
+        """(bad steps in total, in a row now, good losses ever recorded)."""
+        self.recent = torch.full((window,), math.nan, dtype=torch.float64)
+        """The last `window` good losses, a ring: the next goes where the count says."""
 
     @classmethod
     def from_config(cls, cfg: FaultConfig) -> BadStepPolicy:
         return cls(cfg.max_bad_steps, cfg.loss_spike_factor, cfg.loss_spike_window)
 
-    def judge(self, loss: float, grad_norm: float, ps: ParallelState) -> str | None:
-        """Why this step is bad (None: it is good), the same on every rank, and count it.
-        Collective over the world."""
-        non_finite = torch.tensor(float(not math.isfinite(grad_norm)), device=ps.device)
+    def judge(
+        self,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        ps: ParallelState,
+        excused: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This step's verdict, the same on every rank, counted: (code, the spike median, the
+        good losses it is over), float64 on the device (`describe` says it in words). An
+        `excused` step (a flag: an fp16 overflow the loss scaler skips, its loss finite) is
+        good and counts for nothing. Collective over the world."""
+        non_finite = grad_norm.isfinite().logical_not().to(torch.float32)
         comm.all_reduce_max(non_finite, ps.world_group)
-        reason = self.reason(loss, bool(non_finite.item()))
-        self.count(reason, loss)
-        return reason
+        verdict = self.verdict(loss, non_finite)
+        if excused is not None:
+            verdict[0] = torch.where(excused, GOOD, verdict[0])
+        self.count(verdict[0], loss, excused)
+        return verdict
 
-    def reason(self, loss: float, non_finite_grad: bool) -> str | None:
-        """Why a step with this (global) loss is bad, or None. Spikes are judged from the first
-        good loss on: losses fall fastest early, so a short window's median errs high, towards
-        letting a step pass, and waiting for a full window would let a run that diverges early
-        (or soon after a resume) save its diverged weights as good."""
-        if not math.isfinite(loss):
+    def verdict(self, loss: torch.Tensor, non_finite_grad: torch.Tensor) -> torch.Tensor:
+        """The verdict (`judge`) on a step with this (global) loss, not counted. Spikes are
+        judged from the first good loss on: losses fall fastest early, so a short window's
+        median errs high, towards letting a step pass, and waiting for a full window would let
+        a run that diverges early (or soon after a resume) save its diverged weights as good."""
+        self._move_to(loss.device)
+        loss = loss.to(torch.float64)
+        held = self.counters[2].clamp(max=self.window)
+        kept = torch.arange(self.window, device=loss.device) < held
+        ordered = torch.where(kept, self.recent, math.inf).sort().values
+        middle = torch.stack([(held - 1).clamp_min(0) // 2, held // 2]).long()
+        median = ordered[middle].mean()  # statistics.median's: the two middle ones' mean
+        spike = (held > 0) & (loss > self.spike_factor * median) & (self.spike_factor > 0)
+        code = torch.where(spike, SPIKE, GOOD)
+        code = torch.where(non_finite_grad > 0, GRAD_NOT_FINITE, code)
+        code = torch.where(loss.isfinite(), code, LOSS_NOT_FINITE)
+        return torch.stack([code.to(torch.float64), median, held])
+
+    def count(
+        self, code: torch.Tensor, loss: torch.Tensor, excused: torch.Tensor | None = None
+    ) -> None:
+        """Count a judged step: a bad one in the totals, a good one's loss in the window; an
+        `excused` one not at all."""
+        self._move_to(code.device)
+        good = code == GOOD
+        total, in_a_row, recorded = self.counters.unbind()
+        slot = (recorded % self.window).long().view(1)
+        kept = good if excused is None else good & ~excused
+        self.recent.index_put_((slot,), torch.where(kept, loss.to(torch.float64), self.recent[slot]))
+        bad = (~good).to(torch.float64)
+        counters = torch.stack([total + bad, (in_a_row + 1) * bad, recorded + 1 - bad])
+        self.counters = counters if excused is None else torch.where(excused, self.counters, counters)
+
+    def describe(self, verdict: list[float], loss: float) -> str | None:
+        """Why the step with this verdict (`judge`'s, on the host) and loss is bad, or None."""
+        code, median, held = verdict
+        if code == LOSS_NOT_FINITE:
             return f"loss is {loss}"
-        if non_finite_grad:
+        if code == GRAD_NOT_FINITE:
             return "gradient norm is not finite"
-        if self.spike_factor and self.recent:
-            median = statistics.median(self.recent)
-            if loss > self.spike_factor * median:
-                return (
-                    f"loss spike: {loss:.4g} > {self.spike_factor:g} x {median:.4g}, the median "
-                    f"of the last {len(self.recent)} good losses"
-                )
+        if code == SPIKE:
+            return (
+                f"loss spike: {loss:.4g} > {self.spike_factor:g} x {median:.4g}, the median "
+                f"of the last {int(held)} good losses"
+            )
         return None
 
-    def count(self, reason: str | None, loss: float) -> None:
-        if reason is None:
-            self.in_a_row = 0
-            self.recent.append(loss)
-        else:
-            self.total += 1
-            self.in_a_row += 1
+    def _move_to(self, device: torch.device) -> None:
+        self.counters, self.recent = self.counters.to(device), self.recent.to(device)
+
+    @property
+    def total(self) -> int:
+        return int(self.counters[0].item())
+
+    @property
+    def in_a_row(self) -> int:
+        return int(self.counters[1].item())
 
     @property
     def exhausted(self) -> bool:
         """Whether the run must stop: max_in_a_row bad steps in a row."""
         return self.in_a_row >= self.max_in_a_row
 
+    def recent_losses(self) -> list[float]:
+        """The window's good losses, oldest first."""
+        recorded = int(self.counters[2].item())
+        start = recorded % self.window if recorded >= self.window else 0
+        held = min(recorded, self.window)
+        return self.recent.roll(-start)[:held].tolist()
+
     def state_dict(self) -> dict[str, Any]:
-        return {"total": self.total, "in_a_row": self.in_a_row, "recent": list(self.recent)}
+        return {"total": self.total, "in_a_row": self.in_a_row, "recent": self.recent_losses()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The total and the recent good losses carry on; the streak starts at 0 (see above: the
         saved `in_a_row` says only whether the checkpoint was saved during one)."""
-        self.total, self.in_a_row = state["total"], 0
-        self.recent.clear()
-        self.recent.extend(state["recent"])
+        recent = state["recent"][-self.window :]
+        device = self.counters.device
+        self.counters = torch.tensor([state["total"], 0, len(recent)], dtype=torch.float64)
+        self.recent = torch.full((self.window,), math.nan, dtype=torch.float64)
+        self.recent[: len(recent)] = torch.tensor(recent, dtype=torch.float64)
+        self._move_to(device)

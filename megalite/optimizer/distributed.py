@@ -111,7 +111,6 @@ class DistributedOptimizer:
         ps: ParallelState,
     ) -> None:
         self.buffers, self.names, self.cfg, self.ps = buffers, names, cfg, ps
-        self.step_count = 0
         self.states: list[ShardState] = []
         pieces = [
             (buffer, bucket, start, end, buffer.params_flat[start:end])
@@ -142,6 +141,7 @@ class DistributedOptimizer:
                     noise=_noise_segments(buffer, start, end, names, ps),
                 )
             )
+        self.adamw.noise_for({seg.tensor_key for state in self.states for seg in state.noise})
 
     def _counts_in_norm(self, meta: ParamMeta) -> bool:
         """Each element once: a tensor not sharded over tp counts on tp rank 0 alone."""
@@ -155,23 +155,23 @@ class DistributedOptimizer:
     def sharded(self) -> bool:
         return any(b.sharded for b in self.buffers)
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the (unscaled) gradient over every rank. Under ZeRO each rank
-        counts its owned pieces, which partition the model over the world. Otherwise each rank
-        counts all it holds, summed over the ranks holding one copy of its view of the model
-        (its buffer's weight axes): the dense weights over tp x pp, the experts over tp x ep x
-        pp, that is tp x pp and then the axes the experts' view adds (ep)."""
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the (unscaled) gradient over every rank, a float64 scalar left on
+        the device: no wait for it. Under ZeRO each rank counts its owned pieces, which
+        partition the model over the world. Otherwise each rank counts all it holds, summed
+        over the ranks holding one copy of its view of the model (its buffer's weight axes):
+        the dense weights over tp x pp, the experts over tp x ep x pp, that is tp x pp and then
+        the axes the experts' view adds (ep)."""
         # one sum per view (dense, experts), then the copies left out of the norm: the update
         # applies them too, so a non-finite one (on this rank alone, after the reductions)
         # makes the norm NaN
         views = [view.weight_axes for view in self.ps.dims.views.values()]
-        sumsq = torch.zeros(len(views) + 1, dtype=torch.float64, device=self.ps.device)
+        ranges: list[list[torch.Tensor]] = [[] for _ in range(len(views) + 1)]
         for state in self.states:
-            for start, end in state.counted:
-                view = views.index(state.buffer.weight_axes)
-                sumsq[view] += sum_of_squares(state.grads[start:end])
-            for start, end in state.copies:
-                sumsq[-1] += sum_of_squares(state.grads[start:end])
+            counted = ranges[views.index(state.buffer.weight_axes)]
+            counted += [state.grads[start:end] for start, end in state.counted]
+            ranges[-1] += [state.grads[start:end] for start, end in state.copies]
+        sumsq = torch.stack([sum_of_squares(pieces, self.ps.device) for pieces in ranges])
         if self.sharded:
             comm.all_reduce(sumsq, self.ps.world_group)
         else:
@@ -179,37 +179,52 @@ class DistributedOptimizer:
             for i, axes in enumerate(views[1:], start=1):  # this view's sum and those after it
                 comm.all_reduce(sumsq[i:], self.ps.group(*(a for a in axes if a not in views[0])))
         norm = sumsq[:-1].sum().sqrt()
-        return torch.where(sumsq[-1].isfinite(), norm, sumsq[-1]).item()  # one wait for the device
+        return torch.where(sumsq[-1].isfinite(), norm, sumsq[-1])
 
-    def found_non_finite(self) -> bool:
-        """Whether any rank's gradient has inf/nan (fp16 overflow), agreed over all ranks."""
+    def found_non_finite(self) -> torch.Tensor:
+        """Whether any rank's gradient has inf/nan (fp16 overflow), agreed over all ranks: a
+        float32 flag (1.0: found) left on the device."""
         flag = torch.zeros((), dtype=torch.float32, device=self.ps.device)
-        for buffer in self.buffers:  # on the device: one wait for the answer, not one per buffer
+        for buffer in self.buffers:
             flag = torch.maximum(flag, buffer.owned_grads.isfinite().logical_not().any().float())
         comm.all_reduce_max(flag, self.ps.world_group)
-        return bool(flag.item())
+        return flag
 
     @torch.no_grad()
-    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+    def step(
+        self, lr: float, grad_scale: torch.Tensor | float = 1.0, skip: torch.Tensor | None = None
+    ) -> None:
         """One AdamW step on the owned elements (torch.optim.AdamW's update); gradients are
-        multiplied by grad_scale (the clip coefficient divided by the loss scale), which the
+        multiplied by `grad_scale` (the clip coefficient divided by the loss scale), which the
         kernel applies as it reads them, with no scaled copy (it leaves the owned gradients so
-        scaled)."""
+        scaled). `skip`: a flag on the device (1.0: this step is skipped, weights, moments and
+        step count stay as they were), so that the verdict need not reach the host first."""
         self.finish_param_gather()  # the last step's gather must not land on this update
-        self.step_count += 1
-        self.adamw.begin_step(self.step_count, grad_scale)
+        self.adamw.begin_step(grad_scale, skip)
         placement = self.placement
         # Piece by piece: under offload, piece k's update overlaps the copies of its neighbours.
         placement.gradients_down([state.grads for state in self.states])
-        for i, state in enumerate(self.states):
-            grads = placement.gradient(i)
-            self.adamw.update(
-                state.master, grads, state.exp_avg, state.exp_avg_sq, state.decay, lr, state.noise
-            )
-            placement.parameters_up(i, state.master, state.params)
+        if placement.offloaded or self.adamw.state_dtype != torch.float32:
+            for i, state in enumerate(self.states):
+                grads = placement.gradient(i)
+                self.adamw.update(
+                    state.master, grads, state.exp_avg, state.exp_avg_sq, state.decay, lr, state.noise
+                )
+                placement.parameters_up(i, state.master, state.params)
+        else:  # fp32 moments beside the weights: every piece in one kernel call per decay
+            pieces = [(s.master, s.grads, s.exp_avg, s.exp_avg_sq, s.decay) for s in self.states]
+            self.adamw.update_in_place(pieces, lr)
+            for i, state in enumerate(self.states):
+                placement.parameters_up(i, state.master, state.params)
         placement.finish()
         for buffer in self.buffers:  # chunk order, each in forward order: the next forward's
             buffer.start_param_gather()
+
+    @property
+    def step_count(self) -> int:
+        """Updates applied so far (skipped steps do not count): AdamW's bias-correction step.
+        Read from the device (checkpoints)."""
+        return int(self.adamw.step_tensor.item())
 
     def finish_param_gather(self) -> None:
         """Wait until every parameter updated by the last step has arrived on this rank (the
@@ -258,7 +273,7 @@ class DistributedOptimizer:
         every replica (a run resumed in fp32 from a bf16 one loaded bf16-rounded weights, and
         its masters, which are its parameters, only for the ranges it owns)."""
         self.finish_param_gather()
-        self.step_count = step_count
+        self.adamw.step_tensor.fill_(step_count)
         for name, tensor, lo, hi, views in self.owned_pieces():
             for kind, view in views.items():
                 view.copy_(read(name, tensor, kind, lo, hi))

@@ -161,7 +161,7 @@ class _Step:
 
     micro_batches: list[MicroBatch]
     loss_weight: float
-    loss_scale: float
+    loss_scale: torch.Tensor | float
     device: torch.device
     timer: IntervalTimer
     split: bool
@@ -244,7 +244,7 @@ class PipelineExecutor:
         schedule: list[Action],
         micro_batches: list[MicroBatch],
         loss_weight: float,
-        loss_scale: float = 1.0,
+        loss_scale: torch.Tensor | float = 1.0,
         timer: IntervalTimer | None = None,
     ) -> tuple[torch.Tensor, StepTimes]:
         """Run the actions of `schedule` (forward-only ones for evaluation, under no_grad);

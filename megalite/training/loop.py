@@ -191,7 +191,7 @@ def run_steps(
         metrics = train_step(run, batch, lr)
         elapsed = time.perf_counter() - start
         state.step = step + 1
-        row = metrics_row(state.step, metrics, lr, elapsed, cost, run.scaler)
+        row = metrics_row(state.step, metrics, lr, elapsed, cost)
         record = StepRecord(state.step, metrics, lr, elapsed, row)
         for hook in hooks:
             hook.after_step(record)

@@ -24,7 +24,6 @@ from megalite import comm
 from megalite.config import Config
 from megalite.hardware import host_id, peak_flops, raise_cpu_peak_flops, unknown_peak_message
 from megalite.models.flops import flops_per_token
-from megalite.optimizer.loss_scale import LossScaler
 from megalite.parallel_state import ParallelState
 from megalite.training.setup import resolve_precision
 from megalite.training.step import StepMetrics
@@ -91,7 +90,6 @@ def metrics_row(
     lr: float,
     elapsed_s: float,
     cost: StepCost,
-    scaler: LossScaler,
 ) -> dict[str, float | None]:
     """The row of a finished step (`step` counts it), before evaluation adds its val loss.
     `tflops` is achieved model TFLOP/s per device and `mfu` that over the device's peak."""
@@ -107,8 +105,8 @@ def metrics_row(
         "tflops": per_device / 1e12,
         "mfu": None if peak is None else per_device / peak,
         "bubble_fraction": metrics.bubble_fraction,
-        "skipped_steps": scaler.skipped_steps,
-        "loss_scale": scaler.scale,
+        "skipped_steps": metrics.skipped_steps,
+        "loss_scale": metrics.loss_scale,
     }
     if metrics.compile_s is not None:
         row |= {"compile_s": metrics.compile_s, "recompiles": metrics.recompiles}

@@ -5,7 +5,6 @@ schedule, gradient fix-ups, overflow check, global norm, the bad-step verdict
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +13,7 @@ from megalite import comm
 from megalite.context_parallel.layout import SequenceCut
 from megalite.data.dataset import TokenBatch
 from megalite.data_parallel.finalize import finalize_grads
+from megalite.optimizer.bad_steps import GOOD
 from megalite.optimizer.clip import clip_coefficient
 from megalite.pipeline.executor import IntervalTimer, MicroBatch, StepTimes, bubble_fraction
 from megalite.training.compile import eager
@@ -44,18 +44,23 @@ class StepMetrics:
     dropped_tokens: int | None = None
     """Mixture of experts with a capacity factor: (token, choice) pairs dropped this step, over
     this rank's layers."""
+    loss_scale: float = 1.0
+    """The loss scale after this step (fp16's moves; 1 otherwise)."""
+    skipped_steps: int = 0
+    """Steps the fp16 loss scaler has skipped so far."""
 
 
-def route_balance(run: Run, updated: bool) -> tuple[float | None, int | None]:
+def route_balance(run: Run, updated: torch.Tensor) -> torch.Tensor | None:
     """After the step, the MoE layers' routing over the global batch, in one collective for
-    all of them: each layer's bias update (DeepSeek-V3's balancing) when the step `updated` the
-    weights (a skipped step changes no state), and (the busiest expert's
-    load over the mean, the worst layer's; (token, choice) pairs dropped), or Nones without
-    experts. The loads were summed over the token shards (SP, cp) as they were counted, and
-    every rank of a replica counted its micro-batches' drops whole (`MoE.within_capacity`)."""
+    all of them: each layer's bias update (DeepSeek-V3's balancing) where the step `updated`
+    the weights (a float flag on the device: a skipped step changes no state), and (the
+    busiest expert's load over the mean, the worst layer's; (token, choice) pairs dropped) on
+    the device, or None without experts. The loads were summed over the token shards (SP, cp)
+    as they were counted, and every rank of a replica counted its micro-batches' drops whole
+    (`MoE.within_capacity`)."""
     layers = list(run.moe_layers.values())
     if not layers:
-        return None, None
+        return None
     ps = run.ps
     dropped = torch.stack([layer.dropped for layer in layers])
     stats = torch.cat([torch.stack([layer.load for layer in layers]), dropped[:, None]], dim=1)
@@ -64,10 +69,10 @@ def route_balance(run: Run, updated: bool) -> tuple[float | None, int | None]:
         layer.take_load(row[:-1], updated)
     load = stats[:, :-1].double()
     worst = (load.amax(dim=1) / load.mean(dim=1).clamp_min(1e-9)).amax().view(1)
-    lost = stats[:, -1].sum().view(1)
+    lost = stats[:, -1].sum().view(1).double()
     comm.all_reduce_max(worst, ps.group("pp"))  # over the pipeline's stages
     comm.all_reduce(lost, ps.group("pp"))
-    return worst.item(), int(lost.item())
+    return torch.cat([worst, lost])
 
 
 def micro_batches(
@@ -98,12 +103,21 @@ def micro_batches(
     ]
 
 
-def global_loss(local: torch.Tensor, run: Run) -> float:
+def global_loss(local: torch.Tensor, run: Run) -> torch.Tensor:
     """Sum the per-rank shares of the mean: over the replicas (dp x cp: each holds some of the
-    tokens) and from the last pipeline stage."""
+    tokens) and from the last pipeline stage. On the device."""
     comm.all_reduce(local, run.ps.group(*run.ps.dims.replica_axes))
     comm.all_reduce(local, run.ps.group("pp"))
-    return local.item()
+    return local
+
+
+def on_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """Host numbers as a float64 tensor on `device`, copied without making the host wait (from
+    pinned memory, on a GPU)."""
+    host = torch.tensor(values, dtype=torch.float64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def train_step(
@@ -111,48 +125,98 @@ def train_step(
 ) -> StepMetrics:
     """tokens: this rank's share of the global batch on its device (`loop.rank_batch`), or its
     data-parallel slice as whole (n, seq + 1) windows. `timer`: the profiler's, which the
-    pipeline executor then times into (`profiling/step_timing.py`)."""
+    pipeline executor then times into (`profiling/step_timing.py`). The step runs without
+    waiting for the device (`launch_step`); its metrics then come to the host in one copy."""
+    return launch_step(run, tokens, lr, timer).read()
+
+
+def launch_step(
+    run: Run, tokens: TokenBatch | torch.Tensor, lr: float, timer: IntervalTimer | None = None
+) -> LaunchedStep:
+    """The step as the device runs it, with nothing read back: the loss, the norm, the loss
+    scaler's and the bad-step policy's verdicts stay on the device, and so does the decision
+    to skip the update (the optimizer applies it as a flag). A GPU never waits for the host."""
     cfg = run.cfg
     run.train(True)
     for buffer in run.buffers:
         buffer.reset()
     batches = micro_batches(tokens, cfg.train.micro_batch_size, run.sequence_cut)
     loss_weight = 1.0 / (cfg.train.global_batch_size * cfg.model.seq_len)
+    scale = run.scaler.factor(run.ps.device)  # this step's; update() moves it
     # a micro-batch's auxiliary losses (MoE routers) weigh what its token losses weigh
     share = cfg.train.micro_batch_size / cfg.train.global_batch_size
     for layer in run.moe_layers.values():
-        layer.scale_aux_loss(share * run.scaler.scale)
+        layer.scale_aux_loss(share * scale)
     local_loss, times = run.executor.run(
-        run.schedule(len(batches)), batches, loss_weight, run.scaler.scale, timer
+        run.schedule(len(batches)), batches, loss_weight, scale, timer
     )
     finalize_grads(run.buffers, run.ps)
 
     loss = global_loss(local_loss, run)
-    scale = run.scaler.scale  # what this step's gradients are multiplied by; update() moves it
-    skipped = run.scaler.dynamic and run.scaler.update(run.optimizer.found_non_finite())
-    grad_norm = run.optimizer.grad_norm() / scale
-    # an fp16 overflow the scaler skips is routine; a loss that is not finite is bad all the same
-    judged = not skipped or not math.isfinite(loss)
-    bad = run.bad_steps.judge(loss, grad_norm, run.ps) if judged else None
-    updated = not skipped and bad is None
-    if updated:
-        coefficient = clip_coefficient(grad_norm, cfg.optim.grad_clip)
-        run.optimizer.step(lr, grad_scale=coefficient / scale)
-    imbalance, dropped = route_balance(run, updated)
-    wait_and_compute = torch.tensor([times.wait_s, times.compute_s], device=run.ps.device)
+    skipped = excused = None
+    if run.scaler.dynamic:
+        skipped = run.scaler.update(run.optimizer.found_non_finite())
+        # an fp16 overflow the scaler skips is routine, not a bad step; a loss that is not
+        # finite is bad all the same
+        excused = (skipped > 0) & loss.isfinite()
+    grad_norm = run.optimizer.grad_norm()
+    grad_norm = grad_norm / scale if run.scaler.dynamic else grad_norm
+    verdict = run.bad_steps.judge(loss, grad_norm, run.ps, excused)
+    bad = (verdict[0] != GOOD).to(torch.float32)
+    skip = bad if skipped is None else torch.maximum(bad, skipped.float())
+    coefficient = clip_coefficient(grad_norm, cfg.optim.grad_clip)
+    run.optimizer.step(lr, grad_scale=coefficient / scale, skip=skip)
+    routing = route_balance(run, 1.0 - skip)
+    wait_and_compute = on_device([times.wait_s, times.compute_s], run.ps.device)
     comm.all_reduce(wait_and_compute, run.ps.group("pp"))
-    bubble = bubble_fraction(*wait_and_compute.tolist())  # of the whole pipeline
-    metrics = StepMetrics(loss, grad_norm, skipped, bubble, times, bad)
-    metrics.expert_imbalance, metrics.dropped_tokens = imbalance, dropped
+    watched = None
     if run.compile_watch is not None:
         run.compile_watch.step_done()
         # the slowest rank's compile time, and recompiles on any rank (rank 0 logs them)
-        watched = torch.tensor(
-            [run.compile_watch.seconds, run.compile_watch.recompiles], device=run.ps.device
-        )
+        watch = run.compile_watch
+        watched = on_device([watch.seconds, watch.recompiles], run.ps.device)
         comm.all_reduce_max(watched, run.ps.world_group)
-        metrics.compile_s, metrics.recompiles = watched[0].item(), int(watched[1].item())
-    return metrics
+    packed = [
+        loss.double().view(1),
+        grad_norm.double().view(1),
+        (skipped if skipped is not None else skip).double().view(1),  # read: fp16 only
+        verdict,
+        run.scaler.state[::2],  # the scale after this step, the steps it skipped
+        wait_and_compute,
+    ]
+    packed += [] if routing is None else [routing]
+    packed += [] if watched is None else [watched]
+    return LaunchedStep(torch.cat(packed), times, run, routing is not None, watched is not None)
+
+
+@dataclass
+class LaunchedStep:
+    """A step the device may still be running: its metrics, packed in one tensor there."""
+
+    packed: torch.Tensor
+    times: StepTimes
+    run: Run
+    routed: bool
+    compiled: bool
+
+    def read(self) -> StepMetrics:
+        """The metrics on the host: one copy from the device (a wait for the step's end)."""
+        values = self.packed.tolist()
+        loss, grad_norm, skipped, *verdict = values[:6]
+        scale, skipped_steps, wait_s, compute_s = values[6:10]
+        bad = self.run.bad_steps.describe(verdict, loss)
+        overflowed = skipped > 0 and self.run.scaler.dynamic
+        metrics = StepMetrics(
+            loss, grad_norm, overflowed, bubble_fraction(wait_s, compute_s), self.times, bad
+        )
+        metrics.loss_scale, metrics.skipped_steps = scale, int(skipped_steps)
+        rest = values[10:]
+        if self.routed:
+            metrics.expert_imbalance, metrics.dropped_tokens = rest[0], int(rest[1])
+            rest = rest[2:]
+        if self.compiled:
+            metrics.compile_s, metrics.recompiles = rest[0], int(rest[1])
+        return metrics
 
 
 @torch.no_grad()
@@ -165,4 +229,4 @@ def eval_loss(run: Run, batch: TokenBatch) -> float:
     with eager() if compiled else contextlib.nullcontext():  # no graphs for a few batches
         schedule = run.schedule(len(batches), True)
         local_loss, _ = run.executor.run(schedule, batches, 1.0 / total_tokens)
-    return global_loss(local_loss, run)
+    return global_loss(local_loss, run).item()

@@ -8,9 +8,9 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
-from megalite.optimizer.bad_steps import BadStepPolicy
-from megalite.optimizer.loss_scale import LossScaler
+from megalite.optimizer.bad_steps import GOOD, SPIKE, BadStepPolicy
 from megalite.pipeline.executor import StepTimes
 from megalite.training.hooks import (
     BadSteps,
@@ -33,7 +33,7 @@ def record(step: int, loss: float = 2.0, elapsed_s: float = 0.5) -> StepRecord:
         loss, grad_norm=1.0, skipped=False, bubble_fraction=0.0, times=StepTimes()
     )
     cost = StepCost(tokens=100, flops=1e12, devices=1, device_peak_flops=2e12)
-    row = metrics_row(step, metrics, 1e-3, elapsed_s, cost, LossScaler())
+    row = metrics_row(step, metrics, 1e-3, elapsed_s, cost)
     return StepRecord(step, metrics, 1e-3, elapsed_s, row)
 
 
@@ -68,10 +68,10 @@ def test_metrics_row():
         "loss_scale": 1.0,
     }
     unknown_peak = StepCost(tokens=100, flops=1e12, devices=1, device_peak_flops=None)
-    assert metrics_row(1, record(1).metrics, 1e-3, 1.0, unknown_peak, LossScaler())["mfu"] is None
+    assert metrics_row(1, record(1).metrics, 1e-3, 1.0, unknown_peak)["mfu"] is None
     # Rates are per device: four devices share the step's FLOPs, each against its own peak.
     four = StepCost(tokens=100, flops=1e12, devices=4, device_peak_flops=2e12)
-    row = metrics_row(1, record(1).metrics, 1e-3, 0.25, four, LossScaler())
+    row = metrics_row(1, record(1).metrics, 1e-3, 0.25, four)
     assert (row["tflops"], row["mfu"], row["tokens_per_sec"]) == (1.0, 0.5, 400.0)
 
 
@@ -87,7 +87,7 @@ def test_bad_steps_counts_and_stops_after_k_in_a_row_naming_the_last_good_checkp
     for step in range(3, 9):
         r = record(step)
         r.metrics.bad = "loss is nan" if step in bad_at else None
-        policy.count(r.metrics.bad, r.metrics.loss)
+        policy.count(torch.tensor(GOOD if r.metrics.bad is None else SPIKE), torch.tensor(2.0))
         if step == 8:
             with pytest.raises(
                 TrainingError,
@@ -108,7 +108,7 @@ def test_bad_steps_before_any_checkpoint_say_there_is_none():
     policy = BadStepPolicy(max_in_a_row=1)
     r = record(1)
     r.metrics.bad = "gradient norm is not finite"
-    policy.count(r.metrics.bad, r.metrics.loss)
+    policy.count(torch.tensor(GOOD if r.metrics.bad is None else SPIKE), torch.tensor(2.0))
     with pytest.raises(TrainingError, match=r"at step 1 \(gradient norm is not finite\).*: none;"):
         BadSteps(policy, lambda step: None, lambda row: None).after_step(r)
 

@@ -223,7 +223,7 @@ def test_a_loss_that_is_not_finite_is_a_bad_step_even_where_the_scaler_skips(mon
     monkeypatch.setattr(step_module, "finalize_grads", overflowing)
     overflow = train_step(run, tokens, 1e-3)
     assert overflow.skipped and overflow.bad is None and run.bad_steps.in_a_row == 0
-    monkeypatch.setattr(step_module, "global_loss", lambda local, run: math.nan)
+    monkeypatch.setattr(step_module, "global_loss", lambda local, run: local.fill_(math.nan))
     diverged = train_step(run, tokens, 1e-3)
     assert diverged.skipped and diverged.bad == "loss is nan" and run.bad_steps.in_a_row == 1
     assert run.optimizer.step_count == 0
@@ -266,13 +266,18 @@ def test_explicit_decay_steps_and_no_warmup():
 # ----------------------------------------------------------------------------- loss scaler
 
 
+def skips(scaler: LossScaler, overflow: bool) -> bool:
+    """Whether the scaler skips a step that did (not) overflow."""
+    return bool(scaler.update(torch.tensor(float(overflow))).item())
+
+
 def test_loss_scaler_for_precision():
     assert LossScaler.for_precision("fp16").scale == 2.0**16
     assert LossScaler.for_precision("fp16").dynamic
     for precision in ("fp32", "bf16"):
         scaler = LossScaler.for_precision(precision)
         assert scaler.scale == 1.0 and not scaler.dynamic
-        assert scaler.update(True) is False and scaler.scale == 1.0  # never skips
+        assert skips(scaler, True) is False and scaler.scale == 1.0  # never skips
 
 
 def test_a_resume_in_another_precision_keeps_its_own_scaler():
@@ -291,30 +296,30 @@ def test_a_resume_in_another_precision_keeps_its_own_scaler():
 
 def test_loss_scaler_overflow_halves_and_skips():
     scaler = LossScaler(scale=1024.0, dynamic=True, growth_interval=3)
-    assert scaler.update(False) is False and scaler.clean_steps == 1
-    assert scaler.update(True) is True
+    assert skips(scaler, False) is False and scaler.clean_steps == 1
+    assert skips(scaler, True) is True
     assert scaler.scale == 512.0 and scaler.skipped_steps == 1 and scaler.clean_steps == 0
-    assert scaler.update(True) is True and scaler.scale == 256.0 and scaler.skipped_steps == 2
+    assert skips(scaler, True) is True and scaler.scale == 256.0 and scaler.skipped_steps == 2
 
 
 def test_loss_scaler_grows_after_clean_steps():
     scaler = LossScaler(scale=8.0, dynamic=True, growth_interval=3)
-    assert [scaler.update(False) for _ in range(2)] == [False, False]
+    assert [skips(scaler, False) for _ in range(2)] == [False, False]
     assert scaler.scale == 8.0
-    scaler.update(False)
+    skips(scaler, False)
     assert scaler.scale == 16.0
-    scaler.update(False)
-    scaler.update(True)  # an overflow restarts the count
-    scaler.update(False)
-    scaler.update(False)
+    skips(scaler, False)
+    skips(scaler, True)  # an overflow restarts the count
+    skips(scaler, False)
+    skips(scaler, False)
     assert scaler.scale == 8.0
-    scaler.update(False)
+    skips(scaler, False)
     assert scaler.scale == 16.0
 
 
 def test_loss_scaler_floor_and_state_round_trip():
     scaler = LossScaler(scale=1.0, dynamic=True)
-    assert scaler.update(True) and scaler.scale == 1.0  # never below 1
+    assert skips(scaler, True) and scaler.scale == 1.0  # never below 1
     other = LossScaler.for_precision("fp16")
     other.load_state_dict(LossScaler(scale=64.0, dynamic=True, clean_steps=5).state_dict())
     assert other == LossScaler(scale=64.0, dynamic=True, clean_steps=5)
@@ -324,10 +329,10 @@ def test_loss_scaler_floor_and_state_round_trip():
 
 
 def test_clip_coefficient():
-    assert clip_coefficient(0.5, 1.0) == 1.0
-    assert clip_coefficient(1.0, 1.0) == 1.0
-    assert clip_coefficient(100.0, 0.0) == 1.0  # disabled
-    coefficient = clip_coefficient(4.0, 1.0)
+    assert clip_coefficient(torch.tensor(0.5), 1.0) == 1.0
+    assert clip_coefficient(torch.tensor(1.0), 1.0) == 1.0
+    assert clip_coefficient(torch.tensor(100.0), 0.0) == 1.0  # disabled
+    coefficient = clip_coefficient(torch.tensor(4.0, dtype=torch.float64), 1.0).item()
     assert coefficient == pytest.approx(0.25, rel=1e-6) and coefficient < 0.25
     assert 4.0 * coefficient <= 1.0
     # The same factor torch.nn.utils.clip_grad_norm_ applies.

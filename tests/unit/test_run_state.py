@@ -20,6 +20,7 @@ from megalite.data import (
     train_tokenizer,
 )
 from megalite.optimizer.distributed import STATE_KINDS
+from megalite.optimizer.loss_scale import LossScaler
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import global_tensors
 from megalite.training.loop import run_state
@@ -53,7 +54,10 @@ def saved(tmp_path):
         state.sampler.next_batch()
         train_step(run, torch.randint(0, 500, (2, 17)), 1e-3)
     state.step = 2
-    state.scaler.scale, state.scaler.skipped_steps, state.scaler.dynamic = 1024.0, 3, True
+    state.scaler.dynamic = True
+    state.scaler.load_state_dict(
+        LossScaler(scale=1024.0, dynamic=True, skipped_steps=3).state_dict()
+    )
     tokenizer = train_tokenizer([_text(tmp_path)], tmp_path / "tok", 400, kind="byte-bpe")
     path = save_checkpoint(tmp_path / "checkpoints", state, keep=1, tokenizer=tokenizer)
     return path, state, torch.get_rng_state(), state.rng.tp_random.state.clone()

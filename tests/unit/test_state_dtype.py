@@ -34,6 +34,13 @@ LOSS_RTOL = 1e-4
 apart by up to 0.7 % at a step and end 0.04 % apart in validation loss."""
 
 
+def begin(adamw: AdamW, step: int, keys: set[int] = frozenset({7, 11, 12, 13})) -> None:
+    """Start update number `step` (the count is the device's), drawing the noise of `keys`."""
+    adamw.noise_for(set(keys))
+    adamw.step_tensor.fill_(step - 1)
+    adamw.begin_step(1.0)
+
+
 def _run(state_dtype: str):
     cfg = load_config(None, [*TWO_LAYERS, f"optim.state_dtype={state_dtype}", "optim.lr=3e-3"])
     return build_run(cfg, ParallelState.single())
@@ -108,7 +115,7 @@ def test_a_bf16_update_is_the_same_in_one_chunk_or_many(monkeypatch):
         adamw = AdamW(cfg, torch.device("cpu"), n)
         state = [master.clone(), adamw.zeros(2 * n), adamw.zeros(2 * n)]
         for step in (1, 2):
-            adamw.begin_step(step, 1.0)
+            begin(adamw, step)
             for lo in (0, n):  # two pieces of one tensor: the second's noise continues
                 w, m, v = (t[lo : lo + n] for t in state)
                 noise = [NoiseSegment(0, n, 7, lo)]
@@ -135,7 +142,7 @@ def test_the_noise_and_a_bf16_update_are_the_same_on_cuda():
         adamw = AdamW(OptimConfig(state_dtype="bf16"), torch.device(device), n)
         state = [master.to(device, copy=True), adamw.zeros(n), adamw.zeros(n)]
         for step in (1, 2, 3):
-            adamw.begin_step(step, 1.0)
+            begin(adamw, step)
             noise = [NoiseSegment(0, n, 7, 0)]
             adamw.update(*state[:1], grads.to(device), *state[1:], [(0, n // 2)], 1e-3, noise)
         results.append([t.cpu().float() for t in state])
@@ -168,7 +175,7 @@ def test_second_moment_keeps_decaying_where_rounding_to_nearest_freezes():
     exp_avg, exp_avg_sq = adamw.zeros(n), adamw.zeros(n).fill_(1.0)
     nearest = torch.ones(n, dtype=torch.bfloat16)
     for step in range(1, steps + 1):
-        adamw.begin_step(step, 1.0)
+        begin(adamw, step)
         adamw.update(master, grads, exp_avg, exp_avg_sq, [], 1e-3, [NoiseSegment(0, n, 7, 0)])
         nearest = (nearest.float() * cfg.beta2).to(torch.bfloat16)
     assert torch.equal(nearest, torch.ones(n, dtype=torch.bfloat16))
@@ -240,7 +247,7 @@ def test_a_piece_draws_each_tensors_noise_in_one_hash():
     segments = [NoiseSegment(0, 700, 11, 300), NoiseSegment(700, 701, 12, 0)]
     segments += [NoiseSegment(705, 2000, 13, 40)]  # elements 701-704: padding
     adamw = AdamW(OptimConfig(state_dtype="bf16"), torch.device("cpu"), 2000)
-    adamw.begin_step(9, 1.0)
+    begin(adamw, 9)
     for chunk in (2000, 333):
         pieces = []
         for lo in range(0, 2000, chunk):
@@ -262,7 +269,7 @@ def test_a_tp_piece_draws_the_noise_of_its_elements_in_the_global_tensor(split):
     runs of columns: each element's noise is the whole tensor's at that element."""
     meta = ParamMeta((6, 9), normal_init(1.0), tp_split_dim=split)
     adamw = AdamW(OptimConfig(state_dtype="bf16"), torch.device("cpu"), 54)
-    adamw.begin_step(5, 1.0)
+    begin(adamw, 5)
 
     def noise(segment: NoiseSegment, numel: int, chunk: int) -> torch.Tensor:
         pieces = []

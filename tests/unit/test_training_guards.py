@@ -6,13 +6,14 @@ API key logs offline instead of failing or hanging."""
 import math
 
 import pytest
+import torch
 from run_configs import ONE_LAYER
 
 import megalite.training.loop as loop
 import megalite.training.step as step_module
 from megalite.checkpoint.sharded import is_good, read_manifest
 from megalite.config import ConfigError, load_config
-from megalite.optimizer.bad_steps import BadStepPolicy
+from megalite.optimizer.bad_steps import GOOD, SPIKE, BadStepPolicy
 from megalite.parallel_state import ParallelState
 from megalite.training.watchdog import Heartbeat, hang_report
 
@@ -27,9 +28,10 @@ def test_nan_losses_skip_their_updates_then_stop_naming_the_last_good_checkpoint
     real_loss, losses, runs = step_module.global_loss, [], []
 
     def nan_from_step_5(local, run):
-        losses.append(real_loss(local, run))
+        loss = real_loss(local, run)
+        losses.append(loss.item())
         runs.append(run)
-        return math.nan if len(losses) >= 5 else losses[-1]
+        return loss.fill_(math.nan) if len(losses) >= 5 else loss
 
     monkeypatch.setattr(step_module, "global_loss", nan_from_step_5)
     overrides = ["train.steps=8", "checkpoint.interval=2", "fault.max_bad_steps=2"]
@@ -53,8 +55,9 @@ def test_bad_step_counters_survive_a_resume(builtin_corpus, tmp_path, monkeypatc
     real_loss, calls = step_module.global_loss, []
 
     def nan_at_step_2(local, run):
-        calls.append(real_loss(local, run))
-        return math.nan if len(calls) == 2 else calls[-1]
+        loss = real_loss(local, run)
+        calls.append(loss.item())
+        return loss.fill_(math.nan) if len(calls) == 2 else loss
 
     monkeypatch.setattr(step_module, "global_loss", nan_at_step_2)
     overrides = [*TINY, "checkpoint.interval=3", f"train.out_dir={tmp_path}"]
@@ -65,34 +68,45 @@ def test_bad_step_counters_survive_a_resume(builtin_corpus, tmp_path, monkeypatc
     assert row["step"] == 4 and row["bad_steps"] == 1
 
 
+def reason(policy: BadStepPolicy, loss: float, non_finite_grad: bool) -> str | None:
+    """The policy's verdict on a step, in words, not counted."""
+    verdict = policy.verdict(torch.tensor(loss), torch.tensor(float(non_finite_grad)))
+    return policy.describe(verdict.tolist(), loss)
+
+
+def count(policy: BadStepPolicy, reason: str | None, loss: float) -> None:
+    """Count a step judged good (`reason` None) or bad."""
+    policy.count(torch.tensor(GOOD if reason is None else SPIKE), torch.tensor(loss))
+
+
 def test_a_loss_spike_is_bad_from_the_first_good_loss_on():
     policy = BadStepPolicy(max_in_a_row=2, spike_factor=3.0, window=4)
-    assert policy.reason(1e12, non_finite_grad=False) is None  # no good loss to judge by yet
-    policy.count(None, 9.0)
-    spike = policy.reason(27.1, False)
+    assert reason(policy, 1e12, non_finite_grad=False) is None  # no good loss to judge by yet
+    count(policy, None, 9.0)
+    spike = reason(policy, 27.1, False)
     assert spike == "loss spike: 27.1 > 3 x 9, the median of the last 1 good losses"
     for loss in (8.0, 20.0, 7.0):
-        assert policy.reason(loss, non_finite_grad=False) is None
-        policy.count(None, loss)
-    assert policy.reason(25.5, False) is None  # 25.5 < 3 x median(9, 8, 20, 7) = 25.5
-    spike = policy.reason(25.6, False)
+        assert reason(policy, loss, non_finite_grad=False) is None
+        count(policy, None, loss)
+    assert reason(policy, 25.5, False) is None  # 25.5 < 3 x median(9, 8, 20, 7) = 25.5
+    spike = reason(policy, 25.6, False)
     assert spike == "loss spike: 25.6 > 3 x 8.5, the median of the last 4 good losses"
-    policy.count(spike, 25.6)
-    assert list(policy.recent) == [9.0, 8.0, 20.0, 7.0]  # a bad loss joins no median
+    count(policy, spike, 25.6)
+    assert policy.recent_losses() == [9.0, 8.0, 20.0, 7.0]  # a bad loss joins no median
     assert (policy.total, policy.in_a_row, policy.exhausted) == (1, 1, False)
-    policy.count("loss is nan", math.nan)
+    count(policy, "loss is nan", math.nan)
     assert policy.exhausted
-    policy.count(None, 6.0)
-    assert (policy.total, policy.in_a_row, list(policy.recent)) == (2, 0, [8.0, 20.0, 7.0, 6.0])
+    count(policy, None, 6.0)
+    assert (policy.total, policy.in_a_row, policy.recent_losses()) == (2, 0, [8.0, 20.0, 7.0, 6.0])
 
 
 def test_the_default_spike_guard_catches_a_finite_divergence():
     """The issue's run: loss 8.06 at step 8 with lr 1e6, then 5.8e12 (finite) at step 9."""
     policy = BadStepPolicy.from_config(load_config(None, []).fault)
     for loss in (9.03, 8.90, 8.66, 8.44, 8.31, 8.21, 8.13, 8.06):
-        assert policy.reason(loss, False) is None
-        policy.count(None, loss)
-    assert policy.reason(5.8e12, False).startswith("loss spike: 5.8e+12 > 10 x 8.37")
+        assert reason(policy, loss, False) is None
+        count(policy, None, loss)
+    assert reason(policy, 5.8e12, False).startswith("loss spike: 5.8e+12 > 10 x 8.37")
 
 
 @pytest.mark.parametrize(
@@ -107,15 +121,16 @@ def test_the_default_spike_guard_catches_a_finite_divergence():
 )
 def test_non_finite_losses_and_gradients_are_bad(loss, grad_norm, reason):
     policy = BadStepPolicy()
-    assert policy.judge(loss, grad_norm, ParallelState.single()) == reason
+    verdict = policy.judge(torch.tensor(loss), torch.tensor(grad_norm), ParallelState.single())
+    assert policy.describe(verdict.tolist(), loss) == reason
     assert policy.total == (reason is not None)
 
 
 def test_the_policy_state_round_trips():
     policy = BadStepPolicy(window=3)
     for loss, reason in ((4.0, None), (math.nan, "loss is nan"), (3.0, None), (2.0, None)):
-        policy.count(reason, loss)
-    policy.count("x", 9.0)
+        count(policy, reason, loss)
+    count(policy, "x", 9.0)
     restored = BadStepPolicy(window=3)
     restored.load_state_dict(policy.state_dict())  # a resume starts the streak at 0
     assert restored.state_dict() == {"total": 2, "in_a_row": 0, "recent": [4.0, 3.0, 2.0]}
