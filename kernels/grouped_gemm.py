@@ -16,7 +16,9 @@ built with torch ops on the device (cumsum, searchsorted) names each program's g
 comes from the bound cdiv(rows, BLOCK_M) + groups on the tiles, so no count is read on the
 host; programs past the last tile exit. dweight has its own kernel: one program per (group,
 BLOCK_N x BLOCK_K tile of weight[g]), looping over the group's rows, so a group with no rows
-gets exact zeros. Every edge is masked: no dim needs to be a multiple of a block.
+gets exact zeros. Every edge is masked: no dim needs to be a multiple of a block. Offsets into
+a tensor are int64 (the group, row and column indices are, before a stride multiplies them): a
+weight of 2^31 elements or more would wrap an int32 product.
 
 Tiles: BLOCK_M is the map's granularity, so the host picks it per call (`_block_m`) before the
 map is built; the other blocks are autotuned, keyed on the features and the dtype (never on
@@ -25,11 +27,16 @@ true fp32 products (``input_precision="ieee"``, FMAs on the CUDA cores, see
 :mod:`megalite.kernels.autotune`) and sweep only small two-stage tiles within its FMA budget.
 Neither sweep has been timed on a GPU yet.
 
-``sum(counts) == rows`` is checked wherever reading the counts costs no synchronisation: on
-the reference path (which reads them to split the rows) and on CPU tensors (the interpreter).
-The CUDA kernels do not check it: rows past the sum are left unwritten, and whatever the
-counts, no row outside x is read or written. Under the Triton interpreter 16-bit values are
-held as raw bits, so the kernels widen their loads to fp32 there (``UPCAST``).
+Without Triton (CPU, or ``MEGALITE_KERNELS=torch``) `grouped_mm_torch` runs: torch's own
+grouped GEMM over the counts' running sums, which no host read precedes either, so a step counts
+the same host syncs on CPU as on a GPU (none). `grouped_mm_reference`, one GEMM per group over
+rows split on the host, is the baseline both are held to (tests, `megalite.benchmarks.moe`).
+
+``sum(counts) == rows`` is checked on CPU tensors, by `torch._assert_async` (on CPU it raises at
+once; it reads the counts as no CUDA stream would wait for). On CUDA it is not checked: rows
+past the sum are left unwritten, and whatever the counts, no row outside x is read or written.
+Under the Triton interpreter 16-bit values are held as raw bits, so the kernels widen their
+loads to fp32 there (``UPCAST``).
 """
 
 import torch
@@ -97,7 +104,7 @@ def _rows_kernel(
     """OUT[rows] = A[rows] @ B[g] (K x N, by strides) for the row tile the map gives this
     program: rows from the tile's first to the group's end, at most BLOCK_M of them."""
     tile = tl.program_id(0)
-    g = tl.load(TILE_GROUP + tile)
+    g = tl.load(TILE_GROUP + tile)  # int64, as the map holds it: g * stride_bg cannot wrap
     if g >= GROUPS:  # past the last tile: the grid is an upper bound
         return
     start = tl.load(OFFSETS + g) + (tile - tl.load(FIRST_TILE + g)) * BLOCK_M
@@ -135,7 +142,7 @@ def _dweight_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """DW[g] = DY[rows of g]^T @ X[rows of g], one (BLOCK_N x BLOCK_K) tile per program."""
-    g = tl.program_id(0)
+    g = tl.program_id(0).to(tl.int64)  # g * stride_wg passes 2^31 in a large weight
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.program_id(2).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     end = tl.load(OFFSETS + g + 1)
@@ -175,18 +182,24 @@ def _block_m(rows: int, groups: int, dtype: torch.dtype) -> int:
     return 128 if rows >= 128 * groups else 64
 
 
+def _group_ends(counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """(groups,) int64: where each group's rows end, from int64 `counts` clamped at zero (a
+    negative count reads as none). The ends stop at `rows`, so counts that sum past it cannot
+    send a product outside x."""
+    return counts.cumsum(0).clamp_(max=rows)
+
+
 def _tile_map(
     counts: torch.Tensor, rows: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tile_group, first_tile, offsets), int64 on counts' device, no host synchronisation.
 
-    offsets (groups + 1): where each group's rows begin; negative counts read as zero and the
-    offsets stop at `rows`, so wrong counts cannot send the kernels outside x. first_tile
+    offsets (groups + 1): where each group's rows begin (`_group_ends`, after a 0). first_tile
     (groups + 1): each group's first row tile (the last entry: the total). tile_group (one per
     program of the row grid): the group of that tile, ``groups`` for programs past the last
     tile."""
     counts = counts.long().clamp(min=0)
-    offsets = F.pad(counts.cumsum(0), (1, 0)).clamp_(max=rows)
+    offsets = F.pad(_group_ends(counts, rows), (1, 0))
     tile_end = torch.div(counts + block_m - 1, block_m, rounding_mode="floor").cumsum(0)
     tiles = torch.arange(triton.cdiv(rows, block_m) + counts.numel(), device=counts.device)
     tile_group = torch.searchsorted(tile_end, tiles, right=True)
@@ -221,13 +234,13 @@ def _grouped_rows(
 
 
 def _grouped_dweight(
-    dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor
+    dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, dw: torch.Tensor
 ) -> torch.Tensor:
-    """Per group, ``dy_g^T @ x_g`` in weight's dtype (zeros for a group with no rows)."""
+    """Per group, ``dy_g^T @ x_g`` into `dw` (groups, out, in), through its strides (zeros for
+    a group with no rows); returns `dw`."""
     if x.shape[0] == 0:
-        return torch.zeros_like(weight)
-    groups, n, k = weight.shape
-    dw = torch.empty((groups, n, k), device=weight.device, dtype=weight.dtype)
+        return dw.zero_()
+    groups, n, k = dw.shape
 
     def grid(meta):
         return groups, triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"])
@@ -258,18 +271,70 @@ class GroupedMMFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = _grouped_rows(dy, weight, tile_map, ctx.block_m, transpose=True)
         if ctx.needs_input_grad[1]:
-            dweight = _grouped_dweight(dy, x, tile_map[2], weight)
+            dweight = _grouped_dweight(dy, x, tile_map[2], torch.empty_like(weight))
         return dx, dweight, None
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` as ``torch._grouped_mm`` reads it: contiguous, from a 16-byte aligned address."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+class _TorchGroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm`` over the groups' row `ends` (int32), and its backward by the same
+    op. Torch's own backward takes only a gradient whose strides are 16-byte multiples, which a
+    broadcast one (from ``y.sum()``, stride 0) or a transposed one is not: here it is made
+    contiguous first."""
+
+    @staticmethod
+    def forward(ctx, x, weight, ends):
+        x, weight = _aligned(x), _aligned(weight)
+        ctx.save_for_backward(x, weight, ends)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, ends = ctx.saved_tensors
+        dy = _aligned(dy)
+        dx = dweight = None
+        if ctx.needs_input_grad[0]:
+            dx = torch._grouped_mm(dy, weight, offs=ends)
+        if ctx.needs_input_grad[1]:
+            dweight = torch._grouped_mm(dy.t(), x, offs=ends)  # (groups, out, in)
+        return dx, dweight, None
+
+
+def _masked_per_group(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """One GEMM per group over every row, each row taking its own group's product: `groups`
+    times the work, but no host read, for what ``torch._grouped_mm`` does not take. Rows past
+    the last end are zero."""
+    group = torch.searchsorted(ends, torch.arange(x.shape[0], device=x.device), right=True)
+    y = x.new_zeros(x.shape[0], weight.shape[1])
+    for g, weight_g in enumerate(weight):
+        y = torch.where((group == g).unsqueeze(1), x @ weight_g.t(), y)
+    return y
+
+
+def grouped_mm_torch(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`grouped_mm` in PyTorch, with no host read of the counts: ``torch._grouped_mm`` where it
+    takes the inputs (fp32, bf16 or fp16, and in and out features that are 16-byte multiples,
+    as its strides must be), else `_masked_per_group`."""
+    ends = _group_ends(counts.long().clamp(min=0), x.shape[0])
+    alignment = 16 // x.element_size()
+    features = (weight.shape[1], weight.shape[2])
+    if x.dtype in SUPPORTED_DTYPES and all(f % alignment == 0 for f in features):
+        return _TorchGroupedMM.apply(x, weight, ends.int())
+    return _masked_per_group(x, weight, ends)
 
 
 def grouped_mm_reference(
     x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:
-    """Eager PyTorch: one GEMM per group over ``x.split(counts.tolist())`` (which reads the
-    counts on the host), plain autograd."""
-    sizes = counts.tolist()
-    _check_counts(sizes, x.shape[0])
-    return torch.cat([x_g @ w_g.t() for x_g, w_g in zip(x.split(sizes), weight)])
+    """One GEMM per group over ``x.split(counts.tolist())``, plain autograd: the per-expert loop
+    the grouped paths are held to (tests, `megalite.benchmarks.moe`). It reads the counts on
+    the host: on a GPU, a synchronisation per call."""
+    return torch.cat([x_g @ w_g.t() for x_g, w_g in zip(x.split(counts.tolist()), weight)])
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> None:
@@ -292,9 +357,13 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -
         raise ValueError(f"x and weight dtypes differ: {x.dtype}, {weight.dtype}")
 
 
-def _check_counts(sizes: list[int], rows: int) -> None:
-    if sum(sizes) != rows or min(sizes, default=0) < 0:
-        raise ValueError(f"counts must be >= 0 and sum to the rows of x, {rows}; got {sizes}")
+def _check_counts(counts: torch.Tensor, rows: int) -> None:
+    """None negative and ``sum(counts) == rows``, on CPU tensors: `torch._assert_async` raises
+    there at once, with no host read that a GPU would wait for. Not on CUDA, where a failed
+    device-side assert would end the process (the kernels keep inside x instead)."""
+    if not counts.is_cuda:
+        valid = (counts >= 0).all() & (counts.sum() == rows)
+        torch._assert_async(valid, f"counts must be >= 0 and sum to the rows of x, {rows}")
 
 
 def _unsupported(x: torch.Tensor) -> str | None:
@@ -309,8 +378,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
     dtype, accumulated in fp32; differentiable in x and weight.
     """
     _check_inputs(x, weight, counts)
+    _check_counts(counts, x.shape[0])
     if use_triton(x, weight, counts, unsupported=_unsupported(x)):
-        if not x.is_cuda:  # the interpreter: reading the counts costs no synchronisation
-            _check_counts(counts.tolist(), x.shape[0])
         return opaque(GroupedMMFunction.apply)(x, weight, counts)
-    return grouped_mm_reference(x, weight, counts)
+    return grouped_mm_torch(x, weight, counts)

@@ -26,6 +26,8 @@ capacity decision are eager, and the routing counts are summed by `comm.all_redu
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from megalite.kernels import grouped_mm, swiglu
 from megalite.models.layers import BuildContext
@@ -89,6 +91,20 @@ def expert_weight(
     return Weight(make_param(local, fused, ctx.ps))
 
 
+class Kept(NamedTuple):
+    """The (token, choice) pairs within capacity: their (tokens, k) `mask`, and `at_most`, a
+    bound on how many there are that the shapes alone give (the experts times the capacity, or
+    every pair), so that a shape can be set without reading the mask on the host."""
+
+    mask: torch.Tensor
+    at_most: int
+
+
+def _last_takes_the_rest(counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """`counts` with the last group also taking the rows past their sum, up to `rows`."""
+    return torch.cat([counts[:-1], rows - counts[:-1].sum(0, keepdim=True)])
+
+
 class MoE(nn.Module):
     """Routed experts (and DeepSeek's shared ones, `moe_shared_experts`) in place of the MLP."""
 
@@ -143,8 +159,8 @@ class MoE(nn.Module):
         tokens = tp_input(x, ctx.ps, ctx.sequence_parallel).flatten(0, 1)
         gates = tp_input(routing.gates.view(b, s, -1).to(x.dtype), ctx.ps, ctx.sequence_parallel)
         experts = self.gather_choices(routing.experts.view(b, s, -1))
-        keep = None if cfg.moe_capacity_factor is None else self.within_capacity(experts)
-        out = self.experts(tokens, experts.flatten(0, 1), gates.flatten(0, 1), keep)
+        kept = None if cfg.moe_capacity_factor is None else self.within_capacity(experts)
+        out = self.experts(tokens, experts.flatten(0, 1), gates.flatten(0, 1), kept)
         if self.shared_gate_up is not None:
             out = out + self.shared(tokens)
         out = tp_output(out.view(b, -1, h), ctx.ps, ctx.sequence_parallel)
@@ -157,7 +173,7 @@ class MoE(nn.Module):
         return all_gather_sequence(experts, self.ctx.ps.group("tp"))
 
     @eager_only  # `train.compile`: data-dependent counts (see `experts`)
-    def within_capacity(self, experts: torch.Tensor) -> torch.Tensor:
+    def within_capacity(self, experts: torch.Tensor) -> Kept:
         """Which of the tp group's (token, choice) pairs (b, s', k) fit in their expert's
         capacity over the micro-batch's whole windows, as one process decides it: under cp the
         windows' choices are gathered from the cp ranks and put back in order first, and this
@@ -170,7 +186,9 @@ class MoE(nn.Module):
         if self.training and not replaying():
             self.dropped += dropped
         chunks = local_chunks(s, comm.size(ps.group("cp")), comm.rank(ps.group("cp")))
-        return shard_sequence(keep.view(b, s, k), chunks).flatten(0, 1)
+        mine = shard_sequence(keep.view(b, s, k), chunks).flatten(0, 1)
+        # no expert keeps more than `limit` of the windows' pairs, nor of this rank's
+        return Kept(mine, min(mine.numel(), cfg.moe_experts * limit))
 
     @eager_only
     def experts(
@@ -178,29 +196,40 @@ class MoE(nn.Module):
         tokens: torch.Tensor,
         experts: torch.Tensor,
         gates: torch.Tensor,
-        keep: torch.Tensor | None = None,
+        kept: Kept | None = None,
     ) -> torch.Tensor:
         """sum_j gate_j * expert_j(token) for every token (its k choices): this rank's tp slice
         of every expert, a partial sum over tp. With expert parallelism the rows travel to the
-        ep rank holding their expert and back (`dispatch.Dispatch`). `keep` (tokens, k): the
-        pairs within capacity; the others are neither dispatched nor computed (their output is
-        zero).
+        ep rank holding their expert and back (`dispatch.Dispatch`). `kept`: the pairs within
+        capacity; the others add nothing to the output.
 
-        Eager under `train.compile`: the rows per expert (and, with drops or an exchange, the
-        rows) differ with every micro-batch, which static shapes would recompile for until
-        dynamo's recompile limit sends the frames to eager anyway."""
+        No count is read on the host but the exchange's split sizes (`Dispatch.plan`, one copy
+        per call), so without expert parallelism nothing here waits for the device. There,
+        under a capacity, the rows routed are a number the shapes give (`Kept.at_most`): the
+        kept pairs, then dropped ones up to it, which the last expert computes and the mask
+        zeroes. With an exchange the plan's sizes count the kept pairs, and only those travel.
+
+        Eager under `train.compile`: the rows per expert (and, with an exchange, the rows)
+        differ with every micro-batch, which static shapes would recompile for until dynamo's
+        recompile limit sends the frames to eager anyway."""
         k = experts.shape[1]
-        local = len(self.local_experts)
+        local, n = len(self.local_experts), self.cfg.moe_experts
         pairs = experts.flatten()
-        if keep is not None:  # dropped pairs sort after every expert's
-            pairs = torch.where(keep.flatten(), pairs, self.cfg.moe_experts)
+        if kept is not None:  # dropped pairs sort after every expert's
+            pairs = torch.where(kept.mask.flatten(), pairs, n)
         order = torch.argsort(pairs, stable=True)  # (token, choice) pairs by expert
-        counts = expert_counts(pairs, self.cfg.moe_experts + 1)[:-1]
-        routed = order if keep is None else order[: int(keep.sum())]
-        rows = tokens[routed // k]
+        counts = expert_counts(pairs, n + 1)[:-1]
         exchange = None
         if self.ctx.ps.size("ep") > 1:
             exchange = Dispatch.plan(counts, self.ctx.ps.group("ep"))
+            routed = order[: sum(exchange.send)]  # the kept pairs, counted by the plan
+        elif kept is None:
+            routed = order
+        else:
+            routed = order[: kept.at_most]
+            counts = _last_takes_the_rest(counts, routed.numel())
+        rows = tokens[routed // k]
+        if exchange is not None:
             rows, counts = exchange.dispatch(rows), exchange.local_counts
         f = self.gate_up.weight.shape[0] // (2 * local)
         gate_up = self.gate_up.weight.view(local, 2 * f, -1)
@@ -209,11 +238,13 @@ class MoE(nn.Module):
         y = grouped_mm(swiglu(gate, up), down, counts)
         if exchange is not None:
             y = exchange.combine(y)
-        if keep is not None:  # the dropped pairs' rows, zero
+        if routed.numel() < order.numel():  # the pairs not routed, zero
             y = torch.cat([y, y.new_zeros(order.numel() - routed.numel(), y.shape[1])])
         # back to (token, choice) order, weighted by the gates, summed over the k choices:
         # indexing and sum keep no activation for backward (index_add_ would keep the rows)
         by_token = y[torch.argsort(order)].view(*experts.shape, -1)
+        if kept is not None:  # whatever was computed for a dropped pair
+            by_token = torch.where(kept.mask.unsqueeze(-1), by_token, 0)
         return (by_token * gates.unsqueeze(-1)).sum(dim=1)
 
     def shared(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -251,13 +282,14 @@ class MoE(nn.Module):
         the step's backward passes (`training.step`: its share of the batch x the loss scale)."""
         self.aux_loss_scale.fill_(scale)
 
-    def take_load(self, load: torch.Tensor, updated: bool) -> None:
+    def take_load(self, load: torch.Tensor, updated: torch.Tensor) -> None:
         """After a step, with this step's routed (token, choice) pairs per expert over the whole
         global batch (`training.step.route_balance` sums them): move the routing bias towards
-        balance (`moe_bias_update_rate`) if the step `updated` the weights (a skipped step, an
-        fp16 overflow or a bad step, leaves the bias too), and start counting afresh."""
-        if self.cfg.moe_bias_update_rate and updated:
-            update_bias(self.expert_bias, load, self.cfg.moe_bias_update_rate)
+        balance (`moe_bias_update_rate`) where the step `updated` the weights (a float flag on
+        the device: a skipped step, an fp16 overflow or a bad step, leaves the bias too), and
+        start counting afresh."""
+        if self.cfg.moe_bias_update_rate:
+            update_bias(self.expert_bias, load, self.cfg.moe_bias_update_rate, updated)
         self.load.zero_()
         self.dropped.zero_()
 

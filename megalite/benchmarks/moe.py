@@ -1,7 +1,7 @@
 """Benchmark the pieces of a mixture-of-experts layer, and print a table.
 
-Grouped GEMM: `grouped_mm` (the Triton kernel on a GPU; on CPU its dispatch runs the reference)
-against the per-expert loop, `grouped_mm_reference` (one GEMM per expert over
+Grouped GEMM: `grouped_mm` (the Triton kernel on a GPU; on CPU its dispatch runs the torch path,
+`torch._grouped_mm`) against the per-expert loop, `grouped_mm_reference` (one GEMM per expert over
 ``x.split(counts.tolist())``). Rows are tokens x top-k, sorted by expert and spread over E
 experts, balanced (equal counts) or skewed (counts proportional to 1 / (rank + 1), the first
 expert busiest); for each, the expert MLP's two GEMM shapes, up (hidden -> ffn) and down (ffn ->
@@ -13,7 +13,7 @@ few steps on `--ranks` gloo processes (dp = ranks, ep carved out of dp), the sam
 each time: median tokens/s and step time over the steps after the first, and the loss of the
 last step (equal across ep: every layout computes the same model).
 
-    python tools/bench_moe.py                # a GPU: the kernel; CPU: the reference, modest sizes
+    python tools/bench_moe.py                # a GPU: the kernel; CPU: torch's, modest sizes
     python tools/bench_moe.py --cpu-smoke    # tiny sizes under the Triton interpreter:
                                              # checks that it runs, the times mean nothing
     python -m megalite.benchmarks.moe        # the same, from an installed megalite
@@ -147,7 +147,7 @@ def bench_grouped_gemm(args: argparse.Namespace, device: torch.device) -> None:
     from megalite.kernels import kernel_backend
 
     backend = kernel_backend(torch.zeros(1, device=device))
-    grouped = "the Triton kernel" if backend == "triton" else "its reference: the same loop"
+    grouped = "the Triton kernel" if backend == "triton" else "torch._grouped_mm"
     rows = args.tokens * args.top_k
     print(f"\ngrouped GEMM: {args.dtype}, {args.tokens} tokens x top-{args.top_k} = {rows} rows")
     print(f"over E experts; grouped_mm runs {grouped}")

@@ -7,6 +7,11 @@ the per-expert row counts are exchanged (every rank learns how many rows each so
 each of its experts); the received rows come grouped by source, and are regrouped by local
 expert for the grouped GEMMs. `combine` undoes both steps. Backward is the same exchange in
 the other direction.
+
+`all_to_all_single` takes its split sizes as host integers, so a plan copies counts to the host
+once: the rows sent to and received from each rank, in one copy (on a GPU, the one wait for the
+device an MoE layer makes per micro-batch; a recomputed forward plans again); backward reuses
+them. Everything else stays on the device.
 """
 
 from __future__ import annotations
@@ -53,11 +58,14 @@ class Dispatch:
         ep = comm.size(group)
         local = counts.numel() // ep
         # received[s, e]: rows source s sends for this rank's local expert e
-        received = comm.all_to_all(counts.view(ep, local), group, [1] * ep, [1] * ep)
-        send = counts.view(ep, local).sum(1).tolist()
-        receive = received.sum(1).tolist()
+        sent = counts.view(ep, local)
+        received = comm.all_to_all(sent, group, [1] * ep, [1] * ep)
+        sizes = torch.cat([sent.sum(1), received.sum(1)]).tolist()  # the one device-to-host copy
+        send, receive = sizes[:ep], sizes[ep:]
         expert_of_row = torch.arange(local, device=counts.device).repeat(ep)
-        expert_of_row = expert_of_row.repeat_interleave(received.flatten())
+        expert_of_row = expert_of_row.repeat_interleave(
+            received.flatten(), output_size=sum(receive)
+        )
         regroup = torch.argsort(expert_of_row, stable=True)
         return cls(group, send, receive, regroup, torch.argsort(regroup), received.sum(0))
 

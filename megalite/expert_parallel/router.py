@@ -14,8 +14,7 @@ Capacity (GShard) bounds the (token, choice) pairs an expert takes; pairs past i
 every token's first choice served before any second choice.
 
 Logits are routed in fp32 (fp64 stays fp64, for gradcheck): bf16 probabilities tie and round
-too coarsely to choose experts by. Nothing here reads a device value back to the host except
-the count of dropped pairs.
+too coarsely to choose experts by. Nothing here reads a device value back to the host.
 """
 
 from __future__ import annotations
@@ -105,13 +104,16 @@ def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int64))
 
 
-def update_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> None:
+def update_bias(
+    bias: torch.Tensor, counts: torch.Tensor, rate: float, applied: torch.Tensor | float = 1.0
+) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing, in place: each expert's `bias` (E,) moves by
     `rate`, up when it took fewer pairs than the mean of `counts` (E,), down when more (counts of
-    the whole global batch, summed over ranks by the caller)."""
+    the whole global batch, summed over ranks by the caller); not at all where `applied` (a
+    flag, on the device when the step's verdict is) is 0."""
     # sum - E * count has the sign of mean - count, and is exact in integers.
     under_load = torch.sign(counts.sum() - counts * counts.numel())
-    bias.add_(under_load.to(bias), alpha=rate)
+    bias.add_(under_load.to(bias) * applied, alpha=rate)
 
 
 def capacity(tokens: int, num_experts: int, k: int, factor: float) -> int:

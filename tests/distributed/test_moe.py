@@ -232,8 +232,9 @@ def test_capacity_is_taken_over_the_micro_batch_in_every_layout(
     assert sum(_dropped(tmp_path / "single")) > 0
 
 
-def test_dropped_pairs_are_not_computed(builtin_corpus, monkeypatch):
-    """A capacity bounds the experts' work: the grouped GEMMs see the kept pairs alone."""
+def test_a_capacity_bounds_the_rows_computed(builtin_corpus, monkeypatch):
+    """A capacity bounds the experts' work: the grouped GEMMs see at most the experts times
+    the capacity rows (the kept pairs, then a static number of dropped ones, masked out)."""
     import math
 
     import megalite.models.moe as moe_module
@@ -275,10 +276,11 @@ def _keep_masks(tp: int, cp: int) -> list:
     masks, decide = [], moe_module.MoE.within_capacity
 
     def recorded(moe, experts):
-        keep = decide(moe, experts)
+        kept = decide(moe, experts)
         if moe.training:
+            keep = kept.mask
             masks.append(keep.view(-1, cfg.model.seq_len // cp, keep.shape[-1]).clone())
-        return keep
+        return kept
 
     moe_module.MoE.within_capacity = recorded
     generator = torch.Generator().manual_seed(3)
