@@ -16,17 +16,15 @@ step, on the same batches:
 
 Both sides: AdamW with megalite's hyper-parameters (the config's lr, constant; betas 0.9/0.95,
 eps 1e-8, weight decay 0.1 on matrices only), global-norm clipping at 1.0, the mean token loss.
-Steps are interleaved (the order alternating, `harness.measure`) and warm-up steps are not
-timed. Between its steps a contender's state waits in host memory, so that each step
-has the GPU to itself and the peak memory read around it is the contender's own; those moves
-are not timed, and every timed step ends with `torch.cuda.synchronize`. The moves leave the GPU
-idle for seconds before each step and rearrange the allocator's cache under it; `--resident`
-keeps every contender on the device instead, where they fit together (124M does on one H100;
-1.3B does not), and reads each one's peak as its own state plus the rise during its steps.
+Each contender runs under the same conditions, alone: it is built, trained in a plain loop over
+the same batches (warm-up steps, then timed steps, each ending with `torch.cuda.synchronize`),
+and freed, with the allocator's cache, before the next one is built. So every
+step has the GPU to itself, nothing moves between steps, the peak memory read around a
+contender's steps is its own, and the device needs to hold one contender only (three 1.3B
+ones do not fit in an H100 together).
 
     python tools/bench_gpu.py                                  # both models, needs CUDA
     python tools/bench_gpu.py --configs configs/gpt2-1.3b.yaml --micro-batch 4 --steps 20
-    python tools/bench_gpu.py --configs configs/gpt2-124m.yaml --resident
     python tools/bench_gpu.py --device cpu --layers 2 --hidden 64 --heads 2 --seq 32 \\
         --vocab 512 --micro-batch 2                            # tiny, fp32 on CPU: that it runs
     python -m megalite.benchmarks.gpu                          # from an installed megalite
@@ -39,7 +37,9 @@ TFLOP/s; on CPU the machine's measured fp32 peak).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable
+import functools
+import gc
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,6 @@ from megalite.config import Config, load_config
 from megalite.hardware import peak_flops
 from megalite.models.flops import flops_per_token
 from megalite.parallel_state import ParallelState
-from megalite.profiling.memory import live_tensors
 
 CONFIGS = ["configs/gpt2-124m.yaml", "configs/gpt2-1.3b.yaml"]
 REFERENCE = "transformers compile"
@@ -69,11 +68,6 @@ def options() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="timed steps per contender")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument(
-        "--resident",
-        action="store_true",
-        help="keep every contender's state on the device between its steps (they must fit)",
-    )
     return p
 
 
@@ -123,108 +117,8 @@ def synchronized(
     return run
 
 
-def _storages(tensors: Iterable[torch.Tensor], device: torch.device) -> list[torch.UntypedStorage]:
-    """The distinct storages of `tensors` on `device`."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
-    return [s for s in storages.values() if s.device == device and s.nbytes()]
-
-
-def _host_copies(
-    tensors: Iterable[torch.Tensor], device: torch.device, hosts: list[torch.UntypedStorage]
-) -> list[tuple[torch.UntypedStorage, torch.UntypedStorage]]:
-    """(storage, its copy in host memory) for each distinct storage of `tensors` on `device`,
-    copied by the time it returns. The i-th copy goes into `hosts[i]` when that has its size
-    (the same state, parked again: its pages are already mapped), else into a new buffer that
-    replaces it. Pageable memory: the pinned allocator rounds every block up to a power of
-    two, which for three 1.3B-parameter contenders would pin more than a 128 GB host has;
-    pageable copies take seconds per step instead, untimed."""
-    copies = []
-    for i, storage in enumerate(_storages(tensors, device)):
-        if i == len(hosts) or hosts[i].nbytes() != storage.nbytes():
-            hosts[i : i + 1] = [torch.empty(storage.nbytes(), dtype=torch.uint8).untyped_storage()]
-        hosts[i].copy_(storage)
-        copies.append((storage, hosts[i]))
-    return copies
-
-
-def off_device_between_steps(
-    contender: harness.Contender,
-    tensors: Callable[[], Iterable[torch.Tensor]],
-    device: torch.device,
-) -> harness.Contender:
-    """Move `contender`'s long-lived `tensors` (weights, gradients, optimizer state) to host
-    memory now, and give it an `enter` and a `leave` that keep them on the device only during
-    its own steps. Their storages are emptied and refilled in place (`resize_`), so every view
-    of them (parameters of a flat buffer, an optimizer's references) stays valid. On a GPU,
-    `leave` also records the contender's peak memory (`info["peak_bytes"]`), which then holds
-    nothing of the others'."""
-    parked: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
-    hosts: list[torch.UntypedStorage] = []
-
-    def park() -> None:
-        parked.extend(_host_copies(tensors(), device, hosts))
-        synchronize(device)
-        for storage, _ in parked:
-            storage.resize_(0)
-
-    def enter() -> None:
-        for storage, host in parked:
-            storage.resize_(host.nbytes())
-            storage.copy_(host)
-        parked.clear()
-        synchronize(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-
-    def leave() -> None:
-        if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device)
-            contender.info["peak_bytes"] = max(contender.info.get("peak_bytes", 0), peak)
-        park()
-
-    park()  # the next contender is built, and the first steps run, on a device without it
-    contender.enter, contender.leave = enter, leave
-    return contender
-
-
-def on_device_between_steps(
-    contender: harness.Contender,
-    tensors: Callable[[], Iterable[torch.Tensor]],
-    device: torch.device,
-) -> harness.Contender:
-    """Leave `contender`'s state on the device (`--resident`). On a GPU its peak memory
-    (`info["peak_bytes"]`) is its long-lived `tensors` plus the most its steps allocated above
-    what was allocated when they began, so the others' state does not count."""
-    if device.type != "cuda":
-        return contender
-    start: list[int] = []
-
-    def enter() -> None:
-        torch.cuda.reset_peak_memory_stats(device)
-        start[:] = [torch.cuda.memory_allocated(device)]
-
-    def leave() -> None:
-        rise = torch.cuda.max_memory_allocated(device) - start[0]
-        own = sum(s.nbytes() for s in _storages(tensors(), device)) + rise
-        contender.info["peak_bytes"] = max(contender.info.get("peak_bytes", 0), own)
-
-    contender.enter, contender.leave = enter, leave
-    return contender
-
-
-def between_steps(
-    contender: harness.Contender,
-    tensors: Callable[[], Iterable[torch.Tensor]],
-    device: torch.device,
-    resident: bool,
-) -> harness.Contender:
-    """Where `contender`'s state waits between its steps: on the device or in host memory."""
-    keep = on_device_between_steps if resident else off_device_between_steps
-    return keep(contender, tensors, device)
-
-
 def megalite_contender(
-    model: argparse.Namespace, device: torch.device, compile: bool, resident: bool = False
+    model: argparse.Namespace, device: torch.device, compile: bool
 ) -> harness.Contender:
     """megalite's training step on `device`, eager or with train.compile."""
     cfg = benchmark_config(model, device, f"train.compile={str(compile).lower()}")
@@ -232,17 +126,10 @@ def megalite_contender(
     params = sum(p.numel() for p in run.named_parameters().values())
     step = synchronized(harness.megalite_step(run, model.lr), device)
     name = "megalite compile" if compile else "megalite"
-    contender = harness.Contender(name, step, REFERENCE, info={"params": params})
-
-    def tensors() -> list[torch.Tensor]:
-        return [t for part in live_tensors(run).values() for t in part]
-
-    return between_steps(contender, tensors, device, resident)
+    return harness.Contender(name, step, REFERENCE, info={"params": params})
 
 
-def hf_contender(
-    model: argparse.Namespace, device: torch.device, resident: bool = False
-) -> harness.Contender:
+def hf_contender(model: argparse.Namespace, device: torch.device) -> harness.Contender:
     """transformers' GPT-2 of the same dimensions, compiled, with torch's fused AdamW."""
     cfg = benchmark_config(model, device)
     torch.manual_seed(cfg.train.seed)
@@ -250,41 +137,62 @@ def hf_contender(
     optimizer = torch_adamw(hf.parameters(), model.lr, "fused")
     params = sum(p.numel() for p in hf.parameters())  # tied weights are counted once
     step = synchronized(single.hf_step(hf, optimizer, cfg, compile=True), device)
-    contender = harness.Contender(REFERENCE, step, info={"params": params})
+    return harness.Contender(REFERENCE, step, info={"params": params})
 
-    def tensors() -> list[torch.Tensor]:
-        grads = [p.grad for p in hf.parameters() if p.grad is not None]
-        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        return [*hf.parameters(), *hf.buffers(), *grads, *state]
 
-    return between_steps(contender, tensors, device, resident)
+def free(device: torch.device) -> None:
+    """Release what a finished contender left behind: its objects (autograd and closures hold
+    reference cycles) and, on a GPU, the allocator's cached blocks, so that the next contender
+    starts on an empty device with an empty cache."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_alone(
+    build: Callable[[], harness.Contender],
+    batches: list[torch.Tensor],
+    warmup: int,
+    device: torch.device,
+    tokens_per_step: int,
+) -> dict[str, Any]:
+    """The row of the contender `build` makes, trained in a plain loop over `batches` (the
+    first `warmup` untimed), then freed: `harness.summary`'s, with its `losses`, `compile_s`
+    (its first step's time less the median) and on a GPU `peak_bytes` (the most allocated
+    during its steps, its own state included)."""
+    contender = build()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    harness.measure([contender], batches, warmup)
+    [row] = harness.summary([contender], tokens_per_step)
+    first = contender.warmup_times[:1]
+    row.update(losses=contender.losses, compile_s=first[0] - row["step_s"] if first else None)
+    if device.type == "cuda":
+        row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    del contender  # its step held the model, its gradients and optimizer state
+    free(device)
+    return row
 
 
 def measure_model(args: argparse.Namespace, path: str, device: torch.device) -> list[dict]:
-    """The three contenders on one config's model, interleaved: one row each."""
+    """The three contenders on one config's model, one after another (`measure_alone`) on the
+    same batches: one row each."""
     model = model_args(args, path)
-    contenders = [
-        megalite_contender(model, device, compile=False, resident=args.resident),
-        megalite_contender(model, device, compile=True, resident=args.resident),
-        hf_contender(model, device, resident=args.resident),
+    builds = [
+        functools.partial(megalite_contender, model, device, compile=False),
+        functools.partial(megalite_contender, model, device, compile=True),
+        functools.partial(hf_contender, model, device),
     ]
     batches = harness.make_batches(model, args.warmup + args.steps, model.micro_batch)
-    harness.measure(contenders, [b.to(device) for b in batches], args.warmup)
+    batches = [b.to(device) for b in batches]
     tokens = model.micro_batch * model.seq
+    rows = [measure_alone(build, batches, args.warmup, device, tokens) for build in builds]
     cfg = benchmark_config(model, device)
     flops = flops_per_token(cfg.model)
     peak = peak_flops(device, cfg.train.precision)
-    rows = harness.summary(contenders, tokens)
-    for row, contender in zip(rows, contenders):
+    for row in rows:
         tflops = flops * row["tokens_s"] / 1e12
-        first = contender.warmup_times[:1]
-        row.update(
-            model=model.name,
-            tflops=tflops,
-            mfu=tflops * 1e12 / peak if peak else None,
-            compile_s=first[0] - row["step_s"] if first else None,
-            losses=contender.losses,
-        )
+        row.update(model=model.name, tflops=tflops, mfu=tflops * 1e12 / peak if peak else None)
     return rows
 
 
@@ -339,16 +247,14 @@ def notes(args: argparse.Namespace) -> list[str]:
     precision = "bf16" if args.device == "cuda" else "fp32"
     return [
         f"{args.device}, {precision}; one micro-batch per step; tokens/s and step ms: medians of "
-        f"{args.steps} steps after {args.warmup} warm-up steps, contenders interleaved.",
+        f"{args.steps} steps after {args.warmup} warm-up steps, each contender alone in a plain "
+        "loop over the same batches.",
         "TFLOP/s: megalite's model FLOPs (6 per weight per token plus causal attention, no "
         "recompute) for every row; MFU: over the device's dense peak for the precision.",
         "compile s: the first step's time minus the median step's (eager rows: the first "
         "step's allocations and kernel selection).",
-        "peak GiB: the contender's long-lived state plus the most its steps allocated above "
-        "it (--resident: every contender stays on the device)."
-        if args.resident
-        else "peak GiB: torch.cuda.max_memory_allocated during the contender's steps, the "
-        "others' state in host memory meanwhile.",
+        "peak GiB: torch.cuda.max_memory_allocated during the contender's steps, alone on the "
+        "device (the one before it freed).",
         "ratio m/t = step time / transformers compile's (<= 1.00: no slower). transformers: "
         "fp32 weights under bf16 autocast on a GPU, vocabulary unpadded; megalite pads it to "
         "a multiple of 128 rows (padded rows' logits are masked out of the loss).",

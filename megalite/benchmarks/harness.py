@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megalite.config import Config, load_config
 from megalite.parallel_state import ParallelState
+from megalite.profiling.launch_count import StepCounts
 from megalite.training.setup import Run, build_run
 from megalite.training.step import train_step
 
@@ -157,11 +158,9 @@ class Contender:
     """Static facts for the table (memory, notes)."""
     warmup_times: list[float] = field(default_factory=list)
     """The untimed warm-up steps' times (the first one pays for compilation)."""
-    enter: Callable[[], None] = lambda: None
-    """Run before each of its steps, untimed (a GPU benchmark moves the contender's state back
-    onto the device here)."""
-    leave: Callable[[], None] = lambda: None
-    """Run after each of its steps, untimed (and moves it off again)."""
+    counted: Callable[[torch.Tensor], StepCounts] | None = None
+    """Runs one more step on the global batch, untimed, and returns its launches and host
+    syncs (`profiling.launch_count`); None where the benchmark does not count them."""
 
 
 def trial(build: Callable[[], Contender], batch: torch.Tensor) -> Contender | str:
@@ -202,13 +201,11 @@ def timed(step: Callable[[], dict[str, float]]) -> tuple[float, dict[str, float]
 
 
 def measure(contenders: list[Contender], batches: list[torch.Tensor], warmup: int) -> None:
-    """Interleave the contenders step by step, alternating the order; time every step (each
-    between the contender's untimed `enter` and `leave`)."""
+    """Interleave the contenders step by step, alternating the order; time every step (one
+    contender: a plain loop)."""
     for i, tokens in enumerate(batches):
         for contender in contenders if i % 2 == 0 else contenders[::-1]:
-            contender.enter()
             elapsed, result = timed(lambda c=contender, t=tokens: c.step(t))
-            contender.leave()
             contender.losses.append(result["loss"])
             if i < warmup:
                 contender.warmup_times.append(elapsed)

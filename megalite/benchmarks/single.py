@@ -6,7 +6,9 @@ of the same dimensions, and trains both in this process, fp32 on CPU, on the sam
 the same optimizer: AdamW (same lr, betas, eps, weight decay on matrices only), global-norm
 clipping at 1.0, a constant learning rate. Steps of the two are interleaved (and which goes
 first alternates) so that the noise of a shared machine hits both alike; the table reports
-medians over the steps after warm-up.
+medians over the steps after warm-up. After them each contender runs one more step, untimed,
+whose kernel launches and host syncs are counted (`profiling.launch_count`; with `--compile`
+the compiled kernels too, each carrying a profiler mark): what a GPU would wait for.
 
     python tools/bench_single.py                    # both architectures
     python tools/bench_single.py --arch llama --kv-heads 2 --threads 2
@@ -21,6 +23,7 @@ start from different initial weights, so their losses differ slightly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 from collections.abc import Callable
 
@@ -33,6 +36,14 @@ from megalite.benchmarks.torch_gpt import ADAMW_IMPLEMENTATIONS, torch_adamw
 from megalite.checkpoint.hf import hf_config
 from megalite.config import Config
 from megalite.parallel_state import ParallelState
+from megalite.profiling.launch_count import (
+    StepCounts,
+    count_step,
+    counting,
+    graph_breaks,
+    host_step_counts,
+    kernel_markers,
+)
 from megalite.tensor_parallel import padded_vocab_size
 from megalite.training.compile import compile_seconds, compiled_graphs, recompile_limit_hits
 from megalite.training.setup import build_run
@@ -86,23 +97,30 @@ def megalite_contender(cfg: Config, lr: float) -> harness.Contender:
     def step(tokens: torch.Tensor) -> dict[str, float]:
         return {"loss": train_step(training, tokens, lr).loss}
 
+    def counted(tokens: torch.Tensor) -> StepCounts:
+        return count_step(training, tokens, lr)
+
     name = "megalite" + (" compiled" if cfg.train.compile else "")
-    return harness.Contender(name, step, info={"params": params})
+    return harness.Contender(name, step, info={"params": params}, counted=counted)
 
 
 def watch_compiles(contender: harness.Contender) -> harness.Contender:
-    """The contender, its info counting the seconds its steps spent compiling ("compile_s")
-    and its recompiles as `training.compile.CompileWatch` counts them (graphs compiled after
-    its first step, frames stopped at dynamo's recompile limit): the process-wide counters of
-    `training.compile`, read around each of its own steps."""
+    """The contender, its info counting the seconds its steps spent compiling ("compile_s"),
+    the graphs they compiled ("graphs") and the graph breaks dynamo took for them
+    ("graph_breaks"), and its recompiles as `training.compile.CompileWatch` counts them (graphs
+    compiled after its first step, frames stopped at dynamo's recompile limit): the
+    process-wide counters, read around each of its own steps."""
     step, info, steps_done = contender.step, contender.info, []
-    info |= {"compile_s": 0.0, "recompiles": 0}
+    info |= {"compile_s": 0.0, "recompiles": 0, "graphs": 0, "graph_breaks": 0}
 
     def watched(tokens: torch.Tensor) -> dict[str, float]:
         graphs, seconds, stopped = compiled_graphs(), compile_seconds(), recompile_limit_hits()
+        breaks = sum(graph_breaks().values())
         result = step(tokens)
         info["compile_s"] += compile_seconds() - seconds
         info["recompiles"] += recompile_limit_hits() - stopped
+        info["graphs"] += compiled_graphs() - graphs
+        info["graph_breaks"] += sum(graph_breaks().values()) - breaks
         if steps_done:
             info["recompiles"] += compiled_graphs() - graphs
         steps_done.append(True)
@@ -162,8 +180,15 @@ def hf_contender(cfg: Config, lr: float, adamw: str, compiled: bool = False) -> 
     optimizer = torch_adamw(model.parameters(), lr, adamw)
     params = sum(p.numel() for p in model.parameters())  # tied weights are counted once
     step = hf_step(model, optimizer, cfg, compile=compiled)
+
+    def counted(tokens: torch.Tensor) -> StepCounts:
+        device = next(model.parameters()).device
+        with counting(device, host=host_step_counts(optimizer)) as tally:
+            step(tokens)
+        return tally.counts
+
     name = "transformers" + (" compiled" if compiled else "")
-    return harness.Contender(name, step, info={"params": params})
+    return harness.Contender(name, step, info={"params": params}, counted=counted)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -185,7 +210,12 @@ def run(args: argparse.Namespace) -> list[dict]:
             contenders.insert(1, watch_compiles(compiled))
             hf = hf_contender(cfg, args.lr, args.hf_adamw, compiled=True)
             contenders.append(watch_compiles(hf))
-        harness.measure(contenders, batches, args.warmup)
+        # compiled kernels carry a profiler mark, so that the counted step sees them
+        with kernel_markers() if args.compile else contextlib.nullcontext():
+            harness.measure(contenders, batches, args.warmup)
+            for c in contenders:
+                counts = c.counted(batches[-1]).total
+                c.info |= {"launches": counts.launches, "host_syncs": counts.host_syncs}
         rows += [
             {"model": LABELS[arch], "implementation": c.name, "times": c.times, "losses": c.losses}
             | c.info
@@ -199,7 +229,8 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
     tokens_per_step = args.batch * args.seq
     header = (
         f"{'model':<7} {'implementation':<22} {'params':>11} {'tokens/s':>10} {'step ms':>9} "
-        f"{'min ms':>8} {'ratio':>7} {'paired':>7} {'loss first -> last':>20}"
+        f"{'min ms':>8} {'ratio':>7} {'paired':>7} {'launches':>8} {'syncs':>5} "
+        f"{'loss first -> last':>20}"
     )
     print(header)
     print("-" * len(header))
@@ -216,7 +247,7 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
         print(
             f"{r['model']:<7} {r['implementation']:<22} {r['params']:>11,} {rate:>10,.0f} "
             f"{step_s * 1e3:>9.1f} {min(r['times']) * 1e3:>8.1f} {ratio:>7} {paired:>7} "
-            f"{losses:>20}"
+            f"{r['launches']:>8} {r['host_syncs']:>5} {losses:>20}"
         )
     print()
     for note in notes(args, tokens_per_step):
@@ -225,7 +256,8 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
         if "compile_s" in r:
             print(
                 f"{r['model']} {r['implementation']}: {r['compile_s']:.1f} s compiling (in its "
-                f"first step), {r['recompiles']} graphs compiled after it."
+                f"first step), {r['graphs']} graphs and {r['graph_breaks']} graph breaks in all, "
+                f"{r['recompiles']} graphs compiled after it."
             )
 
 
@@ -242,6 +274,10 @@ def notes(args: argparse.Namespace, tokens_per_step: int) -> list[str]:
         f"megalite pads the vocabulary to a multiple of {round_to} rows "
         f"({args.vocab} -> {padded_vocab_size(args.vocab, 1, round_to)}; the padded rows' logits "
         "are masked out of the loss), so its params include the extra rows.",
+        "launches, syncs: one more step, untimed: its operator calls that launch a kernel (ATen "
+        "operators less views and allocations, compiled kernels) and host syncs (scalar reads,\n"
+        "tolist, blocking copies, data-dependent sizes; torch.optim's host-side step counts "
+        "aside), counted by megalite.profiling.launch_count.",
         "transformers: attn_implementation='sdpa' (its fastest CPU path), dropout 0, train mode, "
         f"torch.optim.AdamW ({args.hf_adamw}); loss = F.cross_entropy, the mean over all tokens "
         "(megalite: the same mean, from its LM head fused with the loss).",

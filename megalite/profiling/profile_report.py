@@ -12,7 +12,11 @@ communication exposed by axis: `tp_comm_exposed`, `cp_comm_exposed`, `dp_comm_ex
 `other_comm_exposed`; `step_timing` says what each axis counts), `comm_overlapped_s` (by axis:
 `tp`, `cp`, `dp`, `other`; beside compute, so not a part of the step),
 `weight_s` (the part of `time_s.backward` a split backward's W steps took; 0 without one),
-`bubble` and `memory_bytes` (the parts a rank holds, which add up to `memory_total_bytes`).
+`bubble`, `memory_bytes` (the parts a rank holds, which add up to `memory_total_bytes`) and
+`counts`, one more steady step counted (`launch_count`): `launches`, `compiled_kernels`,
+`graph_calls` and `host_syncs`, each by phase (`forward`, `backward`, `optimizer`, `other`) and
+`total`, and `compiled_graphs`, `graph_breaks`, `recompiles`. Top-level `counted_step` holds this
+rank's `sync_sites` (`"<kind> at <file>:<line>"` -> syncs) and `graph_breaks` by reason.
 
 The rates are those of a steady training step, timed as `megalite train` times its steps (the
 step on this rank, reading the batch outside it, up to the compute stream's end): what its
@@ -22,6 +26,7 @@ metrics rows log for the same layout (the total at the slowest rank, as their
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -35,6 +40,7 @@ from megalite.config import Config, config_to_dict
 from megalite.pipeline.schedule import build_schedule, v_shaped, virtual_stage
 from megalite.pipeline.simulate import simulate
 from megalite.profiling.estimate import LayoutEstimate, estimate_layout
+from megalite.profiling.launch_count import PHASES, PhaseCounts, StepCounts
 from megalite.profiling.step_timing import AXES, TIME_PARTS
 from megalite.training.metrics import StepCost
 from megalite.training.setup import Run
@@ -43,6 +49,33 @@ from megalite.training.trackers import new_tracker_id, start_trackers
 COORDS = ("rank", "tp_rank", "cp_rank", "pp_rank", "dp_rank")
 GPU_PEAKS = ("peak_allocated", "peak_reserved")
 """Allocator figures of a GPU: totals, not parts, so kept beside `memory_bytes`."""
+PER_PHASE = tuple(f.name for f in dataclasses.fields(PhaseCounts))
+"""What the counted step counts in each phase."""
+COMPILE_COUNTS = ("compiled_graphs", "graph_breaks", "recompiles")
+"""What it counts of compilation, once per rank."""
+
+
+def count_values(counts: StepCounts) -> dict[str, float]:
+    """The counted step's numbers as gathered values: `count.<what>.<phase>` for every phase of
+    a step (0 where nothing ran in it) and `count.<compile count>`."""
+    values = {
+        f"count.{what}.{phase}": getattr(counts.phases.get(phase, PhaseCounts()), what)
+        for what in PER_PHASE
+        for phase in PHASES
+    }
+    values["count.compiled_graphs"] = counts.compiled_graphs
+    values["count.graph_breaks"] = sum(counts.graph_breaks.values())
+    values["count.recompiles"] = counts.recompiles
+    return values
+
+
+def count_entry(row: dict[str, float]) -> dict[str, Any]:
+    """A rank's `counts` from its gathered `count_values`."""
+    entry: dict[str, Any] = {}
+    for what in PER_PHASE:
+        by_phase = {phase: int(row[f"count.{what}.{phase}"]) for phase in PHASES}
+        entry[what] = by_phase | {"total": sum(by_phase.values())}
+    return entry | {what: int(row[f"count.{what}"]) for what in COMPILE_COUNTS}
 
 
 def gather_ranks(run: Run, values: dict[str, float]) -> list[dict[str, float]]:
@@ -125,6 +158,7 @@ def rank_entry(row: dict[str, float], cost: StepCost) -> dict[str, Any]:
         expert_imbalance=row["expert_imbalance"],
         dropped_tokens=int(row["dropped_tokens"]),
         memory_bytes={k: v for k, v in memory.items() if k not in GPU_PEAKS},
+        counts=count_entry(row),
     )
     # what the device holds, like the estimate's total: host-resident parts (`*_host`) aside
     device_parts = {k: v for k, v in entry["memory_bytes"].items() if not k.endswith("_host")}
@@ -143,12 +177,13 @@ def add_estimates(ranks: list[dict[str, Any]], estimate: LayoutEstimate) -> None
 
 
 def build_report(
-    run: Run, cost: StepCost, times: dict[str, float], memory: dict[str, int]
+    run: Run, cost: StepCost, times: dict[str, float], memory: dict[str, int], counts: StepCounts
 ) -> dict[str, Any]:
-    """The report from this rank's mean step times and memory parts. Collective."""
+    """The report from this rank's mean step times, memory parts and counted step. Collective."""
     ps, cfg = run.ps, run.cfg
     coords = {"rank": ps.rank} | {name: ps.coord(name[:-5]) for name in COORDS[1:]}
     row = {**coords, **times, **{f"mem.{k}": v for k, v in memory.items()}}
+    row.update(count_values(counts))
     ranks = [rank_entry(r, cost) for r in gather_ranks(run, row)]
     add_estimates(ranks, estimate_layout(cfg, ps.world_size, device=ps.device.type))
     layout = layout_of(cfg, ps.world_size)
@@ -173,6 +208,10 @@ def build_report(
         "dropped_tokens": max(r["dropped_tokens"] for r in ranks)
         if cfg.model.moe_experts
         else None,
+        # the counted step at the rank that launched most and synced most
+        "launches_per_step": max(r["counts"]["launches"]["total"] for r in ranks),
+        "host_syncs_per_step": max(r["counts"]["host_syncs"]["total"] for r in ranks),
+        "recompiles": max(r["counts"]["recompiles"] for r in ranks),
     }
     return {
         "config": config_to_dict(cfg),
@@ -184,6 +223,11 @@ def build_report(
         "tokens_per_step": cost.tokens,
         "total": total,
         "ranks": ranks,
+        "counted_step": {
+            "rank": ps.rank,
+            "sync_sites": counts.sync_sites,
+            "graph_breaks": counts.graph_breaks,
+        },
     }
 
 
@@ -259,6 +303,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"experts: the busiest routed {total['expert_imbalance']:.2f}x the mean (1.00: "
             f"balanced); {total['dropped_tokens']} (token, choice) pairs dropped over capacity"
         )
+    lines += count_lines(report)
     if total["traced_step_time_s"] is not None:
         traced = total["traced_step_time_s"]
         lines.append(
@@ -267,6 +312,39 @@ def format_table(report: dict[str, Any]) -> str:
             "profiler's own cost, timed apart and kept out of the rates above"
         )
     return "\n".join(lines)
+
+
+PHASE_HEADS = ("fwd", "bwd", "opt", "other", "total")
+
+
+def count_lines(report: dict[str, Any]) -> list[str]:
+    """The counted step's table: per rank its launches (and of them the compiled kernels) and
+    host syncs by phase, its compiled graphs, graph breaks and recompiles; then where this
+    rank's syncs came from and why its graphs broke."""
+    phases = " ".join(f"{h:>5}" for h in PHASE_HEADS)
+    head = (
+        f"{'rank':>4} | launches {phases} {'compiled':>8} | host syncs {phases} | "
+        "graphs breaks recompiles"
+    )
+    lines = ["counted step (one more, after the measured ones; `launch_count` says what counts):"]
+    lines += [head, "-" * len(head)]
+    for r in report["ranks"]:
+        c = r["counts"]
+        cells = {
+            what: " ".join(f"{c[what][p]:>5}" for p in (*PHASES, "total"))
+            for what in ("launches", "host_syncs")
+        }
+        lines.append(
+            f"{r['rank']:>4} | {'':8} {cells['launches']} {c['compiled_kernels']['total']:>8} | "
+            f"{'':10} {cells['host_syncs']} | {c['compiled_graphs']:>6} {c['graph_breaks']:>6} "
+            f"{c['recompiles']:>10}"
+        )
+    mine = report["counted_step"]
+    sites = ", ".join(f"{n} {site}" for site, n in mine["sync_sites"].items()) or "none"
+    lines.append(f"host syncs on rank {mine['rank']}: {sites}")
+    for reason, n in mine["graph_breaks"].items():
+        lines.append(f"graph break in rank {mine['rank']}'s process (x{n}): {reason}")
+    return lines
 
 
 def flat_metrics(report: dict[str, Any]) -> dict[str, float]:
@@ -281,6 +359,8 @@ def flat_metrics(report: dict[str, Any]) -> dict[str, float]:
         overlapped = r["comm_overlapped_s"].items()
         flat.update({f"{prefix}/comm_overlapped_s/{k}": v for k, v in overlapped})
         flat.update({f"{prefix}/memory_bytes/{k}": v for k, v in r["memory_bytes"].items()})
+        for what in ("launches", "host_syncs"):
+            flat.update({f"{prefix}/{what}/{k}": v for k, v in r["counts"][what].items()})
     return {k: float(v) for k, v in flat.items() if math.isfinite(float(v))}
 
 

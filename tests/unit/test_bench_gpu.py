@@ -1,7 +1,8 @@
 """The GPU benchmark (`megalite.benchmarks.gpu`) at a tiny size on CPU: its table has a row per
-contender and both sides learn; a contender whose state waits in host memory between its steps
-(or, with --resident, stays on the device) trains exactly as one that never left the device."""
+contender and both sides learn; each contender, trained alone in a plain loop, trains exactly
+as a run of its own, and is freed before the next one is built."""
 
+import weakref
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,8 @@ TINY += ["--seq", "32", "--vocab", "512", "--micro-batch", "2", "--steps", "3", 
 NAMES = ["megalite", "megalite compile", "transformers compile"]
 
 
-@pytest.mark.parametrize("where", [[], ["--resident"]], ids=["parked", "resident"])
-def test_tiny_run_on_cpu(capsys, where):
-    args = gpu.options().parse_args(TINY + where)
+def test_tiny_run_on_cpu(capsys):
+    args = gpu.options().parse_args(TINY)
     rows = gpu.run(args)
     assert [(row["model"], row["name"]) for row in rows] == [("gpt2-124m", n) for n in NAMES]
     for row in rows:
@@ -27,8 +27,7 @@ def test_tiny_run_on_cpu(capsys, where):
         assert row["tokens_s"] > 0 and row["tflops"] > 0 and row["compile_s"] is not None
         assert "peak_bytes" not in row  # a CPU has no allocator peak to read
 
-    # the rows' megalite trained as a run that stayed put: moving its state off and back
-    # between steps (storages emptied and refilled in place) changed nothing, nor did staying
+    # the rows' megalite trained as a run of its own does, on the same batches
     model = gpu.model_args(args, CONFIG)
     run = harness.megalite_run(
         gpu.benchmark_config(model, torch.device("cpu")), ParallelState.single()
@@ -44,54 +43,24 @@ def test_tiny_run_on_cpu(capsys, where):
         assert f"{name} " in table
 
 
-def test_state_waits_off_the_device_between_steps():
-    """The contender's storages are emptied at once (shared ones once) and after each `leave`;
-    `enter` brings the same values back into the same storages, so views and optimizer
-    references stay valid."""
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.ones(2, 4)).sum().backward()
-    optimizer.step()
-    alias = model.weight.view(-1)  # a view shares the weight's storage
-    tensors = [*model.parameters(), alias, *optimizer.state[model.weight].values()]
-    before = [t.clone() for t in tensors]
-    contender = harness.Contender("c", lambda tokens: {"loss": 0.0})
-    gpu.off_device_between_steps(contender, lambda: tensors, torch.device("cpu"))
+def test_a_measured_contender_is_freed():
+    """Nothing of a contender outlives its row: the next one gets the device to itself."""
+    built = []
 
-    for _ in range(2):
-        assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
-        contender.enter()
-        for tensor, value in zip(tensors, before):
-            assert torch.equal(tensor, value)
-        assert alias.data_ptr() == model.weight.data_ptr()
-        contender.leave()
+    def build() -> harness.Contender:
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.AdamW(model.parameters())
+        built.append(weakref.ref(model))
 
+        def step(tokens: torch.Tensor) -> dict[str, float]:
+            optimizer.zero_grad()
+            loss = model(tokens).sum()
+            loss.backward()
+            optimizer.step()
+            return {"loss": loss.item()}
 
-def test_resident_state_stays_on_the_device():
-    model = torch.nn.Linear(4, 3)
-    contender = harness.Contender("c", lambda tokens: {"loss": 0.0})
-    gpu.between_steps(contender, model.parameters, torch.device("cpu"), resident=True)
-    contender.enter()
-    contender.leave()
-    assert all(p.untyped_storage().nbytes() == p.nbytes for p in model.parameters())
+        return harness.Contender("c", step)
 
-
-def test_resident_peak_is_own_state_plus_the_steps_rise(monkeypatch):
-    """On a GPU holding every contender, a contender's peak counts its own state (1,000 bytes)
-    and what its step allocated above the start (5,000 -> 5,700), not the others' state."""
-    allocated = {"now": 5_000, "max": 5_700}
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: allocated["now"])
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: allocated["max"])
-    monkeypatch.setattr(gpu, "_storages", lambda tensors, device: list(tensors))
-    state = [torch.empty(600, dtype=torch.uint8).untyped_storage() for _ in range(2)]
-    state[1].resize_(400)
-    contender = harness.Contender("c", lambda tokens: {"loss": 0.0})
-    gpu.between_steps(contender, lambda: state, torch.device("cuda"), resident=True)
-    contender.enter()
-    contender.leave()
-    assert contender.info["peak_bytes"] == 1_000 + 700
-    allocated.update(now=5_100, max=5_300)  # a smaller step later does not lower it
-    contender.enter()
-    contender.leave()
-    assert contender.info["peak_bytes"] == 1_700
+    row = gpu.measure_alone(build, [torch.ones(2, 4)] * 3, 1, torch.device("cpu"), 8)
+    assert built[0]() is None
+    assert row["name"] == "c" and len(row["losses"]) == 3 and row["compile_s"] is not None
