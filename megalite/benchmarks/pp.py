@@ -125,9 +125,9 @@ def megalite_contender(args: argparse.Namespace, kind: str, ps: ParallelState) -
 
     def timed_run(*a, **kw):  # the executor's own compute time, and its wall time
         start = time.perf_counter()
-        loss, times = executor_run(*a, **kw)
-        record.update(wall=time.perf_counter() - start, compute=times.compute_s)
-        return loss, times
+        loss, timed = executor_run(*a, **kw)
+        record.update(wall=time.perf_counter() - start, compute=timed.times().compute_s)
+        return loss, timed
 
     training.executor.run = timed_run
     step = harness.megalite_step(training, args.lr)

@@ -186,18 +186,28 @@ class _Step:
         self.loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
 
 
-def _step_times(seconds: dict[str, float], peak_in_flight: int) -> StepTimes:
-    """StepTimes from a run's self times per interval name ("run" holds the bookkeeping)."""
-    return StepTimes(
-        forward_s=seconds.get("forward", 0.0),
-        backward_s=seconds.get("backward", 0.0) + seconds.get("weight", 0.0),
-        weight_s=seconds.get("weight", 0.0),
-        wait_s=seconds.get("wait", 0.0),
-        p2p_s=seconds.get("p2p", 0.0),
-        comm_s=seconds.get("comm", 0.0),
-        total_s=sum(seconds.values()),
-        peak_in_flight=peak_in_flight,
-    )
+@dataclass
+class TimedRun:
+    """A run's timer, read only when asked (`times`): on a GPU its events are read once the
+    device has run them, so a step need not wait for its schedule's end before the update."""
+
+    timer: IntervalTimer
+    peak_in_flight: int
+
+    def times(self) -> StepTimes:
+        """StepTimes from the run's self times per interval name ("run" holds the bookkeeping);
+        on a GPU, a wait for the device to reach the run's last interval."""
+        seconds = self.timer.totals()
+        return StepTimes(
+            forward_s=seconds.get("forward", 0.0),
+            backward_s=seconds.get("backward", 0.0) + seconds.get("weight", 0.0),
+            weight_s=seconds.get("weight", 0.0),
+            wait_s=seconds.get("wait", 0.0),
+            p2p_s=seconds.get("p2p", 0.0),
+            comm_s=seconds.get("comm", 0.0),
+            total_s=sum(seconds.values()),
+            peak_in_flight=self.peak_in_flight,
+        )
 
 
 def _run_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
@@ -246,10 +256,10 @@ class PipelineExecutor:
         loss_weight: float,
         loss_scale: torch.Tensor | float = 1.0,
         timer: IntervalTimer | None = None,
-    ) -> tuple[torch.Tensor, StepTimes]:
+    ) -> tuple[torch.Tensor, TimedRun]:
         """Run the actions of `schedule` (forward-only ones for evaluation, under no_grad);
         returns the sum over this rank's micro-batches of loss_weight * token-loss sum (zero off
-        the last stage) and the timings. `timer`: the caller's (a profiler that also times the
+        the last stage) and its timer, to be read later. `timer`: the caller's (a profiler that also times the
         rest of the step into it); by default one of the run's own."""
         timer = IntervalTimer(self.ps.device) if timer is None else timer
         split = any(a.op is Op.WEIGHT for a in schedule)
@@ -283,7 +293,7 @@ class PipelineExecutor:
             with timer.interval("p2p"):
                 for batch in step.sends:
                     batch.wait()
-        return step.loss_total, _step_times(timer.totals(), step.peak_in_flight)
+        return step.loss_total, TimedRun(timer, step.peak_in_flight)
 
     def _post(self, step: _Step, batch: tuple[Action, ...]) -> None:
         """Post one batch of sends and receives together (see `schedule._place_p2p` for why this

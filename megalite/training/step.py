@@ -15,7 +15,13 @@ from megalite.data.dataset import TokenBatch
 from megalite.data_parallel.finalize import finalize_grads
 from megalite.optimizer.bad_steps import GOOD
 from megalite.optimizer.clip import clip_coefficient
-from megalite.pipeline.executor import IntervalTimer, MicroBatch, StepTimes, bubble_fraction
+from megalite.pipeline.executor import (
+    IntervalTimer,
+    MicroBatch,
+    StepTimes,
+    TimedRun,
+    bubble_fraction,
+)
 from megalite.training.compile import eager
 from megalite.training.setup import Run
 
@@ -147,7 +153,7 @@ def launch_step(
     share = cfg.train.micro_batch_size / cfg.train.global_batch_size
     for layer in run.moe_layers.values():
         layer.scale_aux_loss(share * scale)
-    local_loss, times = run.executor.run(
+    local_loss, timed = run.executor.run(
         run.schedule(len(batches)), batches, loss_weight, scale, timer
     )
     finalize_grads(run.buffers, run.ps)
@@ -167,8 +173,6 @@ def launch_step(
     coefficient = clip_coefficient(grad_norm, cfg.optim.grad_clip)
     run.optimizer.step(lr, grad_scale=coefficient / scale, skip=skip)
     routing = route_balance(run, 1.0 - skip)
-    wait_and_compute = on_device([times.wait_s, times.compute_s], run.ps.device)
-    comm.all_reduce(wait_and_compute, run.ps.group("pp"))
     watched = None
     if run.compile_watch is not None:
         run.compile_watch.step_done()
@@ -182,11 +186,10 @@ def launch_step(
         (skipped if skipped is not None else skip).double().view(1),  # read: fp16 only
         verdict,
         run.scaler.state[::2],  # the scale after this step, the steps it skipped
-        wait_and_compute,
     ]
     packed += [] if routing is None else [routing]
     packed += [] if watched is None else [watched]
-    return LaunchedStep(torch.cat(packed), times, run, routing is not None, watched is not None)
+    return LaunchedStep(torch.cat(packed), timed, run, routing is not None, watched is not None)
 
 
 @dataclass
@@ -194,23 +197,26 @@ class LaunchedStep:
     """A step the device may still be running: its metrics, packed in one tensor there."""
 
     packed: torch.Tensor
-    times: StepTimes
+    timed: TimedRun
     run: Run
     routed: bool
     compiled: bool
 
     def read(self) -> StepMetrics:
-        """The metrics on the host: one copy from the device (a wait for the step's end)."""
+        """The metrics on the host: one copy from the device (a wait for the step's end), then
+        the pipeline's bubble from every stage's timings. Collective over the pp group."""
         values = self.packed.tolist()
         loss, grad_norm, skipped, *verdict = values[:6]
-        scale, skipped_steps, wait_s, compute_s = values[6:10]
+        scale, skipped_steps = values[6:8]
+        times = self.timed.times()
+        wait_and_compute = on_device([times.wait_s, times.compute_s], self.run.ps.device)
+        comm.all_reduce(wait_and_compute, self.run.ps.group("pp"))
+        bubble = bubble_fraction(*wait_and_compute.tolist())  # of the whole pipeline
         bad = self.run.bad_steps.describe(verdict, loss)
         overflowed = skipped > 0 and self.run.scaler.dynamic
-        metrics = StepMetrics(
-            loss, grad_norm, overflowed, bubble_fraction(wait_s, compute_s), self.times, bad
-        )
+        metrics = StepMetrics(loss, grad_norm, overflowed, bubble, times, bad)
         metrics.loss_scale, metrics.skipped_steps = scale, int(skipped_steps)
-        rest = values[10:]
+        rest = values[8:]
         if self.routed:
             metrics.expert_imbalance, metrics.dropped_tokens = rest[0], int(rest[1])
             rest = rest[2:]

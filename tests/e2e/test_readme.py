@@ -59,14 +59,15 @@ SHORT = {
     "python tools/bench_pp.py": f"--steps 1 --warmup 0 {SMALL_BENCH} --micro-batch 2",
     "python tools/bench_zero.py": f"--steps 1 --warmup 0 {SMALL_BENCH} --micro-batch 2",
     "python tools/bench_kernels.py": "--cpu-smoke",
-    # the tiny configs' shapes (grouped K/V, rotary, experts), both attention branches (whole
-    # windows; blocks with documents), every candidate, one target
+    # the tiny configs' shapes (grouped K/V, rotary, experts), every candidate, one target; of
+    # attention the branch of blocks with documents (tests/kernels/test_gpu_build.py builds the
+    # whole windows' sweep at head size 128)
     "python tools/build_kernels.py": "--configs configs/llama-tiny.yaml configs/mixtral-tiny.yaml "
-    "--jobs 1 --calls attention 'blocks, documents' norms bias_gelu swiglu rotary "
+    "--jobs 1 --calls 'blocks, documents' norms bias_gelu swiglu rotary "
     "cross_entropy grouped_mm wgrad_accumulate",
     "python tools/bench_cp.py --seq 4096 --cp 2": "--seq 256 --heads 2 --kv-heads 1 "
     "--head-dim 16 --steps 1 --warmup 0",
-    "python tools/bench_gpu.py": "--device cpu --configs configs/gpt2-124m.yaml --layers 2 "
+    "python tools/bench_gpu.py": "--device cpu --configs configs/gpt2-124m.yaml --layers 1 "
     f"{SMALL_BENCH} --micro-batch 2 --steps 1 --warmup 1",
     "python tools/bench_moe.py": "--tokens 64 --hidden 32 --ffn 48 --experts 4 --repeats 1 "
     "--ranks 2 --eps 1 2 --steps 2 --step-overrides model.n_layers=1 model.hidden=64 "
