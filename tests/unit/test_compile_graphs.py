@@ -153,17 +153,20 @@ def test_compiled_region_fuses_the_elementwise_kernels_under_auto(index, monkeyp
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_frame_stopped_at_the_recompile_limit_in_the_first_step_counts(monkeypatch):
+def test_a_frame_stopped_at_the_recompile_limit_in_the_first_step_counts():
     """Shapes that change within the first step, past dynamo's recompile limit: the frame runs
-    eager from then on and compiles no graph after the first step, yet it is a recompile."""
+    eager from then on and compiles no graph after the first step, yet it is a recompile.
+    (dynamo's own `config.patch`: pytest's monkeypatch undoes a module attribute it did not
+    find in the module's __dict__ by deleting it, which hides the setting from every later
+    compile in the process.)"""
     import torch._dynamo as dynamo
 
     dynamo.reset()
-    monkeypatch.setattr(dynamo.config, "recompile_limit", 2)
-    scale = torch.compile(lambda x: x * 2 + 1, dynamic=False, backend="eager")
-    watch = CompileWatch()
-    for rows in range(1, 5):  # one micro-batch shape each: 2 graphs, then the limit
-        scale(torch.ones(rows))
-    watch.step_done()
-    scale(torch.ones(1))
+    with dynamo.config.patch(recompile_limit=2):
+        scale = torch.compile(lambda x: x * 2 + 1, dynamic=False, backend="eager")
+        watch = CompileWatch()
+        for rows in range(1, 5):  # one micro-batch shape each: 2 graphs, then the limit
+            scale(torch.ones(rows))
+        watch.step_done()
+        scale(torch.ones(1))
     assert watch.recompiles == 1
