@@ -59,12 +59,12 @@ SHORT = {
     "python tools/bench_pp.py": f"--steps 1 --warmup 0 {SMALL_BENCH} --micro-batch 2",
     "python tools/bench_zero.py": f"--steps 1 --warmup 0 {SMALL_BENCH} --micro-batch 2",
     "python tools/bench_kernels.py": "--cpu-smoke",
-    # the tiny configs' shapes (grouped K/V, rotary, experts), every candidate, one target; of
-    # attention the branch of blocks with documents (tests/kernels/test_gpu_build.py builds the
-    # whole windows' sweep at head size 128)
-    "python tools/build_kernels.py": "--configs configs/llama-tiny.yaml configs/mixtral-tiny.yaml "
-    "--jobs 1 --calls 'blocks, documents' norms bias_gelu swiglu rotary "
-    "cross_entropy grouped_mm wgrad_accumulate",
+    # a tiny config's shapes (grouped K/V, rotary, experts: llama-tiny's launches are all among
+    # mixtral-tiny's), every candidate, one target; of attention the branch of blocks with
+    # documents (tests/kernels/test_gpu_build.py builds the whole windows' sweep at head 128)
+    "python tools/build_kernels.py": "--configs configs/mixtral-tiny.yaml --jobs 1 "
+    "--calls 'blocks, documents' norms bias_gelu swiglu rotary cross_entropy grouped_mm "
+    "wgrad_accumulate",
     "python tools/bench_cp.py --seq 4096 --cp 2": "--seq 256 --heads 2 --kv-heads 1 "
     "--head-dim 16 --steps 1 --warmup 0",
     "python tools/bench_gpu.py": "--device cpu --configs configs/gpt2-124m.yaml --layers 1 "
