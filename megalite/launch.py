@@ -94,6 +94,11 @@ def _child(
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=limit
         )
+        # Every rank's gloo mesh is whole before any rank may return and exit: a rank whose
+        # side of the mesh connected can finish first and close a pair its peer is still
+        # handshaking on (the peer's init then fails). Through the store: no collective.
+        store.set(f"joined/{rank}", "1")
+        store.wait([f"joined/{r}" for r in range(world_size)])
         payload = fn(*args)
         status = "ok"
     except BaseException:  # report everything, including assertion errors, to the parent

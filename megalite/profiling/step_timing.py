@@ -196,12 +196,14 @@ def measure_step(
     timer = IntervalTimer(run.ps.device)
     comm_timer.step_timer = timer
     _synchronize(run.ps.device)
-    start = time.perf_counter()
+    # the host clock read inside the step's interval: a garbage collection just outside it
+    # would fall into the wall time and no part
     with timer.interval("step"):
+        start = time.perf_counter()
         metrics = train_step(run, tokens, lr, timer=timer)
+        _synchronize(run.ps.device)
+        wall_s = time.perf_counter() - start
     inner = metrics.times
-    _synchronize(run.ps.device)
-    wall_s = time.perf_counter() - start
     comm_timer.step_timer = None
     outside_executor = timer.totals()["step"]  # less the executor's run and the collectives
     comm_times = comm_timer.step_totals()
