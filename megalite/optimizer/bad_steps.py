@@ -52,6 +52,8 @@ class BadStepPolicy:
         """(bad steps in total, in a row now, good losses ever recorded)."""
         self.recent = torch.full((window,), math.nan, dtype=torch.float64)
         """The last `window` good losses, a ring: the next goes where the count says."""
+        self._seen: tuple[int, int] | None = (0, 0)
+        """(total, in a row) as the host last saw them; None once `count` moved them."""
 
     @classmethod
     def from_config(cls, cfg: FaultConfig) -> BadStepPolicy:
@@ -108,6 +110,17 @@ class BadStepPolicy:
         bad = (~good).to(torch.float64)
         counters = torch.stack([total + bad, (in_a_row + 1) * bad, recorded + 1 - bad])
         self.counters = counters if excused is None else torch.where(excused, self.counters, counters)
+        self._seen = None
+
+    def saw(self, counters: list[float]) -> None:
+        """The counters (total, in a row) as a copy of `counters[:2]` brought them to the host
+        (the step's one read of its metrics), so that reading them costs no wait."""
+        self._seen = (int(counters[0]), int(counters[1]))
+
+    def _host_counters(self) -> tuple[int, int]:
+        if self._seen is None:
+            self.saw(self.counters[:2].tolist())
+        return self._seen
 
     def describe(self, verdict: list[float], loss: float) -> str | None:
         """Why the step with this verdict (`judge`'s, on the host) and loss is bad, or None."""
@@ -128,11 +141,11 @@ class BadStepPolicy:
 
     @property
     def total(self) -> int:
-        return int(self.counters[0].item())
+        return self._host_counters()[0]
 
     @property
     def in_a_row(self) -> int:
-        return int(self.counters[1].item())
+        return self._host_counters()[1]
 
     @property
     def exhausted(self) -> bool:
@@ -158,3 +171,4 @@ class BadStepPolicy:
         self.recent = torch.full((self.window,), math.nan, dtype=torch.float64)
         self.recent[: len(recent)] = torch.tensor(recent, dtype=torch.float64)
         self._move_to(device)
+        self._seen = None

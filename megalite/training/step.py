@@ -186,6 +186,7 @@ def launch_step(
         (skipped if skipped is not None else skip).double().view(1),  # read: fp16 only
         verdict,
         run.scaler.state[::2],  # the scale after this step, the steps it skipped
+        run.bad_steps.counters[:2],  # bad steps in total and in a row, for the loop's hooks
     ]
     packed += [] if routing is None else [routing]
     packed += [] if watched is None else [watched]
@@ -208,6 +209,7 @@ class LaunchedStep:
         values = self.packed.tolist()
         loss, grad_norm, skipped, *verdict = values[:6]
         scale, skipped_steps = values[6:8]
+        self.run.bad_steps.saw(values[8:10])
         times = self.timed.times()
         wait_and_compute = on_device([times.wait_s, times.compute_s], self.run.ps.device)
         comm.all_reduce(wait_and_compute, self.run.ps.group("pp"))
@@ -216,7 +218,7 @@ class LaunchedStep:
         overflowed = skipped > 0 and self.run.scaler.dynamic
         metrics = StepMetrics(loss, grad_norm, overflowed, bubble, times, bad)
         metrics.loss_scale, metrics.skipped_steps = scale, int(skipped_steps)
-        rest = values[8:]
+        rest = values[10:]
         if self.routed:
             metrics.expert_imbalance, metrics.dropped_tokens = rest[0], int(rest[1])
             rest = rest[2:]
