@@ -36,8 +36,8 @@ from megalite import comm
 from megalite.config import FaultConfig
 from megalite.parallel_state import ParallelState
 
-GOOD, LOSS_NOT_FINITE, GRAD_NOT_FINITE, SPIKE = 0, 1, 2, 3
-"""The verdict's codes, the first that applies."""
+GOOD, SPIKE, GRAD_NOT_FINITE, LOSS_NOT_FINITE = 0, 1, 2, 3
+"""The verdict's codes: the largest that applies."""
 
 
 class BadStepPolicy:
@@ -50,8 +50,10 @@ class BadStepPolicy:
         self.max_in_a_row, self.spike_factor, self.window = max_in_a_row, spike_factor, window
         self.counters = torch.zeros(3, dtype=torch.float64)
         """(bad steps in total, in a row now, good losses ever recorded)."""
-        self.recent = torch.full((window,), math.nan, dtype=torch.float64)
-        """The last `window` good losses, a ring: the next goes where the count says."""
+        self.recent = torch.full((window,), math.inf, dtype=torch.float64)
+        """The last `window` good losses, a ring: the next goes where the count says; an empty
+        slot holds inf, which sorts after every loss."""
+        self._tables_on: torch.device | None = None
         self._seen: tuple[int, int] | None = (0, 0)
         """(total, in a row) as the host last saw them; None once `count` moved them."""
 
@@ -70,45 +72,50 @@ class BadStepPolicy:
         good losses it is over), float64 on the device (`describe` says it in words). An
         `excused` step (a flag: an fp16 overflow the loss scaler skips, its loss finite) is
         good and counts for nothing. Collective over the world."""
-        non_finite = grad_norm.isfinite().logical_not().to(torch.float32)
+        non_finite = ((grad_norm - grad_norm) != 0).float()  # inf - inf and NaN are NaN
         comm.all_reduce_max(non_finite, ps.world_group)
-        verdict = self.verdict(loss, non_finite)
-        if excused is not None:
-            verdict[0] = torch.where(excused, GOOD, verdict[0])
-        self.count(verdict[0], loss, excused)
+        verdict = self.verdict(loss, non_finite, excused)
+        self.count(verdict[:1], loss, excused)
         return verdict
 
-    def verdict(self, loss: torch.Tensor, non_finite_grad: torch.Tensor) -> torch.Tensor:
+    def verdict(
+        self,
+        loss: torch.Tensor,
+        non_finite_grad: torch.Tensor,
+        excused: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The verdict (`judge`) on a step with this (global) loss, not counted. Spikes are
         judged from the first good loss on: losses fall fastest early, so a short window's
         median errs high, towards letting a step pass, and waiting for a full window would let
-        a run that diverges early (or soon after a resume) save its diverged weights as good."""
+        a run that diverges early (or soon after a resume) save its diverged weights as good.
+        A score of small tensor operations (each a kernel launch on a GPU): the flags in one
+        vector, the code the largest one's."""
         self._move_to(loss.device)
-        loss = loss.to(torch.float64)
-        held = self.counters[2].clamp(max=self.window)
-        kept = torch.arange(self.window, device=loss.device) < held
-        ordered = torch.where(kept, self.recent, math.inf).sort().values
-        middle = torch.stack([(held - 1).clamp_min(0) // 2, held // 2]).long()
-        median = ordered[middle].mean()  # statistics.median's: the two middle ones' mean
-        spike = (held > 0) & (loss > self.spike_factor * median) & (self.spike_factor > 0)
-        code = torch.where(spike, SPIKE, GOOD)
-        code = torch.where(non_finite_grad > 0, GRAD_NOT_FINITE, code)
-        code = torch.where(loss.isfinite(), code, LOSS_NOT_FINITE)
-        return torch.stack([code.to(torch.float64), median, held])
+        loss = loss.to(torch.float64).view(1)
+        held = self.counters[2:].clamp(max=self.window)
+        middle = self._middles[held.long()]  # statistics.median's: the two middle ones' mean
+        median = self.recent.sort().values[middle].mean(1)
+        spike = self._no if self.spike_factor <= 0 else (loss > self.spike_factor * median) & (held > 0)
+        flags = torch.cat([spike, non_finite_grad.view(1) > 0, (loss - loss) != 0])
+        code = (flags * self._codes).amax().view(1)
+        if excused is not None:
+            code = code * excused.logical_not()
+        return torch.cat([code, median, held])
 
     def count(
         self, code: torch.Tensor, loss: torch.Tensor, excused: torch.Tensor | None = None
     ) -> None:
-        """Count a judged step: a bad one in the totals, a good one's loss in the window; an
-        `excused` one not at all."""
+        """Count a judged step (`code` a 1-element float64 tensor): a bad one in the totals, a
+        good one's loss in the window; an `excused` one not at all."""
         self._move_to(code.device)
-        good = code == GOOD
-        total, in_a_row, recorded = self.counters.unbind()
-        slot = (recorded % self.window).long().view(1)
-        kept = good if excused is None else good & ~excused
-        self.recent.index_put_((slot,), torch.where(kept, loss.to(torch.float64), self.recent[slot]))
-        bad = (~good).to(torch.float64)
-        counters = torch.stack([total + bad, (in_a_row + 1) * bad, recorded + 1 - bad])
+        bad = (code > GOOD).double()
+        slot = self._slots == self.counters[2] % self.window
+        write = slot & (bad == 0) if excused is None else slot & (bad == 0) & ~excused
+        self.recent = torch.where(write, loss.to(torch.float64), self.recent)
+        # (total + bad, (in a row + 1) x bad, recorded + good): counters x keep + add
+        keep = torch.addcmul(self._basis[0], bad, self._basis[1])
+        add = torch.addcmul(self._basis[2], bad, self._basis[3])
+        counters = torch.addcmul(add, self.counters, keep)
         self.counters = counters if excused is None else torch.where(excused, self.counters, counters)
         self._seen = None
 
@@ -137,7 +144,19 @@ class BadStepPolicy:
         return None
 
     def _move_to(self, device: torch.device) -> None:
+        """The state, and the constant tables the verdict reads, on `device` (once)."""
+        if self._tables_on == device:
+            return
         self.counters, self.recent = self.counters.to(device), self.recent.to(device)
+        held = torch.arange(self.window + 1)
+        self._middles = torch.stack([(held - 1).clamp_min(0) // 2, held // 2], 1).to(device)
+        self._slots = torch.arange(self.window, dtype=torch.float64).to(device)
+        self._codes = torch.tensor([SPIKE, GRAD_NOT_FINITE, LOSS_NOT_FINITE], dtype=torch.float64)
+        self._codes = self._codes.to(device)
+        basis = [[1, 0, 1], [0, 1, 0], [0, 0, 1], [1, 1, -1]]  # keep, its bad part; add, its bad
+        self._basis = torch.tensor(basis, dtype=torch.float64).to(device)
+        self._no = torch.zeros(1, dtype=torch.bool).to(device)
+        self._tables_on = device
 
     @property
     def total(self) -> int:
@@ -168,7 +187,8 @@ class BadStepPolicy:
         recent = state["recent"][-self.window :]
         device = self.counters.device
         self.counters = torch.tensor([state["total"], 0, len(recent)], dtype=torch.float64)
-        self.recent = torch.full((self.window,), math.nan, dtype=torch.float64)
+        self.recent = torch.full((self.window,), math.inf, dtype=torch.float64)
         self.recent[: len(recent)] = torch.tensor(recent, dtype=torch.float64)
+        self._tables_on = None
         self._move_to(device)
         self._seen = None

