@@ -133,7 +133,7 @@ def train_step(
     """tokens: this rank's share of the global batch on its device (`loop.rank_batch`), or its
     data-parallel slice as whole (n, seq + 1) windows. `timer`: the profiler's, which the
     pipeline executor then times into (`profiling/step_timing.py`). The step runs without
-    waiting for the device (`launch_step`); its metrics then come to the host in one copy."""
+    waiting for the device (`launch_step`); its metrics then come to the host (`read`)."""
     return launch_step(run, tokens, lr, timer).read()
 
 
