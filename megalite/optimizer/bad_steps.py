@@ -95,7 +95,9 @@ class BadStepPolicy:
         held = self.counters[2:].clamp(max=self.window)
         middle = self._middles[held.long()]  # statistics.median's: the two middle ones' mean
         median = self.recent.sort().values[middle].mean(1)
-        spike = self._no if self.spike_factor <= 0 else (loss > self.spike_factor * median) & (held > 0)
+        spike = self._no
+        if self.spike_factor > 0:
+            spike = (loss > self.spike_factor * median) & (held > 0)
         flags = torch.cat([spike, non_finite_grad.view(1) > 0, (loss - loss) != 0])
         code = (flags * self._codes).amax().view(1)
         if excused is not None:
@@ -116,7 +118,9 @@ class BadStepPolicy:
         keep = torch.addcmul(self._basis[0], bad, self._basis[1])
         add = torch.addcmul(self._basis[2], bad, self._basis[3])
         counters = torch.addcmul(add, self.counters, keep)
-        self.counters = counters if excused is None else torch.where(excused, self.counters, counters)
+        if excused is not None:
+            counters = torch.where(excused, self.counters, counters)
+        self.counters = counters
         self._seen = None
 
     def saw(self, counters: list[float]) -> None:

@@ -157,7 +157,8 @@ class DistributedOptimizer:
             ):
                 pieces += [state.grads[start:end] for start, end in ranges]
                 groups += [group] * len(ranges)
-        membership = torch.nn.functional.one_hot(torch.tensor(groups, dtype=torch.int64), len(views) + 1)
+        group_of_piece = torch.tensor(groups, dtype=torch.int64)
+        membership = torch.nn.functional.one_hot(group_of_piece, len(views) + 1)
         return pieces, membership.to(self.ps.device, torch.float64)
 
     def _counts_in_norm(self, meta: ParamMeta) -> bool:
@@ -218,9 +219,8 @@ class DistributedOptimizer:
         if placement.offloaded or self.adamw.state_dtype != torch.float32:
             for i, state in enumerate(self.states):
                 grads = placement.gradient(i)
-                self.adamw.update(
-                    state.master, grads, state.exp_avg, state.exp_avg_sq, state.decay, lr, state.noise
-                )
+                moments = (state.exp_avg, state.exp_avg_sq)
+                self.adamw.update(state.master, grads, *moments, state.decay, lr, state.noise)
                 placement.parameters_up(i, state.master, state.params)
         else:  # fp32 moments beside the weights: every piece in one kernel call per decay
             pieces = [(s.master, s.grads, s.exp_avg, s.exp_avg_sq, s.decay) for s in self.states]

@@ -259,8 +259,8 @@ class PipelineExecutor:
     ) -> tuple[torch.Tensor, TimedRun]:
         """Run the actions of `schedule` (forward-only ones for evaluation, under no_grad);
         returns the sum over this rank's micro-batches of loss_weight * token-loss sum (zero off
-        the last stage) and its timer, to be read later. `timer`: the caller's (a profiler that also times the
-        rest of the step into it); by default one of the run's own."""
+        the last stage) and its timer, to be read later. `timer`: the caller's (a profiler that
+        also times the rest of the step into it); by default one of the run's own."""
         timer = IntervalTimer(self.ps.device) if timer is None else timer
         split = any(a.op is Op.WEIGHT for a in schedule)
         step = _Step(micro_batches, loss_weight, loss_scale, self.ps.device, timer, split)

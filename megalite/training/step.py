@@ -185,11 +185,11 @@ def launch_step(
     packed = [
         loss.double().view(1),
         grad_norm.double().view(1),
-        (skipped if skipped is not None else skip).double().view(1),  # read: fp16 only
         verdict,
         run.scaler.state[::2],  # the scale after this step, the steps it skipped
         run.bad_steps.counters[:2],  # bad steps in total and in a row, for the loop's hooks
     ]
+    packed += [] if skipped is None else [skipped.view(1)]  # this step's fp16 overflow
     packed += [] if routing is None else [routing]
     packed += [] if watched is None else [watched]
     return LaunchedStep(torch.cat(packed), timed, run, routing is not None, watched is not None)
@@ -207,20 +207,26 @@ class LaunchedStep:
 
     def read(self) -> StepMetrics:
         """The metrics on the host: one copy from the device (a wait for the step's end), then
-        the pipeline's bubble from every stage's timings. Collective over the pp group."""
+        (pp > 1) the pipeline's bubble from every stage's timings. Collective over the pp
+        group."""
         values = self.packed.tolist()
-        loss, grad_norm, skipped, *verdict = values[:6]
-        scale, skipped_steps = values[6:8]
-        self.run.bad_steps.saw(values[8:10])
+        loss, grad_norm, *verdict = values[:5]
+        scale, skipped_steps = values[5:7]
+        self.run.bad_steps.saw(values[7:9])
+        rest = values[9:]
+        overflowed = False
+        if self.run.scaler.dynamic:
+            overflowed, rest = rest[0] > 0, rest[1:]
         times = self.timed.times()
-        wait_and_compute = on_device([times.wait_s, times.compute_s], self.run.ps.device)
-        comm.all_reduce(wait_and_compute, self.run.ps.group("pp"))
-        bubble = bubble_fraction(*wait_and_compute.tolist())  # of the whole pipeline
+        wait_s, compute_s = times.wait_s, times.compute_s
+        if self.run.ps.size("pp") > 1:  # the whole pipeline's (one stage's is all it has)
+            wait_and_compute = on_device([wait_s, compute_s], self.run.ps.device)
+            comm.all_reduce(wait_and_compute, self.run.ps.group("pp"))
+            wait_s, compute_s = wait_and_compute.tolist()
         bad = self.run.bad_steps.describe(verdict, loss)
-        overflowed = skipped > 0 and self.run.scaler.dynamic
+        bubble = bubble_fraction(wait_s, compute_s)
         metrics = StepMetrics(loss, grad_norm, overflowed, bubble, times, bad)
         metrics.loss_scale, metrics.skipped_steps = scale, int(skipped_steps)
-        rest = values[10:]
         if self.routed:
             metrics.expert_imbalance, metrics.dropped_tokens = rest[0], int(rest[1])
             rest = rest[2:]

@@ -23,35 +23,45 @@ MIXTRAL = ("model.arch=mixtral", "model.moe_experts=4", "model.moe_top_k=2", "mo
 PP = ("parallel.pp=2", "train.micro_batch_size=1")
 VPP = (*PP, "parallel.vpp=2", "model.n_layers=4")
 
-LAYOUTS = {
-    "single": (1, ()),
-    "single-full-recompute": (1, ("train.recompute=full",)),
-    "single-fp16-bf16-moments": (1, ("train.precision=fp16", "optim.state_dtype=bf16")),
-    "dp2-zero1": (2, ("parallel.zero=1",)),
-    "dp2-zero2-segments": (2, ("parallel.zero=2", "train.recompute=segments")),
-    "tp2-sp": (2, ("parallel.tp=2", "parallel.sp=true")),
-    "cp2": (2, ("parallel.cp=2",)),
-    "pp2-gpipe": (2, (*PP, "parallel.schedule=gpipe")),
-    "pp2-1f1b": (2, (*PP, "parallel.schedule=1f1b")),
-    "pp2-interleaved": (2, (*VPP, "parallel.schedule=interleaved")),
-    "pp2-zb-h1": (2, (*PP, "parallel.schedule=zb-h1")),
-    "pp2-zb-v": (2, (*VPP, "parallel.schedule=zb-v")),
-    "mixtral-capped": (1, (*MIXTRAL, "model.moe_capacity_factor=1.0")),
-    "mixtral-ep2": (2, (*MIXTRAL, "parallel.ep=2")),
+LAYOUTS = {  # (world, config, overrides); no config: a 2-layer model of toy widths
+    "single": (1, None, ()),
+    "single-full-recompute": (1, None, ("train.recompute=full",)),
+    "single-fp16-bf16-moments": (1, None, ("train.precision=fp16", "optim.state_dtype=bf16")),
+    "dp2-zero1": (2, None, ("parallel.zero=1",)),
+    "dp2-zero2-segments": (2, None, ("parallel.zero=2", "train.recompute=segments")),
+    "tp2-sp": (2, None, ("parallel.tp=2", "parallel.sp=true")),
+    "cp2": (2, None, ("parallel.cp=2",)),
+    "pp2-gpipe": (2, None, (*PP, "parallel.schedule=gpipe")),
+    "pp2-1f1b": (2, None, (*PP, "parallel.schedule=1f1b")),
+    "pp2-interleaved": (2, None, (*VPP, "parallel.schedule=interleaved")),
+    "pp2-zb-h1": (2, None, (*PP, "parallel.schedule=zb-h1")),
+    "pp2-zb-v": (2, None, (*VPP, "parallel.schedule=zb-v")),
+    "mixtral-capped": (1, None, (*MIXTRAL, "model.moe_capacity_factor=1.0")),
+    "mixtral-ep2": (2, None, (*MIXTRAL, "parallel.ep=2")),
+}
+LAYOUTS |= {  # shipped configs at their own widths, vocabulary, sequence and micro-batch
+    "gpt-tiny-tp2-sp": (2, "configs/gpt-tiny.yaml", ("parallel.tp=2", "parallel.sp=true")),
+    "mixtral-tiny-ep2": (
+        2,
+        "configs/mixtral-tiny.yaml",
+        ("parallel.ep=2", "train.micro_batch_size=4"),
+    ),
 }
 
 
-def _syncs(overrides: tuple[str, ...]) -> tuple[dict[str, int], int]:
+def _syncs(overrides: tuple[str, ...], config: str | None = None) -> tuple[dict[str, int], int]:
     """This rank's host syncs in its third step, by site, and the step's MoE layers times its
-    micro-batches."""
-    cfg = load_config(None, [*TWO_LAYERS, *overrides])
+    micro-batches. Without a `config`: a 2-layer model of toy widths."""
+    base = () if config else TWO_LAYERS
+    cfg = load_config(config, [*base, *overrides, "train.device=cpu", "train.precision=fp32"])
     cfg.layout_for_world(torch.distributed.get_world_size())
     p = cfg.parallel
     ps = build_parallel_state(p.tp, p.pp, torch.device("cpu"), cp=p.cp, ep=p.ep)
     run = build_run(cfg, ps)
     rows = cfg.train.global_batch_size // ps.size("dp")
     generator = torch.Generator().manual_seed(ps.coord("dp"))
-    tokens = torch.randint(0, cfg.model.vocab_size, (rows, cfg.model.seq_len + 1), generator=generator)
+    shape = (rows, cfg.model.seq_len + 1)
+    tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=generator)
     for _ in range(2):
         launch_step(run, tokens, 1e-3).read()
     with counting(ps.device) as tally:
@@ -62,8 +72,8 @@ def _syncs(overrides: tuple[str, ...]) -> tuple[dict[str, int], int]:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_steady_step_waits_for_the_device_nowhere(layout):
-    world, overrides = LAYOUTS[layout]
-    for sites, moe_calls in run_ranks(world, _syncs, overrides):
+    world, config, overrides = LAYOUTS[layout]
+    for sites, moe_calls in run_ranks(world, _syncs, overrides, config):
         if "parallel.ep=2" in overrides:  # the split sizes of each layer's exchange
             assert sum(sites.values()) <= moe_calls and moe_calls > 0, sites
             assert all("dispatch.py" in site for site in sites), sites

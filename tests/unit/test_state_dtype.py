@@ -17,7 +17,9 @@ from megalite.data import GlobalBatchSampler
 from megalite.optimizer.adamw import (
     AdamW,
     NoiseSegment,
+    _int32,
     noise_seed,
+    noise_seeds,
     rounding_noise,
     stochastic_round_,
 )
@@ -101,6 +103,17 @@ def test_rounding_noise_depends_on_step_tensor_and_index_only():
         assert agree < 0.01
         corr = torch.corrcoef(torch.stack([other, whole]).double())[0, 1].item()
         assert abs(corr) < 0.1
+
+
+def test_the_device_draws_the_seeds_the_spec_gives():
+    """`noise_seeds` (the step count a tensor, as a skipped step leaves it on the device) is
+    `noise_seed`, bit for bit, for keys over the whole 32-bit range and counts up to fp32's
+    exact integers."""
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randint(0, 1 << 32, (500,), generator=generator).tolist() + [0, 1, (1 << 32) - 1]
+    for step in (0, 1, 9, 12345, (1 << 24) - 1):
+        drawn = noise_seeds(torch.tensor(float(step)), torch.tensor(keys)).tolist()
+        assert drawn == [_int32(noise_seed(step, key)) for key in keys], step
 
 
 def test_a_bf16_update_is_the_same_in_one_chunk_or_many(monkeypatch):
