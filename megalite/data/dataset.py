@@ -123,8 +123,14 @@ class TokenBatch:
         return cls(windows.shape[0], windows[:, :-1], windows[:, 1:])
 
     def to(self, device: torch.device) -> TokenBatch:
-        inputs, targets = (None if t is None else t.to(device) for t in (self.inputs, self.targets))
-        return TokenBatch(self.size, inputs, targets)
+        """The batch on `device`; onto a GPU from pinned memory, so the host does not wait."""
+
+        def moved(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or device.type != "cuda":
+                return None if t is None else t.to(device)
+            return t.pin_memory().to(device, non_blocking=True)
+
+        return TokenBatch(self.size, moved(self.inputs), moved(self.targets))
 
 
 class BlendedDataset:

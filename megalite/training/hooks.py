@@ -2,7 +2,12 @@
 the step's `StepRecord` in `after_step`, may add to its metrics row, and is closed when the run
 reaches its last step. The loop calls its hooks in order; a new concern of the run (signals, a
 watchdog, a profiler window, asynchronous saves, a bad-step policy) is a new hook with its own
-test, not a branch in the loop."""
+test, not a branch in the loop.
+
+The loop reads a step's metrics from the device only where a hook needs them then
+(`reads_at`: a log, an evaluation, a checkpoint, the last step); in between the host launches
+step after step without waiting. At a read every step since the last one reaches the hooks, in
+order, and only the newest (`StepRecord.newest`) is the step the weights are at."""
 
 from __future__ import annotations
 
@@ -35,13 +40,22 @@ class StepRecord:
     """The step's metrics row (metrics.jsonl, wandb); hooks add to it, e.g. `val_loss`."""
     checkpoint: Path | None = None
     """Where this step was saved, when it was."""
+    newest: bool = True
+    """Whether the weights are at this step: the last one launched, where the loop read. A
+    hook that acts on the run (saves, stops) acts on the newest record alone."""
 
 
 class Hook:
     """Base of the loop's hooks: override what the hook needs."""
 
+    def reads_at(self, step: int) -> bool:
+        """Whether this hook acts after `step` (steps done), so that the loop must read that
+        step's metrics before it launches the next."""
+        return False
+
     def after_step(self, record: StepRecord) -> None:
-        """Called on every rank after every step, in the order of the loop's list."""
+        """Called on every rank for every step, in the order of the loop's list, at the read
+        that follows it."""
 
     def close(self) -> None:
         """Called once the last step is done."""
@@ -69,14 +83,15 @@ class BadSteps(Hook):
         self.policy, self.last_good, self.log = policy, last_good, log
 
     def after_step(self, record: StepRecord) -> None:
-        record.row["bad_steps"] = self.policy.total
-        if record.metrics.bad is None or not self.policy.exhausted:
+        metrics = record.metrics
+        record.row["bad_steps"] = metrics.bad_steps
+        if metrics.bad is None or metrics.bad_in_a_row < self.policy.max_in_a_row:
             return
         self.log(record.row)
-        good = self.last_good(record.step - self.policy.in_a_row)
+        good = self.last_good(record.step - metrics.bad_in_a_row)
         where = f"{good} (checkpoint.resume={good} continues from it)" if good else "none"
         raise TrainingError(
-            f"{self.policy.in_a_row} bad steps in a row, the last at step {record.step} "
+            f"{metrics.bad_in_a_row} bad steps in a row, the last at step {record.step} "
             f"({record.metrics.bad}): stopping. Last good checkpoint: {where}; lower "
             "optim.lr, raise optim.warmup_steps, or use train.precision=bf16/fp32 instead "
             "of fp16"
@@ -92,8 +107,11 @@ class Evaluation(Hook):
     ) -> None:
         self.evaluate, self.interval, self.steps, self.say = evaluate, interval, steps, say
 
+    def reads_at(self, step: int) -> bool:
+        return self.interval <= self.steps and due(step, self.interval, self.steps)
+
     def after_step(self, record: StepRecord) -> None:
-        if self.interval > self.steps or not due(record.step, self.interval, self.steps):
+        if not (record.newest and self.reads_at(record.step)):
             return
         val_loss = record.row["val_loss"] = self.evaluate()
         record.row["val_ppl"] = math.exp(min(val_loss, 50.0))
@@ -102,15 +120,18 @@ class Evaluation(Hook):
 
 class MetricsLogging(Hook):
     """A metrics row every `interval` steps, after the last one and with every evaluation; the
-    progress bar after every step. Collective: every rank logs the same rows (the logger
+    progress bar at every step as it is read. Collective: every rank logs the same rows (the logger
     gathers the straggler and memory figures of all ranks into each)."""
 
     def __init__(self, logger: MetricsLogger, interval: int, steps: int) -> None:
         self.logger, self.interval, self.steps = logger, interval, steps
 
+    def reads_at(self, step: int) -> bool:
+        return due(step, self.interval, self.steps)
+
     def after_step(self, record: StepRecord) -> None:
         row = record.row
-        if due(record.step, self.interval, self.steps) or "val_loss" in row:
+        if (record.newest and self.reads_at(record.step)) or "val_loss" in row:
             self.logger.log(row)
         postfix = {"loss": f"{row['loss']:.4f}", "lr": f"{row['lr']:.2e}"}
         self.logger.progress(record.step, {**postfix, "tok/s": f"{row['tokens_per_sec']:.0f}"})
@@ -143,12 +164,17 @@ class Checkpointing(Hook):
         self.finish_written = finish_written
         self.told = False
 
+    def reads_at(self, step: int) -> bool:
+        return due(step, self.interval, self.steps)
+
     def after_step(self, record: StepRecord) -> None:
+        if not record.newest:
+            return
         if self.finish_written is not None:
             self.finish_written()
         streak = self.streak()
         self.told = self.told and streak > 0
-        if not due(record.step, self.interval, self.steps):
+        if not self.reads_at(record.step):
             return
         if streak == 0 or record.step == self.steps:
             record.checkpoint = self.save()

@@ -69,7 +69,7 @@ from megalite.training.metrics import MetricsLogger, StepCost, metrics_row, rese
 from megalite.training.preemption import Preempted, Preemption
 from megalite.training.run_lock import lock_out_dir
 from megalite.training.setup import Run, build_run
-from megalite.training.step import eval_loss, train_step
+from megalite.training.step import LaunchedStep, eval_loss, launch_step, read_steps
 from megalite.training.trackers import new_tracker_id
 from megalite.training.watchdog import Watchdog, collective_timeout
 
@@ -179,22 +179,34 @@ def close_run(hooks: list[Hook], summary: Summary, ps: ParallelState) -> None:
 def run_steps(
     run: Run, state: RunState, train_data: BlendedDataset, cost: StepCost, hooks: list[Hook]
 ) -> dict[str, float]:
-    """Train from `state.step` to the last step, handing each finished step to the hooks in
-    order; returns the last step's metrics row."""
+    """Train from `state.step` to the last step; returns the last step's metrics row. Steps are
+    launched without reading anything back (`launch_step`) until one that a hook acts after
+    (`Hook.reads_at`: every log interval, an evaluation, a checkpoint, the last step); there the
+    metrics of every step since the last read come to the host in one copy, and each step's
+    record goes to the hooks in order. Their step time is the interval's wall time shared out
+    evenly, as the device ran them back to back."""
     cfg, steps = run.cfg, run.cfg.train.steps
     row: dict[str, float] = {}
+    launched: list[tuple[int, float, LaunchedStep]] = []  # (step, lr, step) not yet read
+    reset_peak_memory(run.ps.device)
+    start = time.perf_counter()
     for step in range(state.step, steps):
         lr = learning_rate(step, cfg.optim, steps)
         batch = rank_batch(train_data, state.sampler.next_batch(), run)
-        reset_peak_memory(run.ps.device)
-        start = time.perf_counter()
-        metrics = train_step(run, batch, lr)
-        elapsed = time.perf_counter() - start
+        launched.append((step + 1, lr, launch_step(run, batch, lr)))
         state.step = step + 1
-        row = metrics_row(state.step, metrics, lr, elapsed, cost)
-        record = StepRecord(state.step, metrics, lr, elapsed, row)
-        for hook in hooks:
-            hook.after_step(record)
+        if not any(hook.reads_at(state.step) for hook in hooks):
+            continue
+        metrics = read_steps([one for _, _, one in launched])
+        elapsed = (time.perf_counter() - start) / len(launched)
+        for (done, lr, _), step_metrics in zip(launched, metrics):
+            row = metrics_row(done, step_metrics, lr, elapsed, cost)
+            record = StepRecord(done, step_metrics, lr, elapsed, row, newest=done == state.step)
+            for hook in hooks:
+                hook.after_step(record)
+        launched = []
+        reset_peak_memory(run.ps.device)
+        start = time.perf_counter()  # an evaluation or a save is not a step's time
     run.optimizer.finish_param_gather()  # the last update's weights, whole on every rank
     return row
 

@@ -4,8 +4,10 @@ kills. On either signal the run finishes the step it is on, saves a checkpoint o
 and exits with `PREEMPTED_EXIT_CODE`; running the same command again continues from it.
 
 The signal may reach only some ranks (a node's processes are signalled by their own agent), so
-after every step the ranks agree through a max all-reduce of a one-element flag over the world:
-all stop after the same step, and the save, which is collective, runs on all of them. A second
+the ranks agree through a max all-reduce of a one-element flag over the world: all stop after
+the same step, and the save, which is collective, runs on all of them. They ask at each step
+the loop reads (`training/hooks.py`), every `train.log_interval` steps at least, where the
+host waits for the device anyway: a grace period must outlast that many steps. A second
 signal while saving is only noted: nothing interrupts the save, and the checkpoint is published
 by a rename when complete, so even the SIGKILL that follows a grace period cannot leave a
 half-written `latest`."""
@@ -98,11 +100,11 @@ class StopSignals:
 
 
 class Preemption(Hook):
-    """After every step but the last: if any rank caught a preemption signal, every rank saves
-    this step (unless the checkpoint hook just did), completes the save, and raises `Preempted`.
-    After the last step the run ends anyway, exiting 0 once its last save is published: a
-    requeue would only find it done. Collective: one max all-reduce of a flag per step over
-    the world."""
+    """At each step the loop reads but the last: if any rank caught a preemption signal, every
+    rank saves this step (unless the checkpoint hook just did), completes the save, and raises
+    `Preempted`. After the last step the run ends anyway, exiting 0 once its last save is
+    published: a requeue would only find it done. Collective: one max all-reduce of a flag
+    over the world at each read."""
 
     def __init__(
         self,
@@ -123,7 +125,7 @@ class Preemption(Hook):
         return bool(flag.item())
 
     def after_step(self, record: StepRecord) -> None:
-        if record.step == self.last_step or not self.stop_requested():
+        if not record.newest or record.step == self.last_step or not self.stop_requested():
             return
         checkpoint = record.checkpoint or self.save()
         checkpoint = self.finish() or checkpoint  # an asynchronous save is published here

@@ -54,6 +54,10 @@ class StepMetrics:
     """The loss scale after this step (fp16's moves; 1 otherwise)."""
     skipped_steps: int = 0
     """Steps the fp16 loss scaler has skipped so far."""
+    bad_steps: int = 0
+    """Bad steps (`optimizer/bad_steps.py`) so far, this one included."""
+    bad_in_a_row: int = 0
+    """The bad-step streak this step ends (0: it was good)."""
 
 
 def route_balance(run: Run, skip: torch.Tensor) -> torch.Tensor | None:
@@ -206,33 +210,52 @@ class LaunchedStep:
     compiled: bool
 
     def read(self) -> StepMetrics:
-        """The metrics on the host: one copy from the device (a wait for the step's end), then
-        (pp > 1) the pipeline's bubble from every stage's timings. Collective over the pp
+        """The metrics on the host (`read_steps` of this step alone). Collective over the pp
         group."""
-        values = self.packed.tolist()
-        loss, grad_norm, *verdict = values[:5]
-        scale, skipped_steps = values[5:7]
-        self.run.bad_steps.saw(values[7:9])
-        rest = values[9:]
-        overflowed = False
-        if self.run.scaler.dynamic:
-            overflowed, rest = rest[0] > 0, rest[1:]
-        times = self.timed.times()
-        wait_s, compute_s = times.wait_s, times.compute_s
-        if self.run.ps.size("pp") > 1:  # the whole pipeline's (one stage's is all it has)
-            wait_and_compute = on_device([wait_s, compute_s], self.run.ps.device)
-            comm.all_reduce(wait_and_compute, self.run.ps.group("pp"))
-            wait_s, compute_s = wait_and_compute.tolist()
-        bad = self.run.bad_steps.describe(verdict, loss)
-        bubble = bubble_fraction(wait_s, compute_s)
-        metrics = StepMetrics(loss, grad_norm, overflowed, bubble, times, bad)
-        metrics.loss_scale, metrics.skipped_steps = scale, int(skipped_steps)
-        if self.routed:
-            metrics.expert_imbalance, metrics.dropped_tokens = rest[0], int(rest[1])
-            rest = rest[2:]
-        if self.compiled:
-            metrics.compile_s, metrics.recompiles = rest[0], int(rest[1])
-        return metrics
+        return read_steps([self])[0]
+
+
+def read_steps(steps: list[LaunchedStep]) -> list[StepMetrics]:
+    """The metrics of steps launched one after another on the host: one copy from the device
+    for all of them (a wait for the last one's end), then (pp > 1) their pipeline bubbles from
+    every stage's timings in a second. The host mirrors of the bad-step counters are the last
+    step's. Collective over the pp group."""
+    run = steps[0].run
+    rows = torch.stack([step.packed for step in steps]).tolist()
+    times = [step.timed.times() for step in steps]
+    wait_and_compute = [[t.wait_s, t.compute_s] for t in times]
+    if run.ps.size("pp") > 1:  # the whole pipeline's (one stage's is all it has)
+        summed = on_device(sum(wait_and_compute, []), run.ps.device)
+        comm.all_reduce(summed, run.ps.group("pp"))
+        wait_and_compute = summed.view(-1, 2).tolist()
+    run.bad_steps.saw(rows[-1][7:9])
+    return [
+        _metrics(step, values, t, bubble_fraction(*pair))
+        for step, values, t, pair in zip(steps, rows, times, wait_and_compute)
+    ]
+
+
+def _metrics(
+    step: LaunchedStep, values: list[float], times: StepTimes, bubble: float
+) -> StepMetrics:
+    """A step's metrics from its packed values (`launch_step`'s order) on the host."""
+    loss, grad_norm, *verdict = values[:5]
+    scale, skipped_steps = values[5:7]
+    bad_total, bad_in_a_row = values[7:9]
+    rest = values[9:]
+    overflowed = False
+    if step.run.scaler.dynamic:
+        overflowed, rest = rest[0] > 0, rest[1:]
+    bad = step.run.bad_steps.describe(verdict, loss)
+    metrics = StepMetrics(loss, grad_norm, overflowed, bubble, times, bad)
+    metrics.loss_scale, metrics.skipped_steps = scale, int(skipped_steps)
+    metrics.bad_steps, metrics.bad_in_a_row = int(bad_total), int(bad_in_a_row)
+    if step.routed:
+        metrics.expert_imbalance, metrics.dropped_tokens = rest[0], int(rest[1])
+        rest = rest[2:]
+    if step.compiled:
+        metrics.compile_s, metrics.recompiles = rest[0], int(rest[1])
+    return metrics
 
 
 @torch.no_grad()

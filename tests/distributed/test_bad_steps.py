@@ -31,7 +31,7 @@ def _weights(run) -> torch.Tensor:
 def _train_with_nan_grads(out_dir: str) -> dict:
     """Train with NaN written into this rank's reduced gradients on NAN_STEPS (after the dp
     reduction: only this rank's copy, and so only its own gradient norm, sees it)."""
-    real_finalize, real_step = step_module.finalize_grads, loop.train_step
+    real_finalize, real_step = step_module.finalize_grads, loop.launch_step
     steps, weights, error = [], {}, None
 
     def finalize_grads(buffers, ps):
@@ -39,14 +39,14 @@ def _train_with_nan_grads(out_dir: str) -> dict:
         if dist.get_rank() == NAN_RANK and len(steps) in NAN_STEPS:
             buffers[0].owned_grads[0] = math.nan
 
-    def train_step(run, tokens, lr):
+    def launch_step(run, tokens, lr):
         steps.append(run)
         before = _weights(run)
-        metrics = real_step(run, tokens, lr)
-        weights[len(steps)] = (before, _weights(run), metrics.bad)
-        return metrics
+        launched = real_step(run, tokens, lr)
+        weights[len(steps)] = (before, _weights(run), launched.read().bad)
+        return launched
 
-    step_module.finalize_grads, loop.train_step = finalize_grads, train_step
+    step_module.finalize_grads, loop.launch_step = finalize_grads, launch_step
     overrides = [
         *ONE_LAYER,
         "train.steps=10",
@@ -104,7 +104,7 @@ def _train_with_nan_in_the_tied_head(out_dir: str) -> list[str | None]:
     """Two pipeline stages with tied embeddings: NaN written, after the reductions, into the
     last stage's copy of the embedding's gradient, which the gradient norm leaves out (the
     first stage counts the original) but the optimizer applies."""
-    real_finalize, real_step = step_module.finalize_grads, loop.train_step
+    real_finalize, real_step = step_module.finalize_grads, loop.launch_step
     runs, bad = [], []
 
     def finalize_grads(buffers, ps):
@@ -114,13 +114,13 @@ def _train_with_nan_in_the_tied_head(out_dir: str) -> list[str | None]:
                 if param.meta.tied_name is not None:
                     param.main_grad.view(-1)[0] = math.nan
 
-    def train_step(run, tokens, lr):
+    def launch_step(run, tokens, lr):
         runs.append(run)
-        metrics = real_step(run, tokens, lr)
-        bad.append(metrics.bad)
-        return metrics
+        launched = real_step(run, tokens, lr)
+        bad.append(launched.read().bad)
+        return launched
 
-    step_module.finalize_grads, loop.train_step = finalize_grads, train_step
+    step_module.finalize_grads, loop.launch_step = finalize_grads, launch_step
     overrides = [*ONE_LAYER, "model.n_layers=2", "parallel.pp=2", "train.steps=3"]
     loop.train(load_config(None, [*overrides, "checkpoint.interval=0", f"train.out_dir={out_dir}"]))
     return bad

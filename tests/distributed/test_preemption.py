@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from megalite.benchmarks.restarts import TRIAL_CONFIG
 from megalite.checkpoint.sharded import complete_checkpoints, step_dir
 from megalite.config import load_config
@@ -35,21 +37,21 @@ def _signalled_run(overrides: tuple[str, ...], signal_rank: int, at_step: int):
     saving. Returns what stopped the run: (exit code, step, checkpoint), or None."""
     import megalite.training.loop as loop
 
-    train_step, save = loop.train_step, loop.CheckpointSaver.save
+    launch_step, save = loop.launch_step, loop.CheckpointSaver.save
     steps_done = []
 
     def step_then_signal(run, batch, lr):
         steps_done.append(1)
         if run.ps.rank == signal_rank and len(steps_done) == at_step:
             os.kill(os.getpid(), signal.SIGTERM)  # mid-step: the step still finishes
-        return train_step(run, batch, lr)
+        return launch_step(run, batch, lr)
 
     def save_under_fire(self, state, **options):
         if state.ps.rank == signal_rank:
             os.kill(os.getpid(), signal.SIGUSR1)  # a second signal while saving: ignored
         return save(self, state, **options)
 
-    loop.train_step, loop.CheckpointSaver.save = step_then_signal, save_under_fire
+    loop.launch_step, loop.CheckpointSaver.save = step_then_signal, save_under_fire
     try:
         _train(overrides)
     except Preempted as stop:
@@ -57,17 +59,21 @@ def _signalled_run(overrides: tuple[str, ...], signal_rank: int, at_step: int):
     return None
 
 
+@pytest.mark.parametrize("log_interval, stops_at", [(1, 3), (4, 4)])
 def test_a_signal_to_one_rank_stops_all_after_one_saved_step_and_resume_continues(
-    builtin_corpus, tmp_path
+    builtin_corpus, tmp_path, log_interval, stops_at
 ):
+    """Signalled during step 3, the ranks agree at the next step the loop reads: step 3 itself
+    when it reads every step, else the next log step (the steps between are launched without
+    waiting for the device)."""
     steps, at_step = 6, 3
     out, plain = tmp_path / "preempted", tmp_path / "plain"
-    run = (*CONFIG, f"train.steps={steps}")
+    run = (*CONFIG, f"train.steps={steps}", f"train.log_interval={log_interval}")
     stops = run_ranks(2, _signalled_run, (*run, f"train.out_dir={out}"), 1, at_step)
-    saved = step_dir(out / "checkpoints", at_step)
-    assert stops == [(PREEMPTED_EXIT_CODE, at_step, saved)] * 2
+    saved = step_dir(out / "checkpoints", stops_at)
+    assert stops == [(PREEMPTED_EXIT_CODE, stops_at, saved)] * 2
     assert complete_checkpoints(out / "checkpoints") == [saved]
-    assert _losses(out)[-1][0] == at_step
+    assert _losses(out)[-1][0] == stops_at
 
     run_ranks(2, _train, (*run, f"train.out_dir={out}"))  # resumes from the preempted step
     run_ranks(2, _train, (*run, f"train.out_dir={plain}"))
@@ -128,13 +134,13 @@ def test_a_signal_while_the_last_save_is_written_waits_for_it(builtin_corpus, tm
 LAST_STEP_SIGNAL = """
 import os, signal, sys
 import megalite.training.loop as loop
-train_step, steps = loop.train_step, []
+launch_step, steps = loop.launch_step, []
 def signalled(run, batch, lr):  # the signal arrives during the run's last step
     steps.append(1)
     if len(steps) == run.cfg.train.steps:
         os.kill(os.getpid(), signal.SIGTERM)
-    return train_step(run, batch, lr)
-loop.train_step = signalled
+    return launch_step(run, batch, lr)
+loop.launch_step = signalled
 from megalite.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -88,6 +88,7 @@ def test_bad_steps_counts_and_stops_after_k_in_a_row_naming_the_last_good_checkp
         r = record(step)
         r.metrics.bad = "loss is nan" if step in bad_at else None
         policy.count(torch.tensor(GOOD if r.metrics.bad is None else SPIKE), torch.tensor(2.0))
+        r.metrics.bad_steps, r.metrics.bad_in_a_row = policy.total, policy.in_a_row  # as read
         if step == 8:
             with pytest.raises(
                 TrainingError,
@@ -108,7 +109,7 @@ def test_bad_steps_before_any_checkpoint_say_there_is_none():
     policy = BadStepPolicy(max_in_a_row=1)
     r = record(1)
     r.metrics.bad = "gradient norm is not finite"
-    policy.count(torch.tensor(GOOD if r.metrics.bad is None else SPIKE), torch.tensor(2.0))
+    r.metrics.bad_steps = r.metrics.bad_in_a_row = 1
     with pytest.raises(TrainingError, match=r"at step 1 \(gradient norm is not finite\).*: none;"):
         BadSteps(policy, lambda step: None, lambda row: None).after_step(r)
 
