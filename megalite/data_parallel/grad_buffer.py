@@ -431,8 +431,10 @@ class GradBuffer:
 def _add_wgrad(target: torch.Tensor, dy: torch.Tensor, x: torch.Tensor | None, first: bool) -> None:
     """target (+)= dy^T x in fp32; a bias (x None): dy summed over the tokens."""
     if x is None:
-        bias_grad = dy.sum(0, dtype=torch.float32)
-        target.copy_(bias_grad) if first else target.add_(bias_grad)
+        if first:  # summed straight into the target: one kernel
+            torch.sum(dy, 0, dtype=torch.float32, out=target)
+        else:
+            target.add_(dy.sum(0, dtype=torch.float32))
     else:
         wgrad_accumulate(target, dy, x, overwrite=first)
 
