@@ -28,20 +28,20 @@ def _train_until_a_rank_stops(out_dir: str, stopped_rank: int, marks: str) -> No
     """Train; `stopped_rank` stops itself before STOP_BEFORE_STEP, stamping the time, and the
     rank whose watchdog ends the job stamps the time and its report."""
     rank = dist.get_rank()
-    real_end_job, real_step, steps = watchdog.end_job, loop.train_step, []
+    real_end_job, real_launch, steps = watchdog.end_job, loop.launch_step, []
 
     def end_job(report: str) -> None:
         Path(marks, f"detected_by_{rank}").write_text(f"{time.time()}\n{report}")
         real_end_job(report)
 
-    def train_step(run, tokens, lr):
+    def launch_step(run, tokens, lr):
         steps.append(lr)
         if rank == stopped_rank and len(steps) == STOP_BEFORE_STEP:
             Path(marks, "stopped").write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGSTOP)
-        return real_step(run, tokens, lr)
+        return real_launch(run, tokens, lr)
 
-    watchdog.end_job, loop.train_step = end_job, train_step
+    watchdog.end_job, loop.launch_step = end_job, launch_step
     overrides = [
         *ONE_LAYER,
         "train.steps=50",
