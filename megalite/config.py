@@ -391,6 +391,15 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each transformer block (regional); the tensor- and pipeline-parallel
     communication stays eager between the compiled pieces (training/compile.py)."""
+    fp8: str = "none"
+    """Float8 GEMMs in the linears and experts (torch._scaled_mm; megalite/float8/): none,
+    tensorwise (one scale per tensor; e4m3 activations and weights, e5m2 gradients) or rowwise
+    (per-row scales, all e4m3). Scales come from the amax of the whole tensor, whatever the
+    layout; master weights, norms, softmax, loss, LM head, router and embedding keep their
+    precision. Needs CUDA compute capability 8.9+ (or the CPU)."""
+    fp8_min_dim: int = 1024
+    """With fp8: a linear whose smaller global dim (in or out features) is below this keeps
+    its GEMMs in the compute dtype (small GEMMs gain nothing); 0 puts every one in float8."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "global_batch_size", "eval_steps"):
@@ -409,6 +418,16 @@ class TrainConfig:
         _require(
             self.recompute_layers is None or self.recompute_layers >= 0,
             "train.recompute_layers must be >= 0",
+        )
+        _require(
+            self.fp8 in ("none", "tensorwise", "rowwise"),
+            f"train.fp8 must be none, tensorwise or rowwise, got {self.fp8!r}",
+        )
+        _require(self.fp8_min_dim >= 0, "train.fp8_min_dim must be >= 0 (0: every GEMM in fp8)")
+        _require(
+            self.fp8 == "none" or self.precision != "fp16",
+            "train.fp8 needs train.precision bf16, fp32 or auto (float8 under fp16's loss "
+            "scaling is not built): set train.precision=bf16, or train.fp8=none",
         )
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.float8.gemm import Float8Training
 from megalite.parallel_dims import ParallelDims
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_head_loss
@@ -245,7 +246,8 @@ class FusedColumnParallelLinear(nn.Module):
     what the separate linears did (see `param_parts`).
 
     `pair` is shared with the row-parallel linear after it in its layer (`LinearPair`: the SP
-    partner, the model's deferral of weight gradients); None: neither."""
+    partner, the model's deferral of weight gradients); None: neither. `float8`: the run's
+    `train.fp8`, taken where the linear's global features pass its `fp8_min_dim`."""
 
     def __init__(
         self,
@@ -257,9 +259,12 @@ class FusedColumnParallelLinear(nn.Module):
         init: InitFn,
         sequence_parallel: bool = False,
         pair: LinearPair | None = None,
+        float8: Float8Training | None = None,
     ) -> None:
         super().__init__()
         self.ps, self.sequence_parallel, self.pair = ps, sequence_parallel, pair
+        out_features = sum(out.features for out in outputs)
+        self.float8 = _float8_for(float8, in_features, out_features)
         weights, biases, used, self.sizes, start = [], [], [], [], 0
         for out in outputs:
             shared = out.shared_heads > 0
@@ -281,7 +286,8 @@ class FusedColumnParallelLinear(nn.Module):
         self.weight = _fused_param((start, in_features), weights, ps)
         self.bias = _fused_param((start,), biases, ps) if bias else None
         self.traceable = False
-        """Run as a plain linear that torch.compile traces (`train.compile` sets it at tp 1)."""
+        """Run as a plain linear that torch.compile traces (`train.compile` sets it at tp 1;
+        a float8 linear runs eagerly all the same)."""
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> tuple[torch.Tensor, ...]:
         """The outputs (b, s, out_i/tp) for x the sequence shard (SP) or the replicated input:
@@ -289,12 +295,20 @@ class FusedColumnParallelLinear(nn.Module):
         only the shard kept for backward. add_bias=False leaves the bias to a fused consumer
         (bias-GELU)."""
         bias = self.bias if add_bias else None
-        if self.traceable:
+        if self.traceable and self.float8 is None:
             y = traced_linear(x, self.weight, bias, self.rows)
         else:
-            group, sp = self.ps.group("tp"), self.sequence_parallel
-            y = column_parallel_linear(x, self.weight, bias, self.rows, group, sp, self.pair)
+            group, sp, pair = self.ps.group("tp"), self.sequence_parallel, self.pair
+            args = (x, self.weight, bias, self.rows, group, sp, pair, self.float8)
+            y = column_parallel_linear(*args)
         return y.split(self.sizes, dim=-1)
+
+
+def _float8_for(
+    float8: Float8Training | None, in_features: int, out_features: int
+) -> Float8Training | None:
+    """The float8 setting a linear of these global features takes (None: the compute dtype)."""
+    return float8 if float8 is not None and float8.applies(in_features, out_features) else None
 
 
 def _merged(used: list[slice], rows: int) -> Rows:
@@ -334,6 +348,7 @@ class ColumnParallelLinear(FusedColumnParallelLinear):
         init: InitFn,
         sequence_parallel: bool = False,
         pair: LinearPair | None = None,
+        float8: Float8Training | None = None,
     ) -> None:
         super().__init__(
             in_features,
@@ -343,6 +358,7 @@ class ColumnParallelLinear(FusedColumnParallelLinear):
             init=init,
             sequence_parallel=sequence_parallel,
             pair=pair,
+            float8=float8,
         )
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
@@ -353,7 +369,7 @@ class ColumnParallelLinear(FusedColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns: rank r holds input features piece r and the
     partial products are summed over tp (reduce-scattered to sequence shards under SP).
-    `pair`: shared with the column-parallel linear before it (see FusedColumnParallelLinear)."""
+    `pair` and `float8`: as for FusedColumnParallelLinear."""
 
     def __init__(
         self,
@@ -365,9 +381,11 @@ class RowParallelLinear(nn.Module):
         init: InitFn,
         sequence_parallel: bool = False,
         pair: LinearPair | None = None,
+        float8: Float8Training | None = None,
     ) -> None:
         super().__init__()
         self.ps, self.sequence_parallel, self.pair = ps, sequence_parallel, pair
+        self.float8 = _float8_for(float8, in_features, out_features)
         self.weight = make_param(
             (out_features, in_features // ps.size("tp")),
             ParamMeta((out_features, in_features), init, tp_split_dim=1),
@@ -390,14 +408,15 @@ class RowParallelLinear(nn.Module):
             else None
         )
         self.traceable = False
-        """Run as a plain linear that torch.compile traces (`train.compile` sets it at tp 1)."""
+        """Run as a plain linear that torch.compile traces (`train.compile` sets it at tp 1;
+        a float8 linear runs eagerly all the same)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.traceable:
+        if self.traceable and self.float8 is None:
             y = traced_linear(x, self.weight)
         else:
             group, sp = self.ps.group("tp"), self.sequence_parallel
-            y = row_parallel_linear(x, self.weight, group, sp, self.pair)
+            y = row_parallel_linear(x, self.weight, group, sp, self.pair, self.float8)
         return y if self.bias is None else y + self.bias
 
 

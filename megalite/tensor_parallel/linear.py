@@ -33,6 +33,10 @@ Both are opaque to torch.compile (`train.compile`): a compiled block runs eagerl
 so their collectives, overlap and observers stay exactly as written here. At tp 1, where there
 is nothing to communicate, a compiled block uses `traced_linear` instead (training/compile.py).
 
+The products themselves are a `gemms.Gemms`'s: in the compute dtype, or under `train.fp8` in
+float8 (`gemms.Float8Gemms`), which keeps what it needs of x (tensorwise: x's float8 cast, which
+SP then gathers as bytes) and casts dy before any gather starts; the communication is the same.
+
 Weight gradients go straight into the fp32 main grad when the gradient buffer gave the
 parameter an `accumulate_main_grad` (data_parallel/grad_buffer.py): no 16-bit `.grad` is made.
 Under a zero-bubble schedule's B step (the model's `deferred.Deferral`, which reaches the
@@ -46,17 +50,27 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from megalite import comm
 from megalite.eager_boundary import eager_only
+from megalite.float8.gemm import Float8Training
+from megalite.float8.scaling import FLOAT8_DTYPES
 from megalite.tensor_parallel.deferred import Deferral, WeightGradQueue
+from megalite.tensor_parallel.gemms import (
+    Gemms,
+    Product,
+    Rows,
+    RowsProduct,
+    column_splits,
+    flat,
+    gemms_for,
+    row_splits,
+    used,
+)
 from megalite.tensor_parallel.mappings import (
-    all_gather_sequence,
     all_gather_sequence_start,
     all_gather_sequence_together_start,
     reduce_scatter_sequence_start,
@@ -64,64 +78,38 @@ from megalite.tensor_parallel.mappings import (
     shard_tokens,
 )
 
-Rows = tuple[slice, ...] | None
-"""The rows of a weight a linear computes, in order (q and a shared kv head of a fused q/k/v:
-`ColumnOutput.shared_heads`); None: all."""
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as the bytes a collective carries (gloo has no float8); else itself."""
+    return t.view(torch.uint8) if t.dtype in FLOAT8_DTYPES else t
 
 
-def _used(weight: torch.Tensor | None, rows: Rows) -> torch.Tensor | None:
-    """The rows computed: the weight itself, a view, or (a shared kv head beside q) a copy of
-    the rows, one weight-sized copy that keeps the product one GEMM."""
-    if weight is None or rows is None:
-        return weight
-    if len(rows) == 1:
-        return weight[rows[0]]
-    return torch.cat([weight[piece] for piece in rows])
-
-
-def _weight_grad(
-    weight: torch.Tensor, rows: Rows, x: torch.Tensor | None, dy: torch.Tensor
-) -> torch.Tensor | None:
-    """dW = dy^T x for x (tokens, in), dy (tokens, out); a bias's gradient (x None) sums dy over
-    the tokens. Added into the fp32 main grad when the parameter has one (None is returned:
-    autograd makes no `.grad`), else returned."""
-    accumulate = getattr(weight, "accumulate_main_grad", None)
-    if accumulate is not None:
-        accumulate(dy, x, rows)
-        return None
-    grad = dy.sum(0) if x is None else dy.t() @ x
-    if rows is None:
-        return grad
-    full, start = grad.new_zeros(weight.shape), 0
-    for piece in rows:
-        end = start + piece.stop - piece.start
-        full[piece] = grad[start:end]
-        start = end
-    return full
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
-
-
-Product = Callable[[torch.Tensor, torch.Tensor], Any]
-"""A GEMM of a linear's tokens: `product(a, out)` writes a (tokens, in) @ M into `out`."""
+def _gather_start(shard: torch.Tensor, group: Any) -> comm.Pending:
+    """`all_gather_sequence_start` of a shard in any dtype, float8 included (as bytes)."""
+    gather = all_gather_sequence_start(_wire(shard), group)
+    return comm.Pending(None, lambda: gather.wait().view(shard.dtype))
 
 
 def _product_under_gather(
-    shard: torch.Tensor, gather: comm.Pending, group: Any, product: Product, width: int
+    shard: torch.Tensor,
+    gather: comm.Pending,
+    group: Any,
+    product: Product,
+    width: int,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, full): `product` of every token of the full sequence that `gather` brings from the
-    ranks' SP shards, as (b, s, width), and that full sequence. This rank's own tokens, its
-    `shard`, are multiplied while the other ranks' are in flight, the rest once they are here:
-    a GEMM that depends on a collective, decomposed so that the collective hides under it."""
+    ranks' SP shards, as (b, s, width) in `dtype`, and that full sequence. This rank's own
+    tokens, its `shard`, are multiplied while the other ranks' are in flight, the rest once
+    they are here: a GEMM that depends on a collective, decomposed so that the collective
+    hides under it."""
     b, local = shard.shape[:2]
-    y = shard.new_empty((b, local * comm.size(group), width))
+    y = torch.empty((b, local * comm.size(group), width), dtype=dtype, device=shard.device)
     flat_y = y.view(-1, width)
     own = shard_tokens(shard, group)
-    product(_flat(shard), flat_y[own])
+    product(flat(shard), flat_y[own])
     full = gather.wait()
-    flat_full = _flat(full)
+    flat_full = flat(full)
     for others in (slice(0, own.start), slice(own.stop, flat_y.shape[0])):
         if others.stop > others.start:
             product(flat_full[others], flat_y[others])
@@ -129,75 +117,69 @@ def _product_under_gather(
 
 
 def _product_then_scatter(
-    x: torch.Tensor, group: Any, product: Product, width: int
+    x: torch.Tensor, group: Any, product: RowsProduct, width: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """This rank's SP shard (b, s/t, width) of `product` of the full sequence `x` (b, s, in),
-    summed over the group. The other ranks' tokens are multiplied first and sent; this rank's
-    own are multiplied while they travel, and the partial sums received are added to them: a
-    reduce-scatter decomposed around the GEMM before it."""
+    summed over the group, in `dtype`. The other ranks' tokens are multiplied first and sent;
+    this rank's own are multiplied while they travel, and the partial sums received are added
+    to them: a reduce-scatter decomposed around the GEMM before it."""
     shard = sequence_shard(x, group)  # this rank's own tokens (b, s/t, in)
-    flat_x, flat_shard = _flat(x), _flat(shard)
-    own = shard_tokens(shard, group)
-    others = flat_x.new_empty((flat_x.shape[0] - flat_shard.shape[0], width))
+    tokens, own = x.shape[0] * x.shape[1], shard_tokens(shard, group)
+    others = torch.empty((tokens - (own.stop - own.start), width), dtype=dtype, device=x.device)
     if own.start > 0:  # the ranks before this one, then those after
-        product(flat_x[: own.start], others[: own.start])
-    if own.stop < flat_x.shape[0]:
-        product(flat_x[own.stop :], others[own.start :])
+        product(slice(0, own.start), others[: own.start])
+    if own.stop < tokens:
+        product(slice(own.stop, tokens), others[own.start :])
 
     def own_product() -> torch.Tensor:
-        y = flat_x.new_empty((flat_shard.shape[0], width))
-        product(flat_shard, y)
+        y = torch.empty((own.stop - own.start, width), dtype=dtype, device=x.device)
+        product(own, y)
         return y
 
     summed = comm.reduce_scatter_own_last(others, own_product, group)
     return summed.view(*shard.shape[:2], width)
 
 
-def _times(matrix: torch.Tensor, bias: torch.Tensor | None = None) -> Product:
-    """The product a @ matrix (+ bias)."""
-    if bias is None:
-        return lambda a, out: torch.mm(a, matrix, out=out)
-    return lambda a, out: torch.addmm(bias, a, matrix, out=out)
-
-
 def _column_weight_grads(
+    gemms: Gemms,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    rows: Rows,
     total: torch.Tensor,
     dy: torch.Tensor,
+    grad: torch.Tensor,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(dW, db) of a column-parallel linear from its full-sequence input. Bias before weight:
-    the order autograd delivers leaf gradients in (ZeRO-2's staging estimate replays it:
+    """(dW, db) of a column-parallel linear from its kept input's full sequence, dy and what
+    its GEMMs made of dy (`Gemms.output_grad`). Bias before weight: the order autograd
+    delivers leaf gradients in (ZeRO-2's staging estimate replays it:
     profiling.parameters.gradient_arrival)."""
-    flat_dy = _flat(dy)
-    bgrad = None if bias is None else _weight_grad(bias, rows, None, flat_dy)
-    wgrad = None if weight is None else _weight_grad(weight, rows, _flat(total), flat_dy)
+    bgrad = None if bias is None else gemms.bias_grad(bias, flat(dy))
+    wgrad = (
+        None if weight is None else gemms.weight_grad(weight, gemms.rows, flat(total), flat(grad))
+    )
     return wgrad, bgrad
 
 
 def _deferred_column_weight_grads(
+    gemms: Gemms,
     x: torch.Tensor,
     group: Any,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    rows: Rows,
     dy: torch.Tensor,
 ) -> None:
-    """W of a column-parallel linear: gather its sequence shards again (SP: `group`), then add
-    dW and db into the main grads."""
-    _column_weight_grads(
-        weight, bias, rows, x if group is None else all_gather_sequence(x, group), dy
-    )
+    """W of a column-parallel linear: gather its kept input's sequence shards again (SP:
+    `group`), then add dW and db into the main grads."""
+    total = x if group is None else _gather_start(x, group).wait()
+    _column_weight_grads(gemms, weight, bias, total, dy, dy)
 
 
 def _deferred_row_weight_grad(
-    x: torch.Tensor, group: Any, weight: torch.Tensor, dy: torch.Tensor
+    gemms: Gemms, x: torch.Tensor, group: Any, weight: torch.Tensor, dy: torch.Tensor
 ) -> None:
     """W of a row-parallel linear: gather its output gradient's sequence shards again (SP:
     `group`; B kept only the shard), then add dW into the main grad."""
-    full = dy if group is None else all_gather_sequence(dy, group)
-    _weight_grad(weight, None, _flat(x), _flat(full))
+    full = dy if group is None else _gather_start(dy, group).wait()
+    gemms.weight_grad(weight, None, flat(x), flat(full))
 
 
 class LinearPair:
@@ -246,38 +228,48 @@ class _ColumnParallel(torch.autograd.Function):
     reduce-scattered to sequence shards (SP) or all-reduced, overlapped with dW = dy^T x."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, rows, pair):
-        # Only x is saved: a row-parallel partner may unpack it before this backward runs, and
+    def forward(ctx, x, weight, bias, group, sequence_parallel, rows, pair, float8):
+        # Only what the GEMMs keep of x (x itself, or its float8 cast) and their scales are
+        # saved: a row-parallel partner may unpack them before this backward runs, and
         # recompute's saved tensors unpack once. The parameters themselves are kept instead
         # (their main grads need the objects; a saved-tensor hook, the memory tracker's, may
         # unpack a saved parameter as another tensor object).
-        ctx.save_for_backward(x)
-        ctx.group, ctx.sequence_parallel, ctx.rows = group, sequence_parallel, rows
+        gemms = gemms_for(
+            float8, weight, rows, lambda: column_splits(group, sequence_parallel, float8)
+        )
+        kept = gemms.keep_input(x)
+        ctx.save_for_backward(kept, *gemms.scales())
+        ctx.group, ctx.sequence_parallel, ctx.gemms = group, sequence_parallel, gemms
         ctx.weight, ctx.bias, ctx.pair = weight, bias, pair
-        ctx.gathered = None  # x's full sequence, when the partner gathered it (SP)
-        used_weight, used_bias = _used(weight, rows), _used(bias, rows)
+        ctx.gathered = None  # (the kept input's full sequence, the scales): the partner's (SP)
         if not sequence_parallel:
-            return F.linear(x, used_weight, used_bias)
+            return gemms.forward(kept, bias)
         if pair is not None:
             pair.column_ran(ctx)
-        gather = all_gather_sequence_start(x, group)
-        product = _times(used_weight.t(), used_bias)
-        y, _ = _product_under_gather(x, gather, group, product, used_weight.shape[0])
+        product, width = gemms.product(bias), used(weight, rows).shape[0]
+        gather = _gather_start(kept, group)
+        y, _ = _product_under_gather(kept, gather, group, product, width, x.dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        group, rows, sp = ctx.group, ctx.rows, ctx.sequence_parallel
+        group, sp, gemms = ctx.group, ctx.sequence_parallel, ctx.gemms
         grad_weight, grad_bias = _column_grad_params(ctx)
         queue = _queue(ctx, grad_weight, grad_bias)
-        total, ctx.gathered = ctx.gathered, None
-        x = None if total is not None else ctx.saved_tensors[0]
+        gathered, ctx.gathered = ctx.gathered, None
+        if gathered is None:
+            x, *scales = ctx.saved_tensors
+            total = None
+        else:
+            (total, scales), x = gathered, None
+        gemms.restore(scales)
+        grad = gemms.output_grad(dy)  # its amaxes reduced before the gather is in flight
         gather = None
         if sp and queue is None and total is None and grad_weight is not None:
-            gather = all_gather_sequence_start(x, group)
+            gather = _gather_start(x, group)
         reduction = None
         if ctx.needs_input_grad[0]:
-            dx = dy @ _used(ctx.weight, rows)
+            dx = gemms.input_grad(grad)
         if gather is not None:
             total = gather.wait()  # (b, s, in): the full sequence
         elif total is None:
@@ -291,41 +283,34 @@ class _ColumnParallel(torch.autograd.Function):
         wgrad = bgrad = None
         if queue is not None:
             gather_group = group if sp else None
-            work = (
-                _deferred_column_weight_grads,
-                x,
-                gather_group,
-                grad_weight,
-                grad_bias,
-                rows,
-                dy,
-            )
-            queue.put(functools.partial(*work), x, dy)
+            work = (_deferred_column_weight_grads, gemms, x, gather_group, grad_weight, grad_bias)
+            queue.put(functools.partial(*work, dy), x, dy)
         else:
-            wgrad, bgrad = _column_weight_grads(grad_weight, grad_bias, rows, total, dy)
+            wgrad, bgrad = _column_weight_grads(gemms, grad_weight, grad_bias, total, dy, grad)
         dx = None if reduction is None else reduction.wait()
-        return dx, wgrad, bgrad, None, None, None, None
+        return dx, wgrad, bgrad, None, None, None, None, None
 
 
 def _gather_output_grad(ctx: Any, shard: torch.Tensor) -> comm.Pending:
     """Start gathering the row-parallel output gradient's full sequence (SP). The partner's
-    backward will gather its own input's shards again; both go in one all-gather (fewer
+    backward will gather its own kept input's shards again; both go in one all-gather (fewer
     collectives, the same bytes) unless the partner has nothing to gather now (no weight
-    gradient, or deferred to a W step) or the dtypes differ."""
+    gradient, or deferred to a W step) or the two travel as different dtypes."""
     partner = ctx.partner
     if partner is not None and partner.gathered is None:
         weight, bias = _column_grad_params(partner)
         if weight is not None and _queue(partner, weight, bias) is None:
-            (x,) = partner.saved_tensors
-            if x.dtype == shard.dtype:
-                both = all_gather_sequence_together_start([shard, x], ctx.group)
+            x, *scales = partner.saved_tensors
+            if _wire(x).dtype == _wire(shard).dtype:
+                both = all_gather_sequence_together_start([_wire(shard), _wire(x)], ctx.group)
 
                 def output_grad() -> torch.Tensor:
-                    dy, partner.gathered = both.wait()
-                    return dy
+                    dy, total = both.wait()
+                    partner.gathered = (total.view(x.dtype), scales)
+                    return dy.view(shard.dtype)
 
                 return comm.Pending(None, output_grad)
-    return all_gather_sequence_start(shard, ctx.group)
+    return _gather_start(shard, ctx.group)
 
 
 class _RowParallel(torch.autograd.Function):
@@ -334,40 +319,49 @@ class _RowParallel(torch.autograd.Function):
     `_gather_output_grad`), dx = dy W, dW = dy^T x."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, sequence_parallel, pair):
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, x, weight, group, sequence_parallel, pair, float8):
+        gemms = gemms_for(
+            float8, weight, None, lambda: row_splits(group, sequence_parallel, float8)
+        )
+        kept = gemms.keep_input(x)
+        ctx.save_for_backward(kept, weight, *gemms.scales())
         ctx.group, ctx.sequence_parallel, ctx.pair = group, sequence_parallel, pair
-        ctx.weight = weight  # the parameter itself, for its main grad (see _ColumnParallel)
+        ctx.weight, ctx.gemms = weight, gemms  # the parameter itself (see _ColumnParallel)
         ctx.partner = pair.take_column() if sequence_parallel and pair is not None else None
         if sequence_parallel and comm.size(group) > 1:  # y: partial sums over tp, scattered
-            return _product_then_scatter(x, group, _times(weight.t()), weight.shape[0])
-        y = F.linear(x, weight)  # (b, s, out): a partial sum over tp
+            product = gemms.rows_product(kept)
+            return _product_then_scatter(kept, group, product, weight.shape[0], x.dtype)
+        y = gemms.forward(kept)  # (b, s, out): a partial sum over tp
         comm.all_reduce(y, group)
         return y
 
     @staticmethod
     def backward(ctx, shard):
-        x, weight = ctx.saved_tensors
+        x, weight, *scales = ctx.saved_tensors
+        gemms = ctx.gemms
+        gemms.restore(scales)
         gather_group = ctx.group if ctx.sequence_parallel else None
         wants_dx = ctx.needs_input_grad[0]
+        grad = gemms.output_grad(shard)
         if gather_group is None:
-            dy = shard
-            dx = dy @ weight if wants_dx else None
+            full = grad
+            dx = gemms.input_grad(full) if wants_dx else None
         elif wants_dx:  # dx = dy W: this rank's tokens while the others' dy is gathered
-            gather = _gather_output_grad(ctx, shard)
-            dx, dy = _product_under_gather(shard, gather, ctx.group, _times(weight), x.shape[-1])
+            gather = _gather_output_grad(ctx, grad)
+            product, width = gemms.input_grad_product(), weight.shape[1]
+            dx, full = _product_under_gather(grad, gather, ctx.group, product, width, shard.dtype)
         else:
-            dx, dy = None, _gather_output_grad(ctx, shard).wait()
+            dx, full = None, _gather_output_grad(ctx, grad).wait()
         ctx.partner = None
         dw = None
         if ctx.needs_input_grad[1]:
             queue = _queue(ctx, ctx.weight)
             if queue is not None:
-                work = (_deferred_row_weight_grad, x, gather_group, ctx.weight, shard)
+                work = (_deferred_row_weight_grad, gemms, x, gather_group, ctx.weight, shard)
                 queue.put(functools.partial(*work), x, shard)
             else:
-                dw = _weight_grad(ctx.weight, None, _flat(x), _flat(dy))
-        return dx, dw, None, None, None
+                dw = gemms.weight_grad(ctx.weight, None, flat(x), flat(full))
+        return dx, dw, None, None, None, None
 
 
 def traced_linear(
@@ -377,7 +371,7 @@ def traced_linear(
     tensor-parallel peer (tp 1) and no deferred weight gradient needs none of the above. Its
     weight gradient arrives as a `.grad`, which the gradient buffer moves into the fp32 main
     grad (`train.compile` at tp 1: training/compile.py)."""
-    return F.linear(x, _used(weight, rows), _used(bias, rows))
+    return Gemms(weight, rows).forward(x, bias)
 
 
 @eager_only
@@ -389,11 +383,12 @@ def column_parallel_linear(
     group: Any,
     sequence_parallel: bool,
     pair: LinearPair | None = None,
+    float8: Float8Training | None = None,
 ) -> torch.Tensor:
     """y = x W[rows]^T + b[rows], x the sequence shard (SP) or the replicated input; y covers
     the full sequence. `pair`: shared with the row-parallel linear after it (None: none, and
-    no deferral)."""
-    return _ColumnParallel.apply(x, weight, bias, group, sequence_parallel, rows, pair)
+    no deferral). `float8`: its GEMMs in float8 (None: in x's dtype)."""
+    return _ColumnParallel.apply(x, weight, bias, group, sequence_parallel, rows, pair, float8)
 
 
 @eager_only
@@ -403,7 +398,9 @@ def row_parallel_linear(
     group: Any,
     sequence_parallel: bool,
     pair: LinearPair | None = None,
+    float8: Float8Training | None = None,
 ) -> torch.Tensor:
     """x W^T summed over tp: the sequence shard (SP) or the full, replicated result. `pair`:
-    shared with the column-parallel linear before it (None: none, and no deferral)."""
-    return _RowParallel.apply(x, weight, group, sequence_parallel, pair)
+    shared with the column-parallel linear before it (None: none, and no deferral). `float8`:
+    its GEMMs in float8 (None: in x's dtype)."""
+    return _RowParallel.apply(x, weight, group, sequence_parallel, pair, float8)

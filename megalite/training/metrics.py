@@ -75,6 +75,8 @@ class StepCost:
             if peak is None and ps.rank == 0:
                 print(unknown_peak_message(ps.device))
             measured = precision if ps.device.type == "cpu" else None
+        if cfg.train.fp8 != "none" and ps.rank == 0:
+            print(float8_peak_note(cfg.train.fp8, precision))
         return cls(tokens, flops_per_token(cfg.model) * tokens, devices, peak, measured)
 
 
@@ -114,6 +116,15 @@ def metrics_row(
         row |= {"expert_imbalance": metrics.expert_imbalance}
         row |= {"dropped_tokens": metrics.dropped_tokens}
     return row
+
+
+def float8_peak_note(recipe: str, precision: str) -> str:
+    """What an fp8 run's MFU is measured against: the compute dtype's dense peak, as
+    Megatron and torchtitan report it, not float8's (twice bf16's on an H100)."""
+    return (
+        f"train.fp8={recipe}: MFU is against the {precision} dense peak, not float8's "
+        "(twice bf16's on H100 and H200)"
+    )
 
 
 def reset_peak_memory(device: torch.device) -> None:

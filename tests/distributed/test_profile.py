@@ -26,7 +26,7 @@ from megalite.profiling.memory import live_bytes
 from megalite.profiling.profile import ProfileError, profile
 from megalite.profiling.profile_report import format_table
 from megalite.profiling.step_timing import AXES, TIME_PARTS, CommTimer, measure_step
-from megalite.tensor_parallel import linear
+from megalite.tensor_parallel import gemms
 from megalite.training.loop import train
 from megalite.training.setup import build_run
 from megalite.training.step import train_step
@@ -272,13 +272,13 @@ def _slowed_tp_profile(out_dir: str) -> tuple[dict, list[tuple[dict, float]]]:
     )
     ps = build_parallel_state(2, 1, torch.device("cpu"))
     if ps.coord("tp") == 1:
-        weight_grad = linear._weight_grad
+        weight_grad = gemms.weight_grad
 
         def slow_weight_grad(weight, rows, x, dy):
             time.sleep(SLOW_S)
             return weight_grad(weight, rows, x, dy)
 
-        linear._weight_grad = slow_weight_grad
+        gemms.weight_grad = slow_weight_grad
     report = profile(cfg, warmup_steps=1, steps=2)
     run = build_run(cfg, ps)
     torch.manual_seed(0)

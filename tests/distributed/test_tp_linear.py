@@ -26,8 +26,8 @@ from megalite.tensor_parallel import (
     RowParallelLinear,
     TPRandom,
     all_gather_sequence,
+    gemms,
     init_parameters,
-    linear,
     sequence_shard,
 )
 from megalite.tensor_parallel import normal_init as normal
@@ -66,7 +66,7 @@ def _overlap(sp: bool) -> list[tuple[str, ...]]:
     x = torch.randn(B, S // 2 if sp else S, H, requires_grad=True)
     y = layer(x)
     events, handles = [], []
-    weight_grad = linear._weight_grad
+    weight_grad = gemms.weight_grad
 
     def tracked_weight_grad(*args):
         pending = [op for op, h in handles if not h.is_completed()]
@@ -74,7 +74,7 @@ def _overlap(sp: bool) -> list[tuple[str, ...]]:
         return weight_grad(*args)
 
     _track_async_collectives(events, handles)
-    linear._weight_grad = tracked_weight_grad
+    gemms.weight_grad = tracked_weight_grad
     if ps.coord("tp") == 1:
         time.sleep(DELAY_S)
     y.sum().backward()

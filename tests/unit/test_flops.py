@@ -108,6 +108,16 @@ def test_peak_tflops_overrides_the_table_and_the_measurement(no_measuring):
         load_config(None, ["logging.peak_tflops=0"])
 
 
+def test_an_fp8_run_says_its_mfu_is_against_the_compute_dtypes_peak(no_measuring, capsys):
+    cfg = load_config(None, ["logging.peak_tflops=2.5", "train.fp8=rowwise"])
+    cost = StepCost.of(cfg, ParallelState.single(torch.device("cpu")))
+    assert cost.device_peak_flops == 2.5e12  # the fp32 peak given: float8 does not double it
+    assert capsys.readouterr().out.splitlines() == [
+        "train.fp8=rowwise: MFU is against the fp32 dense peak, not float8's (twice bf16's on "
+        "H100 and H200)"
+    ]
+
+
 def test_an_unknown_gpu_is_said_once_and_has_no_mfu(no_measuring, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GTX 1080")
     cost = StepCost.of(load_config(None, []), ParallelState.single(torch.device("cuda", 0)))
