@@ -19,7 +19,7 @@ else:
         flash_attention,
     )
     from .gelu import bias_gelu
-    from .grouped_gemm import grouped_mm
+    from .grouped_gemm import grouped_mm, grouped_weight_grad
     from .norms import layer_norm, rms_norm
     from .rotary import rotary_embedding
     from .swiglu import swiglu
@@ -32,6 +32,7 @@ __all__ = [
     "doc_start_from_cu_seqlens",
     "flash_attention",
     "grouped_mm",
+    "grouped_weight_grad",
     "kernel_backend",
     "layer_norm",
     "rms_norm",

@@ -328,6 +328,33 @@ def grouped_mm_torch(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor
     return _masked_per_group(x, weight, ends)
 
 
+def _masked_weight_grad(dy: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Per group dy_g^T x_g over every row, the other groups' rows masked to zero: `groups`
+    GEMMs, no host read (what ``torch._grouped_mm`` does not take)."""
+    group = torch.searchsorted(ends, torch.arange(x.shape[0], device=x.device), right=True)
+    return torch.stack(
+        [torch.where((group == g).unsqueeze(1), dy, 0).t() @ x for g in range(ends.numel())]
+    )
+
+
+def grouped_weight_grad(dy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``dw[g] = dy[rows of g]^T @ x[rows of g]``, (groups, out, in) in x's dtype: the weight
+    gradient of `grouped_mm` on its own, for a backward that casts its operands first (float8
+    experts, `megalite.float8.experts`). dy (rows, out) and x (rows, in) sorted by group,
+    counts as `grouped_mm`'s; a group with no rows gets zeros. No host read of the counts."""
+    groups, rows = counts.numel(), x.shape[0]
+    counts = counts.long().clamp(min=0)
+    if use_triton(dy, x, counts, unsupported=_unsupported(x)):
+        offsets = F.pad(_group_ends(counts, rows), (1, 0))
+        dw = torch.empty((groups, dy.shape[1], x.shape[1]), device=x.device, dtype=x.dtype)
+        return _grouped_dweight(dy, x, offsets, dw)
+    ends = _group_ends(counts, rows)
+    alignment = 16 // x.element_size()
+    if x.dtype in SUPPORTED_DTYPES and all(f % alignment == 0 for f in (dy.shape[1], x.shape[1])):
+        return torch._grouped_mm(_aligned(dy).t(), _aligned(x), offs=ends.int())
+    return _masked_weight_grad(dy, x, ends)
+
+
 def grouped_mm_reference(
     x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:

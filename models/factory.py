@@ -10,6 +10,7 @@ from megalite.models.partition import chunk_layers
 
 from megalite.architectures import architecture, load
 from megalite.config import Config
+from megalite.float8.gemm import float8_training
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import TPRandom, init_parameters
 
@@ -26,15 +27,17 @@ def build_chunks(
     per-parameter seeds so that every layout starts from the same global weights; with
     random_init=False left uninitialised for a checkpoint to fill (or, on the meta device, only
     to be measured)."""
-    p = cfg.parallel
+    p, t = cfg.parallel, cfg.train
+    float8 = float8_training(t.fp8, t.fp8_min_dim, ps.device, token_groups=[ps.group("cp")])
     ctx = BuildContext(
         cfg.model,
         ps,
         tp_random,
         sequence_parallel=p.sp,
-        recompute=cfg.train.recompute,
-        recompute_layers=cfg.train.recompute_layers,
+        recompute=t.recompute,
+        recompute_layers=t.recompute_layers,
         cp_comm=p.cp_comm,
+        float8=float8,
     )
     n_stages = ps.size("pp") * p.vpp
     model = model_class(cfg.model.arch)

@@ -21,6 +21,7 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.context_parallel.attention import chunked_attention
 from megalite.context_parallel.layout import SequenceLayout
+from megalite.float8.gemm import Float8Training
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import (
     ColumnOutput,
@@ -52,6 +53,8 @@ class BuildContext:
     deferral: Deferral = field(default_factory=Deferral)
     """Where the model's linears put their weight gradients during a split backward's B step
     (the pipeline executor opens it)."""
+    float8: Float8Training | None = None
+    """`train.fp8`: the linears' and experts' GEMMs in float8 (None: the compute dtype)."""
 
     def linear_pair(self) -> LinearPair:
         """What a layer hands both its column- and its row-parallel linear (the SP partner and
@@ -205,7 +208,7 @@ class Attention(nn.Module):
         self.ctx, self.rotary, self.head_dim = ctx, rotary, cfg.head_dim
         init = normal_init(cfg.init_std)
         sp, pair = ctx.sequence_parallel, ctx.linear_pair()
-        linear = dict(bias=bias, init=init, sequence_parallel=sp, pair=pair)
+        linear = dict(bias=bias, init=init, sequence_parallel=sp, pair=pair, float8=ctx.float8)
         # q, k and v are one weight: one GEMM. With fewer kv heads than tp ranks each rank
         # holds every kv head and computes the one its query heads use.
         kv_width, shared = cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads < tp
@@ -222,6 +225,7 @@ class Attention(nn.Module):
             init=ctx.out_proj_init,
             sequence_parallel=sp,
             pair=pair,
+            float8=ctx.float8,
         )
         if rotary:
             scaling = Llama3Scaling.of(cfg)

@@ -50,6 +50,7 @@ from megalite.expert_parallel.router import (
     update_bias,
     z_loss,
 )
+from megalite.float8.experts import ExpertRows, ExpertSplits, float8_grouped_mm
 from megalite.tensor_parallel import (
     ParamMeta,
     all_gather_sequence,
@@ -131,6 +132,9 @@ class MoE(nn.Module):
         names = [f"experts.{e}" for e in self.local_experts]
         self.gate_up = expert_weight(ctx, names, [("gate", (f, h), 0), ("up", (f, h), 0)], init)
         self.down = expert_weight(ctx, names, [("down", (h, f), 1)], out_init)
+        self.float8 = ctx.float8 if ctx.float8 and ctx.float8.applies(h, f) else None
+        """`train.fp8` for the experts' GEMMs (`float8.experts`), where they pass its
+        `fp8_min_dim`."""
         self.shared_gate_up = self.shared_down = None
         if cfg.moe_shared_experts:
             fs = cfg.moe_shared_experts * f
@@ -219,23 +223,28 @@ class MoE(nn.Module):
             pairs = torch.where(kept.mask.flatten(), pairs, n)
         order = torch.argsort(pairs, stable=True)  # (token, choice) pairs by expert
         counts = expert_counts(pairs, n + 1)[:-1]
-        exchange = None
+        exchange, sources = None, ExpertRows(None)  # sources: the rows' micro-batches (float8)
         if self.ctx.ps.size("ep") > 1:
             exchange = Dispatch.plan(counts, self.ctx.ps.group("ep"))
             routed = order[: sum(exchange.send)]  # the kept pairs, counted by the plan
+            if self.float8 is not None:
+                sources = ExpertRows(exchange.sources(), len(exchange.send), exchange.group)
         elif kept is None:
             routed = order
         else:
             routed = order[: kept.at_most]
+            if self.float8 is not None:  # rows past the kept pairs' are computed to be dropped
+                dropped = torch.arange(routed.numel(), device=routed.device) >= counts.sum()
+                sources = ExpertRows(dropped.long(), 1)
             counts = _last_takes_the_rest(counts, routed.numel())
         rows = tokens[routed // k]
         if exchange is not None:
             rows, counts = exchange.dispatch(rows), exchange.local_counts
         f = self.gate_up.weight.shape[0] // (2 * local)
         gate_up = self.gate_up.weight.view(local, 2 * f, -1)
-        gate, up = grouped_mm(rows, gate_up, counts).split(f, dim=-1)
+        gate, up = self.gemm(rows, gate_up, counts, sources, "gate_up").split(f, dim=-1)
         down = self.down.weight.view(local, tokens.shape[1], f)
-        y = grouped_mm(swiglu(gate, up), down, counts)
+        y = self.gemm(swiglu(gate, up), down, counts, sources, "down")
         if exchange is not None:
             y = exchange.combine(y)
         if routed.numel() < order.numel():  # the pairs not routed, zero
@@ -247,10 +256,42 @@ class MoE(nn.Module):
             by_token = torch.where(kept.mask.unsqueeze(-1), by_token, 0)
         return (by_token * gates.unsqueeze(-1)).sum(dim=1)
 
+    def gemm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        counts: torch.Tensor,
+        sources: ExpertRows,
+        kind: str,
+        expert: bool = True,
+    ) -> torch.Tensor:
+        """`grouped_mm(x, weight, counts)` of the experts' `kind` of weight ("gate_up": N split
+        over tp; "down": K), in float8 under `train.fp8`. `expert`: routed experts (their
+        weights also split over ep)."""
+        if self.float8 is None:
+            return grouped_mm(x, weight, counts)
+        ps, tp = self.ctx.ps, self.ctx.ps.group("tp")
+        split = (tp,)
+        weight_groups = (tp, ps.group("ep")) if expert else split
+        tokens = self.float8.token_groups
+        splits = (
+            ExpertSplits(tokens, (), split, weight_groups)
+            if kind == "gate_up"
+            else ExpertSplits(tokens, split, (), weight_groups)
+        )
+        return float8_grouped_mm(x, weight, counts, sources, splits, self.float8.recipe)
+
     def shared(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The shared experts, one SwiGLU MLP on every token: this rank's tp slice."""
-        gate, up = (tokens @ self.shared_gate_up.weight.t()).chunk(2, dim=-1)
-        return swiglu(gate, up) @ self.shared_down.weight.t()
+        """The shared experts, one SwiGLU MLP on every token: this rank's tp slice (under
+        `train.fp8` one group of the float8 grouped GEMM, its rows the micro-batch's)."""
+        if self.float8 is None:
+            gate, up = (tokens @ self.shared_gate_up.weight.t()).chunk(2, dim=-1)
+            return swiglu(gate, up) @ self.shared_down.weight.t()
+        rows, every = ExpertRows(None), torch.full((1,), tokens.shape[0], device=tokens.device)
+        weight = self.shared_gate_up.weight.unsqueeze(0)
+        gate, up = self.gemm(tokens, weight, every, rows, "gate_up", False).chunk(2, dim=-1)
+        down = self.shared_down.weight.unsqueeze(0)
+        return self.gemm(swiglu(gate, up), down, every, rows, "down", False)
 
     def aux_loss(self, routing: Routing, logits: torch.Tensor, batch: int) -> torch.Tensor:
         """This rank's share of the micro-batch's weighted auxiliary losses: the balancing loss

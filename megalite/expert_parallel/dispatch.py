@@ -51,6 +51,8 @@ class Dispatch:
     """Its inverse: received row i is regrouped row ungroup[i]."""
     local_counts: torch.Tensor
     """Rows per local expert, over every source."""
+    received_by_source: torch.Tensor
+    """Rows received from each ep rank, on the device."""
 
     @classmethod
     def plan(cls, counts: torch.Tensor, group: Any) -> Dispatch:
@@ -60,14 +62,23 @@ class Dispatch:
         # received[s, e]: rows source s sends for this rank's local expert e
         sent = counts.view(ep, local)
         received = comm.all_to_all(sent, group, [1] * ep, [1] * ep)
-        sizes = torch.cat([sent.sum(1), received.sum(1)]).tolist()  # the one device-to-host copy
+        by_source = received.sum(1)
+        sizes = torch.cat([sent.sum(1), by_source]).tolist()  # the one device-to-host copy
         send, receive = sizes[:ep], sizes[ep:]
         expert_of_row = torch.arange(local, device=counts.device).repeat(ep)
         expert_of_row = expert_of_row.repeat_interleave(
             received.flatten(), output_size=sum(receive)
         )
         regroup = torch.argsort(expert_of_row, stable=True)
-        return cls(group, send, receive, regroup, torch.argsort(regroup), received.sum(0))
+        inverse = torch.argsort(regroup)
+        return cls(group, send, receive, regroup, inverse, received.sum(0), by_source)
+
+    def sources(self) -> torch.Tensor:
+        """(received rows,) int64: the ep rank each row of this rank's experts (in local-expert
+        order) came from, whose micro-batch it is of (float8's per-source scales)."""
+        ep, rows = len(self.receive), sum(self.receive)
+        ranks = torch.arange(ep, device=self.regroup.device)
+        return ranks.repeat_interleave(self.received_by_source, output_size=rows)[self.regroup]
 
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's rows (sorted by expert) -> the rows of its experts (by local expert)."""

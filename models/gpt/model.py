@@ -40,7 +40,7 @@ class MLP(nn.Module):
         super().__init__()
         cfg, sp = ctx.cfg, ctx.sequence_parallel
         init, pair = normal_init(cfg.init_std), ctx.linear_pair()
-        linear = dict(bias=True, sequence_parallel=sp, pair=pair)
+        linear = dict(bias=True, sequence_parallel=sp, pair=pair, float8=ctx.float8)
         self.fc = ColumnParallelLinear(cfg.hidden, cfg.ffn_hidden, ctx.ps, init=init, **linear)
         self.proj = RowParallelLinear(
             cfg.ffn_hidden, cfg.hidden, ctx.ps, init=ctx.out_proj_init, **linear

@@ -41,17 +41,10 @@ class MLP(nn.Module):
         cfg, ps, sp = ctx.cfg, ctx.ps, ctx.sequence_parallel
         init, pair = normal_init(cfg.init_std), ctx.linear_pair()
         gate_up = [ColumnOutput("gate", cfg.ffn_hidden), ColumnOutput("up", cfg.ffn_hidden)]
-        self.gate_up = FusedColumnParallelLinear(
-            cfg.hidden, gate_up, ps, bias=False, init=init, sequence_parallel=sp, pair=pair
-        )
+        linear = dict(bias=False, sequence_parallel=sp, pair=pair, float8=ctx.float8)
+        self.gate_up = FusedColumnParallelLinear(cfg.hidden, gate_up, ps, init=init, **linear)
         self.down = RowParallelLinear(
-            cfg.ffn_hidden,
-            cfg.hidden,
-            ps,
-            bias=False,
-            init=ctx.out_proj_init,
-            sequence_parallel=sp,
-            pair=pair,
+            cfg.ffn_hidden, cfg.hidden, ps, init=ctx.out_proj_init, **linear
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
