@@ -30,7 +30,14 @@ megalite's layers differ in ways that matter once the estimate is held against m
   the cos / sin tables by position: the two gathered (b * s, head_dim) copies are kept for
   backward (at positions 0..s-1 the tables themselves, module buffers, are);
 - dropout masks are 1 byte on CUDA and the activation dtype on CPU; LayerNorm statistics fp32
-  on CUDA and the activation dtype on CPU.
+  on CUDA and the activation dtype on CPU;
+- under `train.fp8=tensorwise` a tensor-parallel linear in float8 keeps its input as a float8
+  copy (1 byte per element) and two fp32 scales (its input's and its weight's) in place of the
+  input: a column-parallel one's input and the MLP's down projection's are held by nothing
+  else, so the copy replaces them; attention's output is kept by attention too, so its
+  projection's copy comes on top. Rowwise keeps the input in the compute dtype, as torchao
+  does, and casts it along the other dim in backward; the experts' float8 GEMMs keep what
+  the grouped GEMM keeps.
 
 Context parallelism (`parallel.cp`) gives each rank 2 of the 2*cp chunks of every window,
 seq_len / cp tokens: every activation above is that of seq_len / cp tokens (`Shapes.seq`);
@@ -45,9 +52,12 @@ from dataclasses import dataclass
 
 from megalite.architectures import architecture, load
 from megalite.config import Config, ModelConfig
+from megalite.float8 import takes_float8
 
 INDEX_BYTES = 8
 """int64 token ids and positions."""
+FLOAT8_SCALES = [4, 4]
+"""A float8 linear's input and weight scales (fp32 scalars), kept with its float8 input."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,34 @@ class Shapes:
         """Bytes of one MLP activation on this rank: (b, s, ffn_hidden / tp)."""
         return self.tokens * (self.cfg.model.ffn_hidden // self.cfg.parallel.tp) * self.element
 
+    def float8_input(self, in_features: int, out_features: int) -> bool:
+        """Whether a tensor-parallel linear of these global features keeps its input as a
+        float8 copy (`train.fp8=tensorwise`, past `train.fp8_min_dim`)."""
+        t = self.cfg.train
+        return t.fp8 == "tensorwise" and takes_float8(t.fp8_min_dim, in_features, out_features)
+
+    def kept_input(self, nbytes: int, in_features: int, out_features: int) -> int:
+        """Bytes of what a tensor-parallel linear keeps of an input of `nbytes` in the compute
+        dtype: the input, or its float8 copy (also what a split backward holds until W)."""
+        return nbytes // self.element if self.float8_input(in_features, out_features) else nbytes
+
+    def linear_input(self, nbytes: int, in_features: int, out_features: int) -> list[int]:
+        """What a tensor-parallel linear keeps of an input of `nbytes`: the input, or its
+        float8 copy and the scales."""
+        scales = FLOAT8_SCALES if self.float8_input(in_features, out_features) else []
+        return [self.kept_input(nbytes, in_features, out_features), *scales]
+
+    def float8_copy(self, nbytes: int, in_features: int, out_features: int) -> list[int]:
+        """What a linear keeps beside an input that another operation keeps anyway."""
+        if self.float8_input(in_features, out_features):
+            return [nbytes // self.element, *FLOAT8_SCALES]
+        return []
+
+    def mlp_down_input(self) -> list[int]:
+        """What the MLP's row-parallel down projection keeps of its (b, s, ffn / tp) input."""
+        m = self.cfg.model
+        return self.linear_input(self.ffn_activation, m.ffn_hidden, m.hidden)
+
 
 @dataclass(frozen=True)
 class Param:
@@ -157,10 +195,24 @@ def rotary_buffers(m: ModelConfig) -> list[int]:
     return [m.max_positions * m.head_dim] * 2
 
 
-def linear_input_saved(x: Shapes) -> list[int]:
-    """The input that column-parallel linears keep: (b, s, h), or the shard (b, s/tp, h) under
-    SP."""
-    return [x.stream_tokens * x.cfg.model.hidden * x.element]
+def linear_input_saved(x: Shapes, out_features: int = 0) -> list[int]:
+    """The input that column-parallel linears of `out_features` (global; 0: in the compute
+    dtype whatever `train.fp8`) keep: (b, s, h), or the shard (b, s/tp, h) under SP."""
+    nbytes, hidden = x.stream_tokens * x.cfg.model.hidden * x.element, x.cfg.model.hidden
+    return x.linear_input(nbytes, hidden, out_features) if out_features else [nbytes]
+
+
+def qkv_features(m: ModelConfig) -> int:
+    """Global output features of the fused q/k/v linear."""
+    return (m.n_heads + 2 * m.n_kv_heads) * m.head_dim
+
+
+def attention_projection_copy(x: Shapes) -> list[int]:
+    """The float8 copy of attention's output that its row-parallel projection keeps beside it
+    (`train.fp8=tensorwise`)."""
+    m = x.cfg.model
+    nbytes = x.tokens * x.local_heads * m.head_dim * x.element
+    return x.float8_copy(nbytes, m.n_heads * m.head_dim, m.hidden)
 
 
 def attention_saved(x: Shapes) -> list[int]:
@@ -239,21 +291,30 @@ LAYER_NORM = LayerNormFormulas()
 RMS_NORM = RMSNormFormulas()
 
 
-def pre_norm_block_saved(x: Shapes, norm: Norm, mlp: list[int], rotary: bool = False) -> list[int]:
+def pre_norm_block_saved(
+    x: Shapes,
+    norm: Norm,
+    mlp: list[int],
+    rotary: bool = False,
+    mlp_up_features: int = 0,
+) -> list[int]:
     """What a pre-norm block x + attn(norm(x)), then + mlp(norm(...)), keeps without its input:
     the MLP's norm takes the attention's residual add with it, and keeps the sum when the norm
     keeps its input. `mlp`: the MLP's saved tensors after its input; `rotary`: whether its
-    attention rotates q and k."""
+    attention rotates q and k; `mlp_up_features`: the global output features of the MLP's
+    first tensor-parallel linear (0: its input is kept in the compute dtype, as a mixture of
+    experts' router keeps it)."""
     middle = [x.stream_tokens * x.cfg.model.hidden * x.element] if norm.keeps_input(x) else []
     return (
         norm.saved(x, keeps_input=False)
-        + linear_input_saved(x)  # q, k, v
+        + linear_input_saved(x, qkv_features(x.cfg.model))  # q, k, v
         + (rotary_saved(x) if rotary else [])
         + attention_saved(x)
+        + attention_projection_copy(x)
         + residual_masks(x, 1)
         + middle
         + norm.saved(x, keeps_input=False)
-        + linear_input_saved(x)  # the MLP's first linears
+        + linear_input_saved(x, mlp_up_features)  # the MLP's first linears
         + mlp
         + residual_masks(x, 1)
     )
@@ -303,9 +364,12 @@ class Formulas(ABC):
         (`profiling.activations.deferred_weight_inputs`): the first linear's input x and output
         gradient dy, then the down projection's (x a sequence shard under SP for the first,
         dy for the second)."""
-        wide = x.tokens * (x.cfg.model.ffn_hidden // x.cfg.parallel.tp) * x.element
-        stream = x.stream_tokens * x.cfg.model.hidden * x.element
-        return [stream, self.mlp_up_widths * wide, wide, stream]
+        m = x.cfg.model
+        wide = x.tokens * (m.ffn_hidden // x.cfg.parallel.tp) * x.element
+        stream = x.stream_tokens * m.hidden * x.element
+        up = x.kept_input(stream, m.hidden, self.mlp_up_widths * m.ffn_hidden)
+        down = x.kept_input(wide, m.ffn_hidden, m.hidden)
+        return [up, self.mlp_up_widths * wide, down, stream]
 
     def deferred_matmul_weights(self, m: ModelConfig) -> int:
         """Weights of one block (all tp ranks) whose gradient GEMM a split backward moves to W:

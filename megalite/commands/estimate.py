@@ -62,7 +62,9 @@ def layout_lines(est: LayoutEstimate) -> list[str]:
             else ""
         )
         + f" sp={p.sp} zero={p.zero} "
-        f"schedule={p.schedule} recompute={recompute} precision={est.precision} "
+        f"schedule={p.schedule} recompute={recompute} precision={est.precision}"
+        + (f" fp8={t.fp8}" if t.fp8 != "none" else "")
+        + " "
         f"({est.device} kernels); micro-batches: {est.microbatches} of {t.micro_batch_size}"
     ]
     n_stages = p.pp * p.vpp
@@ -132,6 +134,7 @@ def notes(est: LayoutEstimate) -> list[str]:
             f"cp as over dp, ZeRO shards over dp x cp = {est.replicas}; the ring's K/V blocks "
             "and fp32 accumulators are a transient of each layer's attention"
         )
+    out += float8_notes(est)
     o = est.cfg.optim
     if o.offload == "cpu" or o.state_dtype != "fp32":
         moment = 2 if o.state_dtype == "bf16" else 4
@@ -147,6 +150,25 @@ def notes(est: LayoutEstimate) -> list[str]:
     return out
 
 
+def float8_notes(est: LayoutEstimate) -> list[str]:
+    """What `train.fp8` changes in the table, and the peak its MFU is stated against."""
+    t = est.cfg.train
+    if t.fp8 == "none":
+        return []
+    kept = {
+        "tensorwise": "the tensor-parallel linears keep their inputs as float8 copies (1 B per "
+        "element, plus an input and a weight scale of 4 B each; attention's projection keeps "
+        "its copy beside the output attention keeps) and the expert GEMMs their scales",
+        "rowwise": "the linears keep their inputs in the compute dtype, as torchao does (each "
+        "GEMM casts its operands along the dim it contracts)",
+    }[t.fp8]
+    return [
+        f"note: train.fp8={t.fp8} (linears with both dims >= train.fp8_min_dim = "
+        f"{t.fp8_min_dim}): {kept}; MFU is stated against the {est.precision} dense peak, "
+        "not float8's (twice it on H100)"
+    ]
+
+
 def as_dict(est: LayoutEstimate) -> dict[str, Any]:
     p = est.cfg.parallel
     return {
@@ -159,6 +181,7 @@ def as_dict(est: LayoutEstimate) -> dict[str, Any]:
         "dp": est.dp,
         "microbatches": est.microbatches,
         "precision": est.precision,
+        "fp8": est.cfg.train.fp8,
         "device": est.device,
         "cuda_context_bytes": est.cuda_context,
         "peak_bytes": est.peak_bytes,

@@ -18,7 +18,7 @@ architecture:
 from __future__ import annotations
 
 from megalite.config import Config
-from megalite.models.formulas import Shapes, formulas_of
+from megalite.models.formulas import Shapes, formulas_of, qkv_features
 from megalite.tensor_parallel.cross_entropy import CHUNK_LOGIT_BYTES, MIN_CHUNK_TOKENS
 from megalite.tensor_parallel.layers import padded_vocab_size
 
@@ -130,10 +130,13 @@ def deferred_weight_inputs(x: Shapes) -> list[int]:
     (zero-bubble schedules, `tensor_parallel.deferred`): each linear's input x and the gradient
     of its output dy, as the linear was given them (a column-parallel x and a row-parallel dy
     are sequence shards under SP); for q/k/v and the out projection, then the MLP's linears
-    (the architecture's `mlp_deferred_inputs`: none for experts)."""
+    (the architecture's `mlp_deferred_inputs`: none for experts). Under `train.fp8=tensorwise`
+    each x is its float8 copy."""
     m, tokens, e = x.cfg.model, x.tokens, x.element
     stream = x.stream_tokens * m.hidden * e
     qkv = tokens * (x.local_heads + 2 * x.local_kv_heads) * m.head_dim * e
     attention_out = tokens * x.local_heads * m.head_dim * e
     mlp = formulas_of(m.arch).mlp_deferred_inputs(x)
-    return [stream, qkv, attention_out, stream, *mlp]
+    qkv_x = x.kept_input(stream, m.hidden, qkv_features(m))
+    out_x = x.kept_input(attention_out, m.n_heads * m.head_dim, m.hidden)
+    return [qkv_x, qkv, out_x, stream, *mlp]

@@ -44,7 +44,8 @@ class GPTFormulas(Formulas):
 
     def layer_saved(self, x: Shapes) -> list[int]:
         """The MLP keeps the pre-GELU and post-GELU tensors besides its input."""
-        return pre_norm_block_saved(x, LAYER_NORM, mlp=[x.ffn_activation] * 2)
+        mlp = [x.ffn_activation, *x.mlp_down_input()]
+        return pre_norm_block_saved(x, LAYER_NORM, mlp, mlp_up_features=x.cfg.model.ffn_hidden)
 
     def embedding_saved(self, x: Shapes) -> list[int]:
         """Also the positions: a slice (the rank's shard under SP) of one arange, or of this

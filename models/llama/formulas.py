@@ -44,8 +44,9 @@ class LlamaFormulas(Formulas):
     def layer_saved(self, x: Shapes) -> list[int]:
         """The MLP keeps gate, up and their product besides its input (Triton's SwiGLU), and
         silu(gate) too with PyTorch's reference; attention rotates q and k."""
-        mlp = [x.ffn_activation] * (3 if x.device == "cuda" else 4)
-        return pre_norm_block_saved(x, RMS_NORM, mlp, rotary=True)
+        mlp = [x.ffn_activation] * (2 if x.device == "cuda" else 3) + x.mlp_down_input()
+        up = 2 * x.cfg.model.ffn_hidden
+        return pre_norm_block_saved(x, RMS_NORM, mlp, rotary=True, mlp_up_features=up)
 
 
 FORMULAS = LlamaFormulas()

@@ -19,6 +19,7 @@ from megalite.models.llama.formulas import LlamaFormulas
 from megalite.models.moe import active_experts
 
 from megalite.config import Config, ModelConfig
+from megalite.float8 import takes_float8
 
 
 class MixtralFormulas(LlamaFormulas):
@@ -61,7 +62,8 @@ class MixtralFormulas(LlamaFormulas):
         per token its gates in the activation dtype; and per token the router saw (this rank's
         sequence shard under SP) its fp32 probabilities, its choices (int64) and the gate
         normalisation (fp32). Routing is assumed balanced (with expert parallelism a rank
-        receives as many rows as it sends)."""
+        receives as many rows as it sends). Under `train.fp8=tensorwise` each expert GEMM also
+        keeps its scales (`_float8_scales`)."""
         m, p = x.cfg.model, x.cfg.parallel
         rows, k, e = x.tokens * m.moe_top_k, m.moe_top_k, x.element
         f = m.ffn_hidden // p.tp
@@ -76,7 +78,21 @@ class MixtralFormulas(LlamaFormulas):
         if m.moe_shared_experts:  # gate and up (one tensor), their product, silu on the CPU,
             fs = m.moe_shared_experts * f  # and under SP the gathered tokens they read
             shared = [x.tokens * fs * e] * swiglu + ([x.tokens * m.hidden * e] if p.sp else [])
-        return pre_norm_block_saved(x, RMS_NORM, routed + router + shared, rotary=True)
+        float8 = _float8_scales(x, rows)
+        return pre_norm_block_saved(x, RMS_NORM, routed + router + shared + float8, rotary=True)
+
+
+def _float8_scales(x: Shapes, rows: int) -> list[int]:
+    """The fp32 scales the experts' two tensorwise float8 GEMMs keep (`float8.experts`): the
+    weight's, and the input's, one per row where the rows are of several micro-batches (ep)
+    or some are only computed to be dropped (a capacity), else one; the shared experts' the
+    same, one each. Rowwise casts again in backward and keeps none."""
+    m, t = x.cfg.model, x.cfg.train
+    if t.fp8 != "tensorwise" or not takes_float8(t.fp8_min_dim, m.hidden, m.ffn_hidden):
+        return []
+    per_row = x.cfg.parallel.ep > 1 or m.moe_capacity_factor is not None
+    experts = [rows * 4 if per_row else 4, 4] * 2
+    return experts + ([4] * 4 if m.moe_shared_experts else [])
 
 
 FORMULAS = MixtralFormulas()
