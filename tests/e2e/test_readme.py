@@ -72,6 +72,8 @@ SHORT = {
     "python tools/bench_moe.py": "--tokens 64 --hidden 32 --ffn 48 --experts 4 --repeats 1 "
     "--ranks 2 --eps 1 2 --steps 2 --step-overrides model.n_layers=1 model.hidden=64 "
     "model.ffn_hidden=128 model.seq_len=64",
+    "python tools/fp8_convergence.py train.precision=bf16": "--steps 2 --out runs/fp8-convergence "
+    "train.eval_interval=1 train.eval_steps=1 train.micro_batch_size=2 train.global_batch_size=2",
     "python tools/estimate_memory.py --config configs/llama-7b.yaml --world-size 32": "",
     "python tools/bench_init.py": "--layout configs/gpt2-124m.yaml:tp=2,pp=2,vpp=1 --repeat 1",
     "python tools/bench_prepare.py": "--mb 0.5 --repeat 1",
