@@ -116,7 +116,7 @@ def report(results: list[dict[str, Any]], out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run and report; exit status 1 if a float8 run misses the target."""
-    args = options().parse_args(argv)
+    args = options().parse_intermixed_args(argv)
     if args.out is None:
         args.out = Path("runs") / f"fp8-convergence-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.out.exists():
