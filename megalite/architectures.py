@@ -37,6 +37,11 @@ class Architecture:
     """Its `Formulas` (`models.formulas`): parameters, FLOPs and activations in closed form."""
     grouped_query: bool = False
     """Whether `model.n_kv_heads` may be fewer than `model.n_heads`."""
+    any_head_dim: bool = False
+    """Whether `model.head_dim` may differ from hidden / n_heads (q then n_heads * head_dim
+    wide)."""
+    tie_option: bool = False
+    """Whether `model.tie_embeddings` may tie its LM head to the token embedding."""
     rope_scaling: bool = False
     """Whether `model.rope_scaling` may be set: the model has rotary embeddings from
     `layers.rotary_tables`, and its Hugging Face mapping carries the scaling both ways."""
@@ -45,7 +50,12 @@ class Architecture:
     `model.moe_experts` must be set), and `model.ffn_hidden` is each expert's width."""
 
 
-SHIPPED = ("megalite.models.gpt", "megalite.models.llama", "megalite.models.mixtral")
+SHIPPED = (
+    "megalite.models.gpt",
+    "megalite.models.llama",
+    "megalite.models.mixtral",
+    "megalite.models.qwen3",
+)
 """The packages of the shipped architectures, each with its `ARCHITECTURE` record."""
 
 _registered: dict[str, Architecture] = {}

@@ -54,6 +54,11 @@ def _one_of(names: list[str]) -> str:
     return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
 
 
+def _allowing(capability: str) -> list[str]:
+    """The registered architectures whose record has `capability` (an `Architecture` flag)."""
+    return [n for n in architectures.names() if getattr(architectures.architecture(n), capability)]
+
+
 ROPE_SCALING_DEFAULTS: dict[str, dict[str, float | int]] = {
     "none": {},
     "llama3": {
@@ -83,6 +88,14 @@ class ModelConfig:
     n_kv_heads: int | None = None
     """Key/value heads for grouped-query attention (where the architecture has it); None means
     n_heads."""
+    head_dim: int | None = None
+    """Width of each attention head; None means hidden / n_heads. Architectures whose record
+    allows it (qwen3) may set another, and q is then n_heads * head_dim wide (Qwen3-0.6B: 128
+    at hidden 1024 and 16 heads)."""
+    tie_embeddings: bool = False
+    """Whether the LM head is the token embedding's weight (Hugging Face's
+    `tie_word_embeddings`: Qwen3's models up to 4B). Architectures whose record allows it
+    (qwen3); GPT's head is always tied, Llama's never."""
     ffn_hidden: int | None = None
     """MLP inner width; None means the architecture's default (GPT-2's 4*hidden, Llama's
     8/3*hidden rounded up to a multiple of 64)."""
@@ -173,21 +186,32 @@ class ModelConfig:
         if self.ffn_hidden is None:
             self.ffn_hidden = arch.default_ffn_hidden(self.hidden)
         _require(self.ffn_hidden >= 1, "model.ffn_hidden must be >= 1")
+        if self.head_dim is None:
+            _require(
+                self.hidden % self.n_heads == 0,
+                f"model.hidden ({self.hidden}) must be divisible by model.n_heads "
+                f"({self.n_heads}), or set model.head_dim",
+            )
+            self.head_dim = self.hidden // self.n_heads
         _require(
-            self.hidden % self.n_heads == 0,
-            f"model.hidden ({self.hidden}) must be divisible by model.n_heads ({self.n_heads})",
+            self.head_dim == self.hidden // self.n_heads or arch.any_head_dim,
+            f"model.head_dim ({self.head_dim}) differs from hidden / n_heads, which only "
+            f"{_one_of(_allowing('any_head_dim'))} allow",
+        )
+        _require(self.head_dim >= 2 and self.head_dim % 2 == 0, "model.head_dim must be even")
+        _require(
+            not self.tie_embeddings or arch.tie_option,
+            f"model.tie_embeddings is for {_one_of(_allowing('tie_option'))} (GPT's head is "
+            "always tied)",
         )
         _require(
             self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0,
             f"model.n_kv_heads ({self.n_kv_heads}) must divide model.n_heads ({self.n_heads})",
         )
-        grouped = [
-            name for name in architectures.names() if architectures.architecture(name).grouped_query
-        ]
         _require(
             arch.grouped_query or self.n_kv_heads == self.n_heads,
             "model.n_kv_heads differs from n_heads, but grouped-query attention is "
-            f"only in {_one_of(grouped)}",
+            f"only in {_one_of(_allowing('grouped_query'))}",
         )
         _require(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
         for name in ("norm_eps", "rope_theta"):
@@ -251,14 +275,11 @@ class ModelConfig:
                     f"scale, or leave {'them' if given[1:] else 'it'} out"
                 )
             return
-        scaled = [
-            name for name in architectures.names() if architectures.architecture(name).rope_scaling
-        ]
         _require(
             arch.rope_scaling,
             f"model.rope_scaling={self.rope_scaling}, but rope scaling is only in "
-            f"{_one_of(scaled)} (model.arch={self.arch} has no rotary embeddings to scale): set "
-            "model.rope_scaling=none",
+            f"{_one_of(_allowing('rope_scaling'))} (model.arch={self.arch} has no rotary "
+            "embeddings to scale): set model.rope_scaling=none",
         )
         for key, value in defaults.items():
             if getattr(self, key) is None:
@@ -280,8 +301,9 @@ class ModelConfig:
         )
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.n_heads
+    def q_width(self) -> int:
+        """Output width of the query projection, and input width of the output one."""
+        return self.n_heads * self.head_dim
 
 
 @dataclass

@@ -2,7 +2,8 @@
 partition balances stages by.
 
 Per token, training costs 6 FLOPs per weight of every matmul (forward 2, backward 4) plus the
-attention scores and their weighted sum, 12 * layers * hidden * seq, of which a causal mask
+attention scores and their weighted sum, 12 * layers * q width * seq (q width: heads x
+head_dim, the hidden size but in Qwen3-like models), of which a causal mask
 skips half (Megatron-LM counts that half as not done; torchtitan counts all of it, so its MFU
 reads higher by 6 * layers * hidden * seq FLOPs per token at the same speed:
 `flops_per_token(causal=False)`). Recompute is hardware work, not model work, so it never
@@ -29,5 +30,5 @@ def flops_per_token(cfg: ModelConfig, causal: bool = True) -> float:
     """Training FLOPs per token (forward + backward). `causal`: count the attention scores that
     a causal mask skips as not done (MFU as Megatron-LM reports it); off to compare with
     formulas that count them (torchtitan's, Narayanan et al.'s)."""
-    attention_scores = 12 * cfg.n_layers * cfg.hidden * cfg.seq_len
+    attention_scores = 12 * cfg.n_layers * cfg.q_width * cfg.seq_len
     return 6 * matmul_params(cfg) + (attention_scores / 2 if causal else attention_scores)

@@ -171,7 +171,7 @@ def attention_widths(cfg: Config) -> tuple[int, int]:
     kv head when there are fewer than tp ranks (each rank then computes the one it uses)."""
     m, tp = cfg.model, cfg.parallel.tp
     kv_heads = m.n_kv_heads // tp if m.n_kv_heads >= tp else m.n_kv_heads
-    return m.hidden // tp, kv_heads * m.head_dim
+    return m.q_width // tp, kv_heads * m.head_dim
 
 
 def attention_parameters(cfg: Config, prefix: str, bias: bool) -> list[Param]:
@@ -187,7 +187,7 @@ def attention_parameters(cfg: Config, prefix: str, bias: bool) -> list[Param]:
 def attention_matmul_weights(m: ModelConfig) -> int:
     """Weights of the attention's matmuls over the whole model width (all tp ranks)."""
     kv = m.n_kv_heads * m.head_dim
-    return 2 * m.hidden * m.hidden + 2 * m.hidden * kv
+    return 2 * m.hidden * m.q_width + 2 * m.hidden * kv
 
 
 def rotary_buffers(m: ModelConfig) -> list[int]:
@@ -212,7 +212,7 @@ def attention_projection_copy(x: Shapes) -> list[int]:
     (`train.fp8=tensorwise`)."""
     m = x.cfg.model
     nbytes = x.tokens * x.local_heads * m.head_dim * x.element
-    return x.float8_copy(nbytes, m.n_heads * m.head_dim, m.hidden)
+    return x.float8_copy(nbytes, m.q_width, m.hidden)
 
 
 def attention_saved(x: Shapes) -> list[int]:
@@ -350,13 +350,19 @@ class Formulas(ABC):
         since whether it is held depends on what comes before: a pipeline receive, a
         recompute)."""
 
+    def ties(self, m: ModelConfig) -> bool:
+        """Whether the LM head is the token embedding: always (`tied_embeddings`), or where the
+        config says so (`model.tie_embeddings`)."""
+        return self.tied_embeddings or m.tie_embeddings
+
     def head_parameters(self, cfg: Config, rows: int, has_embedding: bool) -> list[Param]:
         """The last chunk's parameters after its blocks: the final norm and the LM head (a tied
         head on the embedding's chunk is the embedding; elsewhere a copy with its own bucket)."""
         params = self.norm.parameters("final_norm", cfg.model.hidden)
-        if not (self.tied_embeddings and has_embedding):
+        tied = self.ties(cfg.model)
+        if not (tied and has_embedding):
             head = cfg.model.hidden * rows
-            params.append(Param("lm_head.weight", head, own_bucket=self.tied_embeddings))
+            params.append(Param("lm_head.weight", head, own_bucket=tied))
         return params
 
     def mlp_deferred_inputs(self, x: Shapes) -> list[int]:

@@ -121,12 +121,13 @@ class LayerNorm(nn.Module):
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 (Llama)."""
 
-    def __init__(self, hidden: int, ctx: BuildContext) -> None:
+    def __init__(self, hidden: int, ctx: BuildContext, over_heads: bool = False) -> None:
+        """`over_heads`: normalise each attention head (QK-norm, one weight of head_dim for
+        every head), whose gradient each tp rank holds for its own heads only."""
         super().__init__()
         self.eps = ctx.cfg.norm_eps
-        meta = ParamMeta(
-            (hidden,), constant_init(1.0), tp_grad_reduce=ctx.sequence_parallel, weight_decay=False
-        )
+        partial = over_heads or ctx.sequence_parallel
+        meta = ParamMeta((hidden,), constant_init(1.0), tp_grad_reduce=partial, weight_decay=False)
         self.weight = make_param((hidden,), meta, ctx.ps)
 
     def forward(
@@ -202,7 +203,10 @@ class Attention(nn.Module):
     key/value heads; when there are fewer kv heads than tp ranks, each rank computes the one its
     query heads use."""
 
-    def __init__(self, ctx: BuildContext, *, bias: bool, rotary: bool) -> None:
+    def __init__(
+        self, ctx: BuildContext, *, bias: bool, rotary: bool, qk_norm: bool = False
+    ) -> None:
+        """`qk_norm`: RMSNorm each head of q and of k before rotary (Qwen3, Gemma 3)."""
         super().__init__()
         cfg, ps, tp = ctx.cfg, ctx.ps, ctx.ps.size("tp")
         self.ctx, self.rotary, self.head_dim = ctx, rotary, cfg.head_dim
@@ -214,11 +218,11 @@ class Attention(nn.Module):
         kv_width, shared = cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads < tp
         kv_heads = cfg.n_kv_heads if shared else 0
         assert not (bias and shared), "kv heads shared over tp ranks are built without biases"
-        qkv = [ColumnOutput("wq", cfg.hidden), ColumnOutput("wk", kv_width, kv_heads)]
+        qkv = [ColumnOutput("wq", cfg.q_width), ColumnOutput("wk", kv_width, kv_heads)]
         qkv.append(ColumnOutput("wv", kv_width, kv_heads))
         self.wqkv = FusedColumnParallelLinear(cfg.hidden, qkv, ps, **linear)
         self.wo = RowParallelLinear(
-            cfg.hidden,
+            cfg.q_width,
             cfg.hidden,
             ps,
             bias=bias,
@@ -227,6 +231,8 @@ class Attention(nn.Module):
             pair=pair,
             float8=ctx.float8,
         )
+        self.q_norm = RMSNorm(cfg.head_dim, ctx, over_heads=True) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, ctx, over_heads=True) if qk_norm else None
         if rotary:
             scaling = Llama3Scaling.of(cfg)
             cos, sin = rotary_tables(cfg.head_dim, cfg.max_positions, cfg.rope_theta, scaling)
@@ -241,6 +247,8 @@ class Attention(nn.Module):
         q = q.view(b, s, -1, self.head_dim)  # (b, s, local heads, hd)
         k = k.view(b, s, -1, self.head_dim)  # (b, s, local kv heads, hd)
         v = v.view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
             q, k = self.rotate(q, k, layout)
             # q and k are new tensors now; a copy of v lets the fused output go (attention

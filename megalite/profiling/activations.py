@@ -138,5 +138,5 @@ def deferred_weight_inputs(x: Shapes) -> list[int]:
     attention_out = tokens * x.local_heads * m.head_dim * e
     mlp = formulas_of(m.arch).mlp_deferred_inputs(x)
     qkv_x = x.kept_input(stream, m.hidden, qkv_features(m))
-    out_x = x.kept_input(attention_out, m.n_heads * m.head_dim, m.hidden)
+    out_x = x.kept_input(attention_out, m.q_width, m.hidden)
     return [qkv_x, qkv, out_x, stream, *mlp]

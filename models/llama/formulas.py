@@ -22,14 +22,26 @@ class LlamaFormulas(Formulas):
     tied_embeddings = False
 
     def embedding_parameters(self, cfg: Config, rows: int, has_head: bool) -> list[Param]:
-        return [Param("tok_embeddings.weight", rows * cfg.model.hidden)]
+        """A tied embedding (`model.tie_embeddings`) away from the head has a bucket of its
+        own, as GPT's."""
+        own = cfg.model.tie_embeddings and not has_head
+        return [Param("tok_embeddings.weight", rows * cfg.model.hidden, own_bucket=own)]
+
+    qk_norm = False
+    """Whether attention norms each head of q and k (Qwen3): a head_dim weight each."""
 
     def layer_parameters(self, cfg: Config, layer: int) -> list[Param]:
         h, f = cfg.model.hidden, cfg.model.ffn_hidden // cfg.parallel.tp
         pre = f"layers.{layer}."
+        qk_norms = [
+            param
+            for name in ("q_norm", "k_norm")
+            for param in RMS_NORM.parameters(f"{pre}attn.{name}", cfg.model.head_dim)
+        ]
         return [
             *RMS_NORM.parameters(pre + "attn_norm", h),
             *attention_parameters(cfg, pre + "attn", bias=False),
+            *(qk_norms if self.qk_norm else []),
             *RMS_NORM.parameters(pre + "mlp_norm", h),
             *linear_parameters(pre + "mlp.gate_up", 2 * f, h, bias=False),
             *linear_parameters(pre + "mlp.down", h, f, bias=False),

@@ -55,12 +55,15 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(rmsnorm(x)), then x + mlp(rmsnorm(x)). `mlp`: the
-    feed-forward's class (Mixtral's is a mixture of experts)."""
+    feed-forward's class (Mixtral's is a mixture of experts); `qk_norm`: attention norms each
+    head of q and k (Qwen3)."""
 
-    def __init__(self, ctx: BuildContext, mlp: type[nn.Module] = MLP) -> None:
+    def __init__(
+        self, ctx: BuildContext, mlp: type[nn.Module] = MLP, qk_norm: bool = False
+    ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(ctx.cfg.hidden, ctx)
-        self.attn = Attention(ctx, bias=False, rotary=True)
+        self.attn = Attention(ctx, bias=False, rotary=True, qk_norm=qk_norm)
         self.mlp_norm = RMSNorm(ctx.cfg.hidden, ctx)
         self.mlp = mlp(ctx)
         self.drop = ResidualDropout(ctx)
@@ -74,7 +77,8 @@ class Block(nn.Module):
 
 class Llama(CausalLM):
     """One pipeline chunk of Llama (the whole model when pp = 1): `tok_embeddings` on the first
-    chunk, blocks `layers.<global index>`, `final_norm` + `lm_head` on the last."""
+    chunk, blocks `layers.<global index>`, `final_norm` + `lm_head` on the last (the
+    embedding's weight under `model.tie_embeddings`)."""
 
     block: Callable[[BuildContext], nn.Module] = Block
     """Builds one block (Mixtral's: this block with a mixture of experts)."""
@@ -91,12 +95,20 @@ class Llama(CausalLM):
         )
         if has_embedding:
             self.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, ps, **vocab)
+            self.tok_embeddings.weight.meta.pp_tied = cfg.tie_embeddings and not has_head
             self.drop = ResidualDropout(ctx)
         # Keyed by global index, so parameter names never depend on the pipeline layout.
         self.layers = nn.ModuleDict({str(i): self.block(ctx) for i in layer_ids})
         if has_head:
             self.final_norm = RMSNorm(cfg.hidden, ctx)
-            self.lm_head = VocabParallelOutput(cfg.vocab_size, cfg.hidden, ps, **vocab)
+            tied = {}
+            if cfg.tie_embeddings:  # on a later pipeline stage a copy kept equal (ParamMeta)
+                tied = (
+                    dict(tied=self.tok_embeddings)
+                    if has_embedding
+                    else dict(tied_name="tok_embeddings.weight")
+                )
+            self.lm_head = VocabParallelOutput(cfg.vocab_size, cfg.hidden, ps, **vocab, **tied)
 
     def forward(
         self,

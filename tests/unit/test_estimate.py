@@ -45,6 +45,14 @@ def _meta_chunks(cfg, tp_rank: int, pp_rank: int, dp: int = 1):
         ],
         ["model.arch=llama", "model.n_kv_heads=1", "parallel.tp=2", "parallel.pp=2"],
         ["model.arch=llama", "model.n_kv_heads=2", "model.ffn_hidden=96"],
+        [  # QK-norms, a q wider than the model, a tied head across stages
+            "model.arch=qwen3",
+            "model.n_kv_heads=2",
+            "model.head_dim=24",
+            "model.tie_embeddings=true",
+            "parallel.tp=2",
+            "parallel.pp=2",
+        ],
         [
             "model.arch=mixtral",
             "model.n_kv_heads=2",

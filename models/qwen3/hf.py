@@ -1,0 +1,77 @@
+"""Qwen3 as Hugging Face's `Qwen3ForCausalLM`: Llama's name table plus each layer's
+`self_attn.q_norm` / `k_norm`, a `head_dim` of its own, and `tie_word_embeddings` both ways
+(a tied checkpoint stores only the embedding). Sliding-window attention
+(`use_sliding_window`) and attention biases are refused."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from megalite.models.hugging_face import Link
+from megalite.models.llama.hf import LlamaMapping, hf_settings, rope_from_hf
+
+from megalite.config import ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+class Qwen3Mapping(LlamaMapping):
+    model_type = "qwen3"
+
+    def links(self, m: ModelConfig) -> list[Link]:
+        found = [
+            link
+            for link in super().links(m)
+            if not (m.tie_embeddings and link.ours == "lm_head.weight")
+        ]
+        for i in range(m.n_layers):
+            for norm in ("q_norm", "k_norm"):
+                found.append(
+                    Link(
+                        f"layers.{i}.attn.{norm}.weight",
+                        f"model.layers.{i}.self_attn.{norm}.weight",
+                    )
+                )
+        return found
+
+    def to_hf(self, params: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+        state = super().to_hf(params, m)
+        if m.tie_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        return state
+
+    def aliases(self, raw: dict[str, Any]) -> dict[str, str]:
+        return {}  # a tied head is not read: the embedding is the head
+
+    def hf_config(self, m: ModelConfig) -> PretrainedConfig:
+        from transformers import Qwen3Config
+
+        settings = hf_settings(m) | dict(tie_word_embeddings=m.tie_embeddings)
+        return Qwen3Config(**settings, attention_bias=False, use_sliding_window=False)
+
+    def config_from_hf(self, raw: dict[str, Any]) -> dict[str, Any]:
+        if raw.get("use_sliding_window"):
+            raise ValueError("Qwen3 with sliding-window attention is not supported")
+        if raw.get("attention_bias"):
+            raise ValueError("Qwen3 with attention biases is not supported")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"activation {raw.get('hidden_act')!r} is not one megalite implements")
+        hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+        return {
+            "hidden": hidden,
+            "n_layers": raw["num_hidden_layers"],
+            "n_heads": heads,
+            "n_kv_heads": raw.get("num_key_value_heads", heads),
+            "head_dim": raw.get("head_dim") or hidden // heads,
+            "ffn_hidden": raw["intermediate_size"],
+            "vocab_size": raw["vocab_size"],
+            "norm_eps": raw["rms_norm_eps"],
+            "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
+            "max_positions": raw.get("max_position_embeddings", 32768),  # transformers' default
+            **rope_from_hf(raw),
+        }
+
+
+MAPPING = Qwen3Mapping()
