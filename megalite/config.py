@@ -333,7 +333,9 @@ class ParallelConfig:
     """Sequence parallelism: norms, dropout and residuals run on sequence shards (needs tp > 1)."""
     zero: int = 0
     """0: every data-parallel rank keeps the full optimizer; 1: shard master weights and Adam
-    state over data-parallel ranks (ZeRO-1); 2: shard the fp32 gradients too (ZeRO-2)."""
+    state over data-parallel ranks (ZeRO-1); 2: shard the fp32 gradients too (ZeRO-2); 3: shard
+    the 16-bit parameters too (ZeRO-3, FSDP), each block's gathered for its forward and again
+    for its backward (data_parallel/zero3.py)."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 (1F1B with each backward split into
     input and weight gradients, the weight gradients moved into the bubble: a third of 1F1B's
@@ -359,7 +361,7 @@ class ParallelConfig:
             self.cp_comm in ("p2p", "allgather"),
             f"parallel.cp_comm must be p2p or allgather, got {self.cp_comm!r}",
         )
-        _require(self.zero in (0, 1, 2), f"parallel.zero must be 0, 1 or 2, got {self.zero}")
+        _require(self.zero in (0, 1, 2, 3), f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}")
         _schedule_rule(check_chunks, self.schedule, self.pp, self.vpp)
         # The schedule also builds gpipe with virtual stages (evaluation runs their forwards);
         # training offers virtual stages only interleaved.

@@ -47,6 +47,7 @@ WHOLE_MODULES = {
     "tests/e2e/test_readme.py": "the README's commands use what earlier ones wrote, in order",
     "tests/e2e/test_cli.py": "its module fixture trains three runs",
     "tests/distributed/test_checkpoint_crash.py": "its module fixtures kill runs mid-save",
+    "tests/distributed/test_zero3.py": "its module fixture trains every layout in one launch",
 }
 """Modules whose tests one xdist worker runs, in order, and why: dealt apart, their tests would
 miss what earlier ones wrote, or each worker would build the same costly module fixture."""

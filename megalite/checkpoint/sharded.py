@@ -5,6 +5,7 @@
         step_000100/
             manifest.json          layout, trainer state, where every tensor lies, checksums
             model_tp01_pp00.safetensors        parameters of one (tp, pp) rank (its dp rank 0)
+            model_tp01_pp00_dp03.safetensors   ZeRO-3: the ranges of them that rank owns
             optim_tp01_pp00_dp03.safetensors   the Adam state that rank owns (ZeRO: 1/dp)
             rng_rank00003.safetensors          RNG streams of every rank
             tokenizer.model, or tokenizer.json (+ tokenizer_config.json)   the run's tokenizer
@@ -120,6 +121,12 @@ def weights_file(dims: ParallelDims, rank: int) -> str:
     """The file of the weight pieces `rank` holds, named by its place on the axes that shard the
     weights (`model_tp01_pp00.safetensors`): one file per piece, written by one rank of it."""
     return f"model_{dims.label(rank, dims.weight_axes)}.safetensors"
+
+
+def sharded_weights_file(dims: ParallelDims, rank: int) -> str:
+    """Under ZeRO-3, the file of the weight ranges `rank` owns, named by its place on every
+    axis (`model_tp01_pp00_dp03.safetensors`): each replica writes its own shard."""
+    return f"model_{dims.label(rank, dims.naming_order)}.safetensors"
 
 
 def optimizer_file(dims: ParallelDims, rank: int) -> str:
@@ -458,7 +465,8 @@ def _load_tensors(ckpt: Checkpoint, state: RunState) -> None:
     if ps.rank == 0:
         ckpt.check_present()
         ckpt.verify_tokenizer()
-    ckpt.load_parameters(state.params, ps)
+    if not state.optimizer.params_sharded:  # ZeRO-3: the owned masters below are the weights
+        ckpt.load_parameters(state.params, ps)
     ckpt.load_routing(state.routing)
 
     def read_state(name: str, tensor: torch.Tensor, kind: str, lo: int, hi: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ from megalite.checkpoint.sharded import (
     newest_good_checkpoint,
     optimizer_file,
     rng_file,
+    sharded_weights_file,
     state_name,
     step_dir,
     step_of,
@@ -74,10 +75,10 @@ def _saved_name(param: torch.Tensor, name: str, ps: ParallelState) -> str | None
 
 
 def owned_tensors(state: RunState) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict]]:
-    """What this rank writes, by file: its tp piece of every parameter (dp rank 0) and the
-    optimizer state of the elements it owns (views of the live tensors, on their device); and the
-    manifest entries saying where each segment lies. No collective: every rank already holds
-    what it writes."""
+    """What this rank writes, by file: its tp piece of every parameter (dp rank 0; under ZeRO-3
+    every replica its owned ranges of them) and the optimizer state of the elements it owns
+    (views of the live tensors, on their device); and the manifest entries saying where each
+    segment lies. No collective: every rank already holds what it writes."""
     ps, optimizer = state.ps, state.optimizer
     model_file, optim_file = weights_file(ps.dims, ps.rank), optimizer_file(ps.dims, ps.rank)
     files: dict[str, dict[str, torch.Tensor]] = {}
@@ -99,9 +100,15 @@ def owned_tensors(state: RunState) -> tuple[dict[str, dict[str, torch.Tensor]], 
         pp) piece, written by the first of cp x edp, the dense weights' by the first of dp x cp."""
         return weights_file(ps.dims.view_of(meta.replica_axes(ps.dims)), ps.rank)
 
-    for name, tensor in global_tensors(state.params).items():  # fused parameters as parts
-        if first(tensor.meta) and _saved_name(tensor, name, ps) is not None:
-            add(name, tensor, weights(tensor.meta), 0, tensor)
+    if optimizer.params_sharded:  # ZeRO-3: no rank holds them whole, each writes what it owns
+        shards_file = sharded_weights_file(ps.dims, ps.rank)
+        for name, tensor, lo, values in optimizer.owned_weights():
+            if _saved_name(tensor, name, ps) is not None:
+                add(f"{name}@{lo}", tensor, shards_file, lo, values)
+    else:
+        for name, tensor in global_tensors(state.params).items():  # fused parameters as parts
+            if first(tensor.meta) and _saved_name(tensor, name, ps) is not None:
+                add(name, tensor, weights(tensor.meta), 0, tensor)
     for name, tensor in state.routing.items():  # the routing biases: one copy per stage
         if first(tensor.meta) and _saved_name(tensor, name, ps) is not None:
             add(name, tensor, model_file, 0, tensor)

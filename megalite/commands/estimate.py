@@ -122,8 +122,9 @@ def notes(est: LayoutEstimate) -> list[str]:
         out.append(
             "note: per parameter megalite keeps 2 B (16-bit param) + 4 B (fp32 main grad) + "
             f"12 B (fp32 master, Adam m, v; / {dp} under ZeRO-1, which adds a 4 B / {dp} reduced-"
-            "gradient shard; ZeRO-2 keeps only that shard, plus bucket staging); the ZeRO "
-            f"paper counts 2 + 2 + 12 (P_os: 12 / dp; P_os+g: 14 / dp): {format_bytes(paper)} of "
+            "gradient shard; ZeRO-2 keeps only that shard, plus bucket staging; ZeRO-3 also only "
+            f"2 B / {dp} of the params between uses); the ZeRO paper counts 2 + 2 + 12 (P_os: "
+            f"12 / dp; P_os+g: 14 / dp; P_os+g+p: 16 / dp): {format_bytes(paper)} of "
             f"model state on pp rank {fullest.pp_rank}, against {format_bytes(ours)} here"
         )
     p = est.cfg.parallel

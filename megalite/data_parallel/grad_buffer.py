@@ -34,6 +34,12 @@ bucket in the order the next forward uses them (Megatron-LM's overlapped paramet
 a forward pre-hook on every module that owns parameters waits for their buckets only, so layer
 0 computes while later layers' parameters are still arriving.
 
+ZeRO-3 (sharded parameters) keeps only the owned pieces of the 16-bit parameters
+(`params_owned`): each bucket's full parameters live in a storage of the bucket's own, which its
+parameters are views of, allocated and gathered when a unit (`zero3`) is about to run and
+released after its forward, and again once the bucket's gradients of a backward are all in.
+Buckets are cut at unit boundaries, and the optimizer step leaves the gathering to the units.
+
 Ownership (Megatron's distributed optimizer): every bucket is padded to a multiple of dp and
 data-parallel rank r owns the r-th contiguous piece of each bucket. With ZeRO-0 a rank owns
 everything. "Owned coordinates" index the concatenation of a rank's owned pieces, which is how
@@ -50,6 +56,7 @@ import torch
 from torch import nn
 
 from megalite import comm
+from megalite.data_parallel.zero3 import ShardedUnits, has_forward, parameter_units, unit_index
 from megalite.kernels import wgrad_accumulate
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.deferred import Deferral
@@ -73,6 +80,9 @@ class Bucket:
     """ZeRO-2: the owned piece already holds a micro-batch's gradient of this step."""
     gather: tuple[Any, torch.Tensor] | None = None
     """(handle, source) of the parameter all-gather in flight for this bucket."""
+    full: torch.Tensor | None = None
+    """ZeRO-3: the bucket's full 16-bit parameters, in a storage of its own that is allocated
+    only while they are gathered (its parameters are views of it)."""
 
     @property
     def numel(self) -> int:
@@ -98,6 +108,13 @@ class GradBuffer:
     deferral: Deferral | None = None
     """The model's deferral of weight gradients (its linears'), which a split backward's B step
     opens: while it is open, every gradient's arrival waits for the W step too."""
+    shard_params: bool = False
+    """ZeRO-3: keep only the owned pieces of the 16-bit parameters between uses; a bucket's
+    full parameters are gathered for a forward or backward and released after (needs
+    shard_grads)."""
+    unit_of: dict[nn.Parameter, int] = field(default_factory=dict)
+    """ZeRO-3: the unit (`zero3.unit_index`) of each parameter. A bucket never spans two
+    units, so that a unit's gathers bring its parameters and no other unit's."""
 
     @property
     def replica_group(self) -> Any:
@@ -125,6 +142,7 @@ class GradBuffer:
         dp = self.replica_size
         self.sharded = self.shard_optimizer and dp > 1
         self.grads_sharded = self.shard_grads and self.sharded
+        self.params_sharded = self.shard_params and self.grads_sharded
         self.buckets: list[Bucket] = []
         self.offsets: dict[nn.Parameter, int] = {}
         offset, current = 0, []
@@ -138,7 +156,9 @@ class GradBuffer:
                 offset, current = end, []
 
         for param in self.params:
-            if param in self.own_bucket:
+            if param in self.own_bucket or (
+                current and self.unit_of.get(param) != self.unit_of.get(current[0])
+            ):
                 close()
             self.offsets[param] = offset
             offset += param.numel()
@@ -148,7 +168,11 @@ class GradBuffer:
         close()
 
         dtype, self.device = self.params[0].dtype, self.params[0].device
-        self.params_flat = torch.zeros(offset, dtype=dtype, device=self.device)
+        self.params_flat = (
+            None if self.params_sharded else torch.zeros(offset, dtype=dtype, device=self.device)
+        )
+        for bucket in self.buckets if self.params_sharded else ():
+            bucket.full = torch.zeros(bucket.numel, dtype=dtype, device=self.device)
         self.grads_flat = (
             None
             if self.grads_sharded
@@ -165,6 +189,10 @@ class GradBuffer:
             bucket.owned = slice(offset, offset + end - start)
             offset += end - start
         owned = sum(end - start for start, end in self.owned_ranges)
+        self.params_owned: torch.Tensor | None = None
+        """ZeRO-3: the owned pieces of the 16-bit parameters, in owned coordinates."""
+        if self.params_sharded:
+            self._keep_owned_params(owned)
         self.owned_grads = (
             torch.zeros(owned, dtype=torch.float32, device=self.device)
             if self.sharded
@@ -180,7 +208,7 @@ class GradBuffer:
 
     def _adopt(self, param: nn.Parameter) -> None:
         start = self.offsets[param]
-        view = self.params_flat[start : start + param.numel()]
+        view = self._param_storage(param)
         view.copy_(param.data.view(-1))
         param.data = view.view_as(param)
         if self.grads_flat is not None:
@@ -189,6 +217,25 @@ class GradBuffer:
         if self.fuse_wgrad:
             param.accumulate_main_grad = functools.partial(self._accumulate, param)
 
+    def _keep_owned_params(self, owned: int) -> None:
+        """ZeRO-3, once built: copy each bucket's owned piece of the parameters out, then
+        release the bucket, so that from now on a rank holds its owned pieces alone."""
+        self.params_owned = torch.empty(owned, dtype=self.params[0].dtype, device=self.device)
+        for bucket, (start, end) in zip(self.buckets, self.owned_ranges):
+            piece = bucket.full[start - bucket.start : end - bucket.start]
+            self.owned_params(bucket).copy_(piece)
+            self.release_params(bucket)
+
+    def _param_storage(self, param: nn.Parameter) -> torch.Tensor:
+        """The 1-D stretch of 16-bit storage `param` is a view of: of the buffer's, or (ZeRO-3)
+        of its bucket's own, which is released and gathered again without `param` changing."""
+        if not self.params_sharded:
+            start = self.offsets[param]
+            return self.params_flat[start : start + param.numel()]
+        bucket = self.bucket_of[param]
+        start = self.offsets[param] - bucket.start
+        return bucket.full[start : start + param.numel()]
+
     def owned_range(self, bucket: Bucket) -> tuple[int, int]:
         """This rank's piece of a bucket, in buffer coordinates."""
         if not self.sharded:
@@ -196,6 +243,21 @@ class GradBuffer:
         piece = bucket.numel // self.replica_size
         start = bucket.start + self.replica_rank * piece
         return start, start + piece
+
+    def owned_params(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's piece of the bucket's 16-bit parameters (a view), which the optimizer
+        updates: ZeRO-3 keeps it apart from the bucket's full parameters, which come and go."""
+        if self.params_sharded:
+            return self.params_owned[bucket.owned]
+        start, end = self.owned_range(bucket)
+        return self.params_flat[start:end]
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The 16-bit parameter storage resident now: the full buffer, or (ZeRO-3) the owned
+        pieces and the buckets gathered at the moment (none between steps)."""
+        if not self.params_sharded:
+            return [self.params_flat]
+        return [self.params_owned] + [b.full for b in self.buckets if self.is_gathered(b)]
 
     def owned_segments(self, param: nn.Parameter) -> list[tuple[int, int, int]]:
         """Where `param` meets this rank's owned pieces: (owned start, owned end, offset of that
@@ -372,6 +434,8 @@ class GradBuffer:
         self.in_flight.append(bucket)
         while len(self.in_flight) > 1:
             self._add_reduced(self.in_flight.pop(0))
+        if self.params_sharded:  # every use of its parameters in this backward is done
+            self.release_params(bucket)
 
     def _add_reduced(self, bucket: Bucket) -> None:
         bucket.handle.wait()
@@ -391,7 +455,8 @@ class GradBuffer:
     def end_backward(self) -> None:
         """ZeRO-2, after each step of this chunk that completes a micro-batch's gradients (B,
         or W under a split backward): reduce the buckets some of whose parameters got no
-        gradient, and add every reduction in, so no staging outlives the step that filled it."""
+        gradient, and add every reduction in, so no staging outlives the step that filled it.
+        ZeRO-3: release the parameters of every bucket, so none outlives the backward."""
         if not self.grads_sharded:
             return
         for bucket in self.buckets:
@@ -399,6 +464,8 @@ class GradBuffer:
                 self._reduce_staged(bucket)
         while self.in_flight:
             self._add_reduced(self.in_flight.pop(0))
+        for bucket in self.buckets if self.params_sharded else ():  # none got a gradient
+            self.release_params(bucket)
 
     # ------------------------------------------------------------------ parameter sync
 
@@ -406,14 +473,39 @@ class GradBuffer:
         """After the optimizer updated this rank's owned pieces, start giving every dp rank all
         of them (ZeRO-1/2): one asynchronous all-gather per bucket, in forward order (the
         reverse of the buckets' backward order). Nothing to do when every rank owns
-        everything."""
-        if not self.sharded:
+        everything, nor under ZeRO-3, where each unit's forward gathers its own buckets
+        (`gather_params`)."""
+        if not self.sharded or self.params_sharded:
             return
-        for bucket, (start, end) in reversed(list(zip(self.buckets, self.owned_ranges))):
-            source = self.params_flat[start:end].clone()
+        for bucket in reversed(self.buckets):
+            source = self.owned_params(bucket).clone()
             full = self.params_flat[bucket.start : bucket.end]
             handle = comm.all_gather_flat(full, source, self.replica_group, async_op=True)
             bucket.gather = (handle, source)
+
+    def is_gathered(self, bucket: Bucket) -> bool:
+        """ZeRO-3: whether the bucket's full parameters are allocated (gathered, or arriving)."""
+        return bucket.full.untyped_storage().nbytes() > 0
+
+    def gather_params(self, bucket: Bucket) -> None:
+        """ZeRO-3: start the asynchronous all-gather of the bucket's parameters from every
+        replica's owned piece into the bucket's storage, allocated for it; a no-op when they are
+        gathered or on their way. Every replica runs the same units in the same order, so the
+        group's gathers are issued in one order (as NCCL needs)."""
+        if self.is_gathered(bucket):
+            return
+        full = bucket.full
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        source = self.owned_params(bucket)
+        handle = comm.all_gather_flat(full, source, self.replica_group, async_op=True)
+        bucket.gather = (handle, source)
+
+    def release_params(self, bucket: Bucket) -> None:
+        """ZeRO-3: free the bucket's full parameters (once their gather has landed): its
+        parameters keep their shapes, over an empty storage, until the next `gather_params`.
+        Kernels queued on the stream that read them run before any later use of the memory."""
+        self.wait_param_gather(bucket)
+        bucket.full.untyped_storage().resize_(0)
 
     def wait_param_gather(self, bucket: Bucket) -> None:
         """Block until the bucket's parameters have arrived (a no-op when they have)."""
@@ -454,7 +546,7 @@ def _install_gather_waits(chunk: nn.Module, buffers: list[GradBuffer]) -> None:
     for name, module in chunk.named_modules():
         if module is not chunk:
             parent = chunk.get_submodule(name.rpartition(".")[0])
-            callers[module] = module if _has_forward(module) else callers[parent]
+            callers[module] = module if has_forward(module) else callers[parent]
         for param in module.parameters(recurse=False):
             for buffer in buffers:
                 if (bucket := buffer.bucket_of.get(param)) is not None:
@@ -463,10 +555,6 @@ def _install_gather_waits(chunk: nn.Module, buffers: list[GradBuffer]) -> None:
         module.register_forward_pre_hook(
             functools.partial(_wait_for_parameters, list(pairs.values()))
         )
-
-
-def _has_forward(module: nn.Module) -> bool:
-    return type(module).forward is not nn.Module.forward
 
 
 def build_grad_buffers(
@@ -479,10 +567,13 @@ def build_grad_buffers(
 ) -> list[GradBuffer]:
     """One buffer per (model chunk, parameter dtype, replica axes: the experts apart), parameters
     in reverse (backward) order. `zero`: 0 (everything replicated), 1 (optimizer state sharded), 2
-    (gradients too); `fuse_wgrad`: see `GradBuffer.fuse_wgrad`."""
+    (gradients too), 3 (parameters too, gathered unit by unit: `zero3`); `fuse_wgrad`: see
+    `GradBuffer.fuse_wgrad`."""
     buffers = []
     bucket_numel = max(1, int(bucket_mb * 2**20 / 4))
     for chunk in chunks:
+        units = parameter_units(chunk) if zero == 3 else []
+        units_of_params = unit_index(units)
         by_kind: dict[tuple[torch.dtype, tuple[str, ...]], list[nn.Parameter]] = {}
         for param in reversed(list(chunk.parameters())):
             replicas = param.meta.replica_axes(ps.dims)
@@ -494,13 +585,18 @@ def build_grad_buffers(
                 bucket_numel,
                 zero >= 1,
                 set(own_bucket),
-                zero == 2,
+                zero >= 2,
                 fuse_wgrad,
                 chunk.ctx.deferral,
+                shard_params=zero == 3,
+                unit_of=units_of_params,
             )
             for params in by_kind.values()
         ]
-        if any(buffer.sharded for buffer in chunk_buffers):
+        sharded_params = [buffer for buffer in chunk_buffers if buffer.params_sharded]
+        if sharded_params:
+            ShardedUnits(units, sharded_params)
+        elif any(buffer.sharded for buffer in chunk_buffers):
             _install_gather_waits(chunk, chunk_buffers)
         buffers += chunk_buffers
     return buffers

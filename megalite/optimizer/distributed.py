@@ -4,7 +4,9 @@ With ZeRO-1 (Rajbhandari et al. 2020; Megatron-LM's distributed optimizer) each 
 rank owns 1/dp of every gradient bucket: it keeps fp32 master weights and Adam moments for that
 piece only (12 bytes per owned element), steps on it, and the updated values are all-gathered
 back into the model, overlapped with the next forward (`GradBuffer.start_param_gather`). ZeRO-2
-changes only where the gradients live: the owned pieces are the same. With ZeRO-0 a rank owns
+changes only where the gradients live: the owned pieces are the same. ZeRO-3 changes where the
+16-bit parameters live: the step writes the owned pieces alone, which the next forward's unit
+gathers bring (`data_parallel.zero3`). With ZeRO-0 a rank owns
 every element, and this is plain mixed-precision AdamW. The update matches torch.optim.AdamW
 (decoupled weight decay, bias-corrected moments).
 """
@@ -95,6 +97,14 @@ def _noise_segments(
     return segments
 
 
+def _meta_twin(param: nn.Parameter) -> torch.Tensor:
+    """`param`'s shape and meta on the meta device: what checkpoints read of a ZeRO-3
+    parameter, whose storage is released between uses (a view of it there would be refused)."""
+    twin = torch.empty_like(param, device="meta")
+    twin.meta = param.meta
+    return twin
+
+
 def _append_merged(ranges: list[tuple[int, int]], lo: int, hi: int) -> None:
     if ranges and ranges[-1][1] == lo:
         ranges[-1] = (ranges[-1][0], hi)
@@ -113,7 +123,7 @@ class DistributedOptimizer:
         self.buffers, self.names, self.cfg, self.ps = buffers, names, cfg, ps
         self.states: list[ShardState] = []
         pieces = [
-            (buffer, bucket, start, end, buffer.params_flat[start:end])
+            (buffer, bucket, start, end, buffer.owned_params(bucket))
             for buffer in buffers
             for bucket, (start, end) in zip(buffer.buckets, buffer.owned_ranges)
         ]
@@ -172,6 +182,11 @@ class DistributedOptimizer:
     @property
     def sharded(self) -> bool:
         return any(b.sharded for b in self.buffers)
+
+    @property
+    def params_sharded(self) -> bool:
+        """ZeRO-3: the full parameters are not resident between uses, only the owned pieces."""
+        return any(b.params_sharded for b in self.buffers)
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the (unscaled) gradient over every rank, a float64 scalar left on
@@ -262,16 +277,34 @@ class DistributedOptimizer:
         """(name, tensor, lo, hi, {kind: state}) for every range [lo, hi) of a global tensor's
         local piece, flattened, whose optimizer state this rank holds, `kind` in STATE_KINDS.
         `tensor` is that piece, carrying its meta: a parameter, or a part of a fused one
-        (`global_tensors`), so checkpoints keep one state per global tensor, as before fusing.
+        (`global_tensors`; under ZeRO-3 its shape alone, on the meta device), so checkpoints
+        keep one state per global tensor, as before fusing.
         The state tensors are views: a checkpoint saves and restores exactly what this rank
         owns, with no gather over dp."""
+        for state, name, piece, lo, hi, index in self._owned_ranges():
+            views = {kind: getattr(state, kind)[lo:hi] for kind in STATE_KINDS}
+            yield name, piece, index, index + hi - lo, views
+
+    def owned_weights(self) -> Iterator[tuple[str, torch.Tensor, int, torch.Tensor]]:
+        """(name, tensor, lo, values) for the same ranges as `owned_pieces`: `values` the
+        16-bit parameters there (a view). What a ZeRO-3 checkpoint writes of the weights, since
+        no rank holds them whole between steps."""
+        for state, name, piece, lo, hi, index in self._owned_ranges():
+            yield name, piece, index, state.params[lo:hi]
+
+    def _owned_ranges(
+        self,
+    ) -> Iterator[tuple[ShardState, str, torch.Tensor, int, int, int]]:
+        """(state, name, tensor, lo, hi, index): where each global tensor meets an owned piece,
+        [lo, hi) in the piece's coordinates, starting at `index` of the tensor's local piece,
+        flattened (`owned_pieces`)."""
         for state in self.states:
             end = state.start + state.master.numel()
             meetings = _meetings(state.buffer, state.start, end, self.names)
             for name, _, param, lo, hi, index in meetings:
-                views = {kind: getattr(state, kind)[lo:hi] for kind in STATE_KINDS}
-                piece = global_tensors({self.names[param]: param})[name]
-                yield name, piece, index, index + hi - lo, views
+                holder = _meta_twin(param) if state.buffer.params_sharded else param
+                piece = global_tensors({self.names[param]: holder})[name]
+                yield state, name, piece, lo, hi, index
 
     @torch.no_grad()
     def load_pieces(

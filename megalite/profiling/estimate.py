@@ -51,7 +51,13 @@ from megalite.models.partition import chunk_layers
 from megalite.optimizer.adamw import SCRATCH_BYTES_PER_ELEMENT, scratch_numel
 from megalite.pipeline.schedule import Op, compute_order
 from megalite.profiling import activations as act
-from megalite.profiling.parameters import Param, chunk_parameters, layout_buffers, stage_parameters
+from megalite.profiling.parameters import (
+    Param,
+    chunk_parameters,
+    layout_buffers,
+    stage_parameters,
+    zero3_gathered,
+)
 
 CUDA_CONTEXT_BYTES = 768 * 2**20
 """What nvidia-smi shows for a training process beyond the caching allocator's reservation:
@@ -165,22 +171,28 @@ def _static_parts(cfg: Config, pp_rank: int, dp: int, element: int, device: str)
     buffers = layout_buffers(cfg, pp_rank, dp)
     zero = cfg.parallel.zero
     sharded = [zero >= 1 and b.dp > 1 for b in buffers]  # a buffer's replicas: dp, or dp / ep
-    padded = [b.padded for b in buffers]
+    # ZeRO-3: between steps only the owned pieces of the parameters (one tensor per buffer)
+    resident = [
+        sum(b.owned_pieces(True)) if s and zero == 3 else b.padded for b, s in zip(buffers, sharded)
+    ]
     owned = [piece for b, s in zip(buffers, sharded) for piece in b.owned_pieces(s)]
-    # ZeRO-2: no full-size gradient buffer, only the owned shard
-    grads = [4 * b.padded for b, s in zip(buffers, sharded) if not (s and zero == 2)]
+    # ZeRO-2 and 3: no full-size gradient buffer, only the owned shard
+    grads = [4 * b.padded for b, s in zip(buffers, sharded) if not (s and zero >= 2)]
     grads += [4 * n for b, s in zip(buffers, sharded) if s for n in b.owned_pieces(True)]
     # ZeRO-2's buckets are staged during each backward only, one chunk's at a time
-    staged = [b.staging_pieces() for b, s in zip(buffers, sharded) if s and zero == 2]
+    staged = [b.staging_pieces() for b, s in zip(buffers, sharded) if s and zero >= 2]
     staging = max(staged, key=sum, default=[])
     rotary = [n * element for b in buffers for n in b.module_buffers]
-    return [
-        Part("parameters", sum(padded) * element, tuple(n * element for n in padded)),
+    parts = [
+        Part("parameters", sum(resident) * element, tuple(n * element for n in resident)),
         Part("buffers", sum(rotary), tuple(rotary)),
         Part("gradients", sum(grads), tuple(grads)),
         Part("gradient staging", 4 * sum(staging), tuple(4 * n for n in staging)),
         _optimizer_part(cfg.optim, owned, element, device),
     ]
+    if zero == 3:  # the units' full parameters, gathered around their forward and backward
+        parts.insert(1, Part("parameter gathers", zero3_gathered(cfg, pp_rank, dp) * element))
+    return parts
 
 
 def _optimizer_part(o: OptimConfig, owned: list[int], element: int, device: str) -> Part:
@@ -331,7 +343,7 @@ def _activation_parts(
     chunk_bytes = [sum(c.kept) + c.head_grad for c in per_chunk]
     actions = compute_order(p.schedule, p.pp, pp_rank, m, p.vpp, p.microbatch_group_size)
     split = any(a.op is Op.WEIGHT for a in actions)
-    fresh_grads = x.element != 4 or (p.zero == 2 and dp > 1)  # else `.grad` becomes main_grad
+    fresh_grads = x.element != 4 or (p.zero >= 2 and dp > 1)  # else `.grad` becomes main_grad
     per_pair = x.element != 4  # 16-bit: B takes each pair's gradients from `.grad` until its W
     alive, waiting = [0] * len(per_chunk), [0] * len(per_chunk)
     awaiting, took = [False] * len(per_chunk), [False] * len(per_chunk)
@@ -421,7 +433,8 @@ def estimate_layout(
 def zero_paper_bytes(parameters: float, dp: int, zero: int) -> float:
     """Rajbhandari et al. (2020)'s model-state accounting: 2 + 2 + K bytes per parameter
     (16-bit params and grads, K = 12 of fp32 master, momentum and variance), the K part
-    divided by dp under ZeRO-1 (P_os), the gradients' 2 too under ZeRO-2 (P_os+g). megalite
-    keeps fp32 gradients (4 bytes, not 2)."""
+    divided by dp under ZeRO-1 (P_os), the gradients' 2 too under ZeRO-2 (P_os+g), and the
+    parameters' 2 under ZeRO-3 (P_os+g+p). megalite keeps fp32 gradients (4 bytes, not 2)."""
     k = 12
-    return parameters * (2 + 2 / (dp if zero >= 2 else 1) + k / (dp if zero else 1))
+    params = 2 / (dp if zero >= 3 else 1)
+    return parameters * (params + 2 / (dp if zero >= 2 else 1) + k / (dp if zero else 1))

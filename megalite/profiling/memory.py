@@ -45,13 +45,14 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
 
 def live_tensors(run: Run) -> dict[str, list[torch.Tensor]]:
     """One rank's long-lived training state by part: the model's flat parameter buffers (bucket
-    padding included) and non-parameter buffers (rotary tables), the fp32 gradient buffers (and
-    the owned-gradient shards ZeRO-1 reduces into; ZeRO-2 keeps the shards alone, its bucket
+    padding included; ZeRO-3: the owned pieces, and any bucket gathered at the moment) and
+    non-parameter buffers (rotary tables), the fp32 gradient buffers (and the owned-gradient
+    shards ZeRO-1 reduces into; ZeRO-2 keeps the shards alone, its bucket
     staging lives only inside a backward), and the optimizer's fp32 master copies (where params
     are 16-bit or offloaded), Adam moments (in optim.state_dtype), update scratch and offload
     staging. What `live_bytes` counts, and what a benchmark moves off the device."""
     return {
-        "params": [buffer.params_flat for buffer in run.buffers],
+        "params": [t for buffer in run.buffers for t in buffer.param_tensors()],
         "buffers": [b for chunk in run.chunks for b in chunk.buffers()],
         "grads": [t for buffer in run.buffers for t in buffer.gradient_tensors()],
         "optimizer": run.optimizer.state_tensors(),

@@ -81,12 +81,26 @@ class BufferLayout:
         return peak
 
 
-def _cut(params: list[Param], bucket_numel: int) -> list[list[Param]]:
+def zero3_unit(name: str) -> str:
+    """The ZeRO-3 unit (`data_parallel.zero3`) a shipped chunk's parameter belongs to, by its
+    name: its block (`layers.<i>`), its top-level module, or the chunk itself ("") for those it
+    holds directly (GPT's `wpe`)."""
+    parts = name.split(".")
+    if parts[0] == "layers":
+        return ".".join(parts[:2])
+    return parts[0] if len(parts) > 1 else ""
+
+
+def _cut(params: list[Param], bucket_numel: int, by_unit: bool = False) -> list[list[Param]]:
     """The parameters of each bucket as `GradBuffer` cuts them: in backward (reverse) order, a
-    bucket closed once it reaches `bucket_numel` or around an own-bucket parameter."""
+    bucket closed once it reaches `bucket_numel`, around an own-bucket parameter and (`by_unit`,
+    ZeRO-3) where the unit changes."""
     buckets: list[list[Param]] = [[]]
     for param in reversed(params):
-        if param.own_bucket and buckets[-1]:
+        new_unit = (
+            by_unit and buckets[-1] and zero3_unit(param.name) != zero3_unit(buckets[-1][0].name)
+        )
+        if (param.own_bucket or new_unit) and buckets[-1]:
             buckets.append([])
         buckets[-1].append(param)
         if param.own_bucket or sum(p.numel for p in buckets[-1]) >= bucket_numel:
@@ -94,15 +108,19 @@ def _cut(params: list[Param], bucket_numel: int) -> list[list[Param]]:
     return [bucket for bucket in buckets if bucket]
 
 
-def buckets_of(params: list[Param], bucket_numel: int, dp: int) -> list[int]:
+def buckets_of(params: list[Param], bucket_numel: int, dp: int, by_unit: bool = False) -> list[int]:
     """Bucket sizes as `GradBuffer` cuts them, each padded to a multiple of dp."""
-    return [-(-sum(p.numel for p in bucket) // dp) * dp for bucket in _cut(params, bucket_numel)]
+    buckets = _cut(params, bucket_numel, by_unit)
+    return [-(-sum(p.numel for p in bucket) // dp) * dp for bucket in buckets]
 
 
-def gradient_arrival(params: list[Param], bucket_numel: int) -> tuple[int, ...]:
+def gradient_arrival(
+    params: list[Param], bucket_numel: int, by_unit: bool = False
+) -> tuple[int, ...]:
     """The bucket of each gradient in the order backward delivers them: reverse registration
     order, except those that arrive last (`Param.arrives_last`)."""
-    bucket_of = {p.name: i for i, bucket in enumerate(_cut(params, bucket_numel)) for p in bucket}
+    buckets = _cut(params, bucket_numel, by_unit)
+    bucket_of = {p.name: i for i, bucket in enumerate(buckets) for p in bucket}
     backward = list(reversed(params))
     order = [p for p in backward if not p.arrives_last] + [p for p in backward if p.arrives_last]
     return tuple(bucket_of[p.name] for p in order)
@@ -125,8 +143,50 @@ def layout_buffers(cfg: Config, pp_rank: int, dp: int) -> list[BufferLayout]:
             if not mine:
                 continue
             replicas = dp // p.ep if expert else dp
-            buckets = buckets_of(mine, bucket_numel, replicas)
-            arrival = gradient_arrival(mine, bucket_numel)
+            buckets = buckets_of(mine, bucket_numel, replicas, p.zero == 3)
+            arrival = gradient_arrival(mine, bucket_numel, p.zero == 3)
             layouts.append(BufferLayout(buckets, replicas, module_buffers, arrival))
             module_buffers = []  # counted once per chunk
     return layouts
+
+
+def zero3_gathered(cfg: Config, pp_rank: int, dp: int) -> int:
+    """Elements of full parameters a ZeRO-3 rank holds gathered at once at most, over its chunks
+    (one computes at a time), replaying `data_parallel.zero3` over a forward and a backward:
+    the chunk's own unit throughout; the unit computing and the one prefetched beside it; a
+    tied embedding read by the head (no `lm_head` parameter of its own) from its forward to the
+    head's and from the head's backward on. A split backward, which keeps a B's units until its
+    W, is not replayed. `dp`: the replicas (dp x cp); buffers with one replica stay whole
+    (`parameters`)."""
+    p = cfg.parallel
+    last = p.pp * p.vpp - 1
+    bucket_numel = max(1, int(p.bucket_mb * 2**20 / 4))
+    peak = 0
+    for stage, layers in chunk_layers(cfg, pp_rank):
+        params = chunk_parameters(cfg, layers, stage == 0, stage == last)
+        sizes: Counter[str] = Counter()
+        for expert in (False, True):
+            mine = [param for param in params if param.expert == expert]
+            replicas = dp // p.ep if expert else dp
+            if replicas > 1:
+                for bucket in _cut(mine, bucket_numel, by_unit=True):
+                    padded = -(-sum(param.numel for param in bucket) // replicas) * replicas
+                    sizes[zero3_unit(bucket[0].name)] += padded
+        peak = max(peak, _unit_peak(sizes, params, stage == last))
+    return peak
+
+
+def _unit_peak(sizes: Counter[str], params: list[Param], has_head: bool) -> int:
+    """`zero3_gathered` for one chunk: its units in forward order (registration order, the
+    chunk's own apart), the head reading the embedding's unit again where it is tied."""
+    units = [u for u in dict.fromkeys(zero3_unit(param.name) for param in params) if u]
+    tied = has_head and bool(units) and not any(u.startswith("lm_head") for u in units)
+    held = [units[0]] if tied else []
+    order = units + held
+
+    def gathered(names: list[str]) -> int:
+        return sizes[""] + sum(sizes[name] for name in set(names + held))
+
+    forward = [gathered(order[k : k + 2]) for k in range(len(order))]
+    backward = [gathered(order[max(k - 1, 0) : k + 1]) for k in range(len(order))]
+    return max(forward + backward, default=sizes[""])

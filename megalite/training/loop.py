@@ -207,7 +207,7 @@ def run_steps(
         launched = []
         reset_peak_memory(run.ps.device)
         start = time.perf_counter()  # an evaluation or a save is not a step's time
-    run.optimizer.finish_param_gather()  # the last update's weights, whole on every rank
+    run.optimizer.finish_param_gather()  # the last update's weights landed (ZeRO-3: owned)
     return row
 
 

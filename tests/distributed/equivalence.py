@@ -45,6 +45,11 @@ def run_layout(
     """Train on `world_size` ranks; returns (losses per step, final weights by global name).
     `config`: a YAML file the overrides apply to (the defaults when None)."""
     run_ranks(world_size, _train, config, overrides, str(out_dir))
+    return read_run(out_dir)
+
+
+def read_run(out_dir: Path):
+    """(losses per step, final weights by global name) of the run trained in `out_dir`."""
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [(row["loss"], row["grad_norm"]) for row in rows]
     checkpoint = Checkpoint(resolve_checkpoint(out_dir))  # the newest: the final weights
@@ -98,8 +103,21 @@ def assert_equivalent(
     sqrt(v), which magnifies fp32 rounding in elements with tiny gradients: merely regrouping
     the single-process run's micro-batches moves final weights by up to 2e-6, and tp = 4 by up
     to 1.2e-5 (halving with the lr)."""
-    ref_losses, ref_weights = reference(TINY + model)
     losses, weights = run_layout(world_size, TINY + model + layout, out_dir)
+    return assert_equals_reference(model, losses, weights, loss_rtol, weight_rtol, norm_rtol)
+
+
+def assert_equals_reference(
+    model: tuple[str, ...],
+    losses: list,
+    weights: dict[str, torch.Tensor],
+    loss_rtol: float = 1e-5,
+    weight_rtol: float = 3e-5,
+    norm_rtol: float | None = None,
+) -> tuple[list, list]:
+    """`assert_equivalent`'s comparison, of a run already trained (`read_run`) with the
+    single process of `TINY + model`."""
+    ref_losses, ref_weights = reference(TINY + model)
     assert len(ref_losses) == 10
     assert_same_losses(losses, ref_losses, loss_rtol, norm_rtol)
     assert ref_losses[-1][0] < ref_losses[0][0] - 0.1, "the reference run did not learn"

@@ -110,24 +110,28 @@ def _losses(arch: tuple[str, ...], zero: int, lazy: bool) -> list[float]:
         comm.all_gather_flat = real_gather
 
 
+GPT = ("model.arch=gpt",)
+LLAMA = ("model.arch=llama", "model.n_kv_heads=2")
+MIXTRAL = ("model.arch=mixtral", "model.n_kv_heads=2", "model.moe_experts=4")
+
+
 @pytest.mark.parametrize(
-    "arch",
+    "arch,zero",
     [
-        ("model.arch=gpt",),
-        ("model.arch=llama", "model.n_kv_heads=2"),
-        (
-            "model.arch=mixtral",
-            "model.n_kv_heads=2",
-            "model.moe_experts=4",
-            "model.moe_shared_experts=1",
-        ),
+        *((arch, zero) for zero in (1, 2, 3) for arch in (GPT, LLAMA)),
+        *(((*MIXTRAL, "model.moe_shared_experts=1"), zero) for zero in (1, 2)),
     ],
-    ids=["gpt", "llama", "mixtral"],
+    ids=[
+        *(f"{a}-zero{z}" for z in (1, 2, 3) for a in ("gpt", "llama")),
+        "mixtral-zero1",
+        "mixtral-zero2",
+    ],
 )
-@pytest.mark.parametrize("zero", [1, 2])
 def test_every_parameter_is_waited_for_before_it_is_read(arch, zero):
     """Modules that hold parameters other modules read (MoE's expert weights) included: with
-    gathers that land only when waited on, the losses are those of gathers that land at once."""
+    gathers that land only when waited on, the losses are those of gathers that land at once.
+    Under ZeRO-3 these are every unit's gathers, for its forward and again for its backward
+    (zero 3 refuses MoE models)."""
     now = run_ranks(2, _losses, arch, zero, False)
     on_wait = run_ranks(2, _losses, arch, zero, True)
     assert on_wait == now and all(loss == loss for rank in now for loss in rank)

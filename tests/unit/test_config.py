@@ -336,7 +336,7 @@ def test_wrong_type_in_yaml_file(tmp_path):
         ("parallel.tp=0", "parallel.tp must be >= 1"),
         ("parallel.pp=0", "parallel.pp must be >= 1"),
         ("parallel.vpp=0", "parallel.vpp must be >= 1"),
-        ("parallel.zero=3", "parallel.zero must be 0, 1 or 2, got 3"),
+        ("parallel.zero=4", "parallel.zero must be 0, 1, 2 or 3, got 4"),
         (
             "parallel.schedule=zb",
             "parallel.schedule must be gpipe, 1f1b, interleaved, zb-h1 or zb-v, got 'zb'",
