@@ -55,6 +55,7 @@ SHIPPED = (
     "megalite.models.llama",
     "megalite.models.mixtral",
     "megalite.models.qwen3",
+    "megalite.models.qwen3_moe",
 )
 """The packages of the shipped architectures, each with its `ARCHITECTURE` record."""
 

@@ -33,18 +33,25 @@ class LlamaFormulas(Formulas):
     def layer_parameters(self, cfg: Config, layer: int) -> list[Param]:
         h, f = cfg.model.hidden, cfg.model.ffn_hidden // cfg.parallel.tp
         pre = f"layers.{layer}."
-        qk_norms = [
-            param
-            for name in ("q_norm", "k_norm")
-            for param in RMS_NORM.parameters(f"{pre}attn.{name}", cfg.model.head_dim)
-        ]
         return [
             *RMS_NORM.parameters(pre + "attn_norm", h),
             *attention_parameters(cfg, pre + "attn", bias=False),
-            *(qk_norms if self.qk_norm else []),
+            *self.qk_norm_parameters(cfg, pre + "attn"),
             *RMS_NORM.parameters(pre + "mlp_norm", h),
             *linear_parameters(pre + "mlp.gate_up", 2 * f, h, bias=False),
             *linear_parameters(pre + "mlp.down", h, f, bias=False),
+        ]
+
+    def qk_norm_parameters(self, cfg: Config, attention: str) -> list[Param]:
+        """The QK-norms' weights where the architecture has them (registered after the
+        attention's linears)."""
+        if not self.qk_norm:
+            return []
+        head_dim = cfg.model.head_dim
+        return [
+            p
+            for n in ("q_norm", "k_norm")
+            for p in RMS_NORM.parameters(f"{attention}.{n}", head_dim)
         ]
 
     def layer_buffers(self, m: ModelConfig) -> list[int]:

@@ -31,6 +31,7 @@ class MixtralFormulas(LlamaFormulas):
         params = [
             *RMS_NORM.parameters(pre + "attn_norm", h),
             *attention_parameters(cfg, pre + "attn", bias=False),
+            *self.qk_norm_parameters(cfg, pre + "attn"),
             *RMS_NORM.parameters(pre + "mlp_norm", h),
             *linear_parameters(pre + "mlp.router", n, h, bias=False),
             Param(pre + "mlp.gate_up.weight", local * 2 * f * h, expert=True),

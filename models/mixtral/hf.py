@@ -21,15 +21,19 @@ if TYPE_CHECKING:
 
 class MixtralMapping(LlamaMapping):
     model_type = "mixtral"
+    moe_prefix = "block_sparse_moe"
+    """Where each layer's router (`gate`) and experts sit in the published checkpoints."""
+    expert_names = {"gate": "w1", "up": "w3", "down": "w2"}
+    """Each expert's three weights by megalite's name."""
 
     def links(self, m: ModelConfig) -> list[Link]:
         dense_mlp = ("mlp.gate.weight", "mlp.up.weight", "mlp.down.weight")
         found = [link for link in super().links(m) if not link.ours.endswith(dense_mlp)]
         for i in range(m.n_layers):
-            ours, theirs = f"layers.{i}.mlp.", f"model.layers.{i}.block_sparse_moe."
+            ours, theirs = f"layers.{i}.mlp.", f"model.layers.{i}.{self.moe_prefix}."
             found.append(Link(f"{ours}router.weight", f"{theirs}gate.weight"))
             for e in range(m.moe_experts):
-                for mine, hf in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                for mine, hf in self.expert_names.items():
                     found.append(
                         Link(f"{ours}experts.{e}.{mine}.weight", f"{theirs}experts.{e}.{hf}.weight")
                     )
@@ -39,32 +43,36 @@ class MixtralMapping(LlamaMapping):
         self, state: dict[str, torch.Tensor], keys: Collection[str], m: ModelConfig
     ) -> dict[str, torch.Tensor]:
         """transformers 5 holds each layer's experts stacked: `mlp.gate` (the router),
-        `mlp.experts.gate_up_proj` (experts, 2 * ffn, hidden: w1 rows, then w3's) and
-        `mlp.experts.down_proj` (experts, hidden, ffn)."""
+        `mlp.experts.gate_up_proj` (experts, 2 * ffn, hidden: the gates' rows, then the ups')
+        and `mlp.experts.down_proj` (experts, hidden, ffn)."""
         if "model.layers.0.mlp.experts.gate_up_proj" not in keys:
             return state  # transformers 4: the published layout is the in-memory one
         state = dict(state)
         for i in range(m.n_layers):
-            old, new = f"model.layers.{i}.block_sparse_moe.", f"model.layers.{i}.mlp."
+            old, new = f"model.layers.{i}.{self.moe_prefix}.", f"model.layers.{i}.mlp."
             w = {
-                hf: [state.pop(f"{old}experts.{e}.{hf}.weight") for e in range(m.moe_experts)]
-                for hf in ("w1", "w2", "w3")
+                mine: [state.pop(f"{old}experts.{e}.{hf}.weight") for e in range(m.moe_experts)]
+                for mine, hf in self.expert_names.items()
             }
             state[f"{new}gate.weight"] = state.pop(f"{old}gate.weight")
-            gate_up = [torch.cat(pair) for pair in zip(w["w1"], w["w3"], strict=True)]
+            gate_up = [torch.cat(pair) for pair in zip(w["gate"], w["up"], strict=True)]
             state[f"{new}experts.gate_up_proj"] = torch.stack(gate_up)
-            state[f"{new}experts.down_proj"] = torch.stack(w["w2"])
+            state[f"{new}experts.down_proj"] = torch.stack(w["down"])
         return state
+
+    def require_exportable(self, m: ModelConfig, family: str) -> None:
+        """ValueError unless the experts are what Hugging Face's `family` holds."""
+        if m.moe_router != "softmax" or m.moe_shared_experts or m.moe_capacity_factor:
+            raise ValueError(
+                f"Hugging Face's {family} is top-k softmax routing, dropless, without shared "
+                "experts: set model.moe_router=softmax, moe_shared_experts=0 and leave "
+                "moe_capacity_factor unset to export"
+            )
 
     def hf_config(self, m: ModelConfig) -> PretrainedConfig:
         from transformers import MixtralConfig
 
-        if m.moe_router != "softmax" or m.moe_shared_experts or m.moe_capacity_factor:
-            raise ValueError(
-                "Hugging Face's Mixtral is top-k softmax routing, dropless, without shared "
-                "experts: set model.moe_router=softmax, moe_shared_experts=0 and leave "
-                "moe_capacity_factor unset to export"
-            )
+        self.require_exportable(m, "Mixtral")
         return MixtralConfig(
             **hf_settings(m),
             num_local_experts=m.moe_experts,

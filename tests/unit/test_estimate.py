@@ -54,6 +54,15 @@ def _meta_chunks(cfg, tp_rank: int, pp_rank: int, dp: int = 1):
             "parallel.pp=2",
         ],
         [
+            "model.arch=qwen3_moe",
+            "model.n_kv_heads=2",
+            "model.head_dim=24",
+            "model.moe_experts=4",
+            "model.ffn_hidden=96",
+            "parallel.tp=2",
+            "parallel.ep=2",
+        ],
+        [
             "model.arch=mixtral",
             "model.n_kv_heads=2",
             "model.moe_experts=4",

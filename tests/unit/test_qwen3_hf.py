@@ -1,7 +1,8 @@
-"""Hugging Face Qwen3 in and out: a random `Qwen3ForCausalLM` (QK-norm, q wider than the model,
-a tied head, every norm random too) comes in through `checkpoint.init_from` computing
-transformers' logits; at tp 2 + SP x pp 2 its first evaluation is transformers' loss on the
-same windows; `megalite export-hf` writes it back, which transformers loads to the same
+"""Hugging Face Qwen3 and Qwen3-MoE in and out: a random `Qwen3ForCausalLM` (QK-norm, q wider
+than the model, a tied head, every norm random too) or `Qwen3MoeForCausalLM` (its experts and a
+router sharp enough to matter) comes in through `checkpoint.init_from` computing transformers'
+logits; at tp 2 + SP x pp 2 (ep 2 for the experts) its first evaluation is transformers' loss on
+the same windows; `megalite export-hf` writes it back, which transformers loads to the same
 logits; export, import and export again gives bit-identical tensors."""
 
 import json
@@ -37,10 +38,20 @@ QWEN3 = [
 ]
 
 
-def hf_qwen3(tied: bool = True):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+MOE = [
+    "model.arch=qwen3_moe",
+    "model.ffn_hidden=48",
+    "model.moe_experts=4",
+    "model.moe_top_k=2",
+]
+"""Qwen3-MoE at the same widths: QWEN3 with these after it."""
 
-    config = Qwen3Config(
+
+def hf_qwen3(tied: bool = True, moe: bool = False):
+    """A random Hugging Face Qwen3 (Qwen3-MoE with `moe`) at QWEN3's widths."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    shape = dict(
         vocab_size=500,
         hidden_size=64,
         intermediate_size=96,
@@ -55,30 +66,36 @@ def hf_qwen3(tied: bool = True):
         bos_token_id=None,
         eos_token_id=None,
     )
+    if moe:
+        experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, **experts, norm_topk_prob=True))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**shape))
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():  # every tensor random, the norms' included
+    with torch.no_grad():  # every tensor random, the norms' included, the router sharp
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
             else:
-                param.normal_(0.0, 0.1)
-    return model
+                param.normal_(0.0, 0.5 if name.endswith("mlp.gate.weight") else 0.1)
+    return model.eval()
 
 
 def _train(overrides: list[str]) -> None:
     train(load_config(None, overrides))
 
 
-def test_hugging_face_qwen3_in_and_out(builtin_corpus, tmp_path, monkeypatch):
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3-moe"])
+def test_hugging_face_qwen3_in_and_out(moe, builtin_corpus, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    original = hf_qwen3()
+    original = hf_qwen3(moe=moe)
+    family = [*QWEN3, *(MOE if moe else [])]
     original.save_pretrained(tmp_path / "hf", safe_serialization=True)
     monkeypatch.setattr(loop, "learning_rate", lambda step, optim, total: 0.0)
     run = tmp_path / "run"
     init = [f"checkpoint.init_from={tmp_path / 'hf'}", "train.steps=1", f"train.out_dir={run}"]
-    assert main(["train", *QWEN3, *init]) == 0
+    assert main(["train", *family, *init]) == 0
     ours = Checkpoint(resolve_checkpoint(run)).model()
     ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -93,7 +110,7 @@ def test_hugging_face_qwen3_in_and_out(builtin_corpus, tmp_path, monkeypatch):
         assert (theirs(ids).logits - expected).abs().max().item() < 1e-4
 
     again = tmp_path / "again"
-    assert main(["train", *QWEN3, f"checkpoint.init_from={back}", "train.steps=1",
+    assert main(["train", *family, f"checkpoint.init_from={back}", "train.steps=1",
                  f"train.out_dir={again}"]) == 0  # fmt: skip
     assert main(["export-hf", "--checkpoint", str(again), "--out", str(tmp_path / "b2")]) == 0
     first = safetensors.torch.load_file(next(back.glob("*.safetensors")))
@@ -102,24 +119,30 @@ def test_hugging_face_qwen3_in_and_out(builtin_corpus, tmp_path, monkeypatch):
     assert all(torch.equal(first[name], second[name]) for name in first)
 
 
-def test_qwen3_at_tp2_sp_pp2_evaluates_as_transformers_does(builtin_corpus, tmp_path):
+@pytest.mark.parametrize(
+    "moe, layout",
+    [(False, ["parallel.pp=2"]), (True, ["parallel.ep=2"])],
+    ids=["qwen3-tp2-sp-pp2", "qwen3-moe-tp2-sp-ep2"],
+)
+def test_qwen3_in_a_layout_evaluates_as_transformers_does(moe, layout, builtin_corpus, tmp_path):
     """The first evaluation after one step at a vanishing learning rate (1e-12: the weights
     move by about that) is transformers' mean loss on the same held-out windows."""
-    hf_qwen3().save_pretrained(tmp_path / "hf", safe_serialization=True)
-    layout = tmp_path / "layout"
-    overrides = [*QWEN3, f"checkpoint.init_from={tmp_path / 'hf'}", "train.steps=1",
+    hf_qwen3(moe=moe).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    out = tmp_path / "layout"
+    family = [*QWEN3, *(MOE if moe else [])]
+    overrides = [*family, f"checkpoint.init_from={tmp_path / 'hf'}", "train.steps=1",
                  "train.eval_interval=1", "train.eval_steps=1", "optim.lr=1e-12",
-                 "optim.min_lr=0", "parallel.tp=2", "parallel.sp=true", "parallel.pp=2",
-                 f"train.out_dir={layout}"]  # fmt: skip
+                 "optim.min_lr=0", "parallel.tp=2", "parallel.sp=true", *layout,
+                 f"train.out_dir={out}"]  # fmt: skip
     run_ranks(4, _train, overrides)
-    rows = [json.loads(line) for line in (layout / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     val_loss = next(row["val_loss"] for row in rows if row.get("val_loss") is not None)
 
     cfg = load_config(None, overrides)
     val = open_data(cfg).val
     batch = val.read(val.evaluation_pairs(0, cfg.train.global_batch_size), True, True)
     with torch.no_grad():
-        logits = hf_qwen3()(batch.inputs).logits
+        logits = hf_qwen3(moe=moe)(batch.inputs).logits
     expected = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten()).item()
     assert val_loss == pytest.approx(expected, rel=1e-4)
 
