@@ -293,3 +293,42 @@ def test_zero_paper_figure_for_its_7_5b_example():
     """Rajbhandari et al. (2020): 7.5B parameters on 64 GPUs under P_os+g+p, 16 bytes per
     parameter over 64: 1.9 GB (1.875)."""
     assert zero_paper_bytes(7.5e9, 64, 3) == pytest.approx(1.875e9, rel=1e-12)
+
+
+def _step_bytes(_) -> dict[tuple[int, int], dict[str, int]]:
+    """Bytes of each kind of collective (of the full tensors) in a steady step at dp 4, by
+    (zero stage, micro-batches per rank)."""
+    found = {}
+    for micro_batches in (1, 2):
+        for zero in (1, 3):
+            batch = ("train.micro_batch_size=2", f"train.global_batch_size={8 * micro_batches}")
+            cfg = load_config(None, [*TINY, *GPT, *batch, f"parallel.zero={zero}"])
+            run = build_run(cfg, build_parallel_state(1, 1, torch.device("cpu")))
+            tokens = torch.randint(0, 500, (2 * micro_batches, cfg.model.seq_len + 1))
+            train_step(run, tokens, 1e-3)  # the first step's gathers are set-up's
+            with comm.record_collectives() as log:
+                train_step(run, tokens, 1e-3)
+                run.optimizer.finish_param_gather()
+            kinds: dict[str, int] = {}
+            for record in log:
+                kinds[record.op] = kinds.get(record.op, 0) + record.bytes
+            found[zero, micro_batches] = kinds
+    return found
+
+
+def test_zero3_communicates_one_and_a_half_times_zero1():
+    """The ZeRO paper's count: ZeRO-1 reduce-scatters the gradients and all-gathers the
+    parameters once a step (2 Psi); ZeRO-3 gathers the parameters for the forward and again for
+    the backward (3 Psi), 1.5x. That holds for one micro-batch per rank; with m, ZeRO-3 gathers
+    and reduce-scatters per micro-batch, 3m Psi, and ZeRO-1 still 2 Psi."""
+    found = run_ranks(4, _step_bytes, None)[0]
+    one, three = found[1, 1], found[3, 1]
+    psi = one["reduce_scatter"]
+    assert one["all_gather"] == psi and three["all_gather"] == 2 * psi
+    assert three["reduce_scatter"] == psi
+    dp_bytes = {
+        zero: found[zero, 1]["all_gather"] + found[zero, 1]["reduce_scatter"] for zero in (1, 3)
+    }
+    assert dp_bytes[3] / dp_bytes[1] == pytest.approx(1.5, rel=1e-9)
+    assert found[1, 2]["all_gather"] + found[1, 2]["reduce_scatter"] == 2 * psi
+    assert found[3, 2]["all_gather"] + found[3, 2]["reduce_scatter"] == 6 * psi
