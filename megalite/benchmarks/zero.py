@@ -1,11 +1,13 @@
 """Data parallelism with a sharded optimizer, dp=2 on two gloo ranks: megalite ZeRO-1 against
-PyTorch DDP + `torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)`.
+PyTorch DDP + `torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)`, and megalite ZeRO-3
+against PyTorch FSDP2 (`fully_shard` on each block, then the model).
 
 Both train the same GPT-2-style model on the same global batches (each rank takes its half
 and runs m micro-batches of gradient accumulation; torch skips DDP's all-reduce with
-`no_sync()` on all but the last), clip at 1.0 and take an AdamW step on their shard of the
-optimizer state. Two unsharded rows (megalite zero=0, DDP + plain AdamW) show what sharding
-costs and saves; `--no-baselines` leaves them out.
+`no_sync()` on all but the last; FSDP2 and ZeRO-3 reduce-scatter every micro-batch's
+gradients), clip at 1.0 and take an AdamW step on their shard of the optimizer state. Two
+unsharded rows (megalite zero=0, DDP + plain AdamW) show what sharding costs and saves;
+`--no-baselines` leaves them out.
 
     python tools/bench_zero.py                       # forks its 2 ranks itself
     python tools/bench_zero.py --microbatches 4 --no-baselines
@@ -33,7 +35,9 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from megalite.benchmarks import harness
@@ -53,7 +57,9 @@ def megalite_memory(training: Run) -> dict[str, int]:
     parameters in place); "state": master + exp_avg + exp_avg_sq; "all": every tensor of the
     shard states that is not model storage or gradients."""
     optimizer = training.optimizer
-    seen = {b.params_flat.untyped_storage().data_ptr() for b in optimizer.buffers}  # the model
+    seen = {  # the model's (ZeRO-3: its owned pieces)
+        t.untyped_storage().data_ptr() for b in optimizer.buffers for t in b.param_tensors()
+    }
 
     def own_bytes(t: torch.Tensor) -> int:
         """Size of t, unless its storage is the model's or was already counted."""
@@ -84,9 +90,19 @@ def megalite_contender(args: argparse.Namespace, ps: ParallelState, zero: int) -
     )
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece: an FSDP2 state tensor is a DTensor over the whole parameter."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def torch_memory(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> dict[str, int]:
-    """Elements with state, bytes of exp_avg + exp_avg_sq, and bytes of every state tensor."""
-    state = [optimizer.state[p] for p in params if p in optimizer.state]
+    """Elements with state, bytes of exp_avg + exp_avg_sq, and bytes of every state tensor, of
+    this rank's pieces."""
+    state = [
+        {k: _local(v) for k, v in optimizer.state[p].items()}
+        for p in params
+        if p in optimizer.state
+    ]
     return {
         "elements": sum(s["exp_avg"].numel() for s in state),
         "state": sum(
@@ -99,12 +115,34 @@ def torch_memory(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -
     }
 
 
-def torch_contender(args: argparse.Namespace, sharded: bool) -> harness.Contender:
-    model = DistributedDataParallel(TorchGPT(args))
+TORCH_KINDS = {
+    "ddp": "torch DDP + AdamW",
+    "ddp-zero": "torch DDP + ZeroRedundancyOptimizer",
+    "fsdp2": "torch FSDP2 (fully_shard)",
+}
+"""torch's contenders, by kind."""
+
+
+def torch_model(args: argparse.Namespace, kind: str) -> nn.Module:
+    """The model as `kind` wraps it: DDP, or FSDP2 sharding each block and then the rest."""
+    model = TorchGPT(args)
+    if kind != "fsdp2":
+        return DistributedDataParallel(model)
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def torch_contender(args: argparse.Namespace, kind: str) -> harness.Contender:
+    model = torch_model(args, kind)
     params = list(model.parameters())
-    optimizer = torch_adamw(params, args.lr, args.torch_adamw, sharded)
+    optimizer = torch_adamw(params, args.lr, args.torch_adamw, kind == "ddp-zero")
     local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
     per_rank = harness.global_batch(args, DP) // DP
+
+    def accumulating(last: bool) -> contextlib.AbstractContextManager:
+        """DDP all-reduces only the last micro-batch's gradients; FSDP2 reduce-scatters each."""
+        return contextlib.nullcontext() if last or kind == "fsdp2" else model.no_sync()
 
     def step(tokens: torch.Tensor) -> dict[str, float]:
         mine = tokens[dist.get_rank() * per_rank : (dist.get_rank() + 1) * per_rank]
@@ -112,8 +150,7 @@ def torch_contender(args: argparse.Namespace, sharded: bool) -> harness.Contende
         chunks = mine.split(args.micro_batch)
         total = torch.zeros(())
         for i, chunk in enumerate(chunks):
-            last = i == len(chunks) - 1
-            with contextlib.nullcontext() if last else model.no_sync():
+            with accumulating(i == len(chunks) - 1):
                 loss = lm_loss(model(chunk[:, :-1]), chunk[:, 1:]) / len(chunks)
                 loss.backward()
             total += loss.detach()
@@ -122,8 +159,7 @@ def torch_contender(args: argparse.Namespace, sharded: bool) -> harness.Contende
         dist.all_reduce(total)  # the global batch's mean loss, as megalite reports it
         return {"loss": total.item() / DP}
 
-    name = "torch DDP + ZeroRedundancyOptimizer" if sharded else "torch DDP + AdamW"
-    contender = harness.Contender(name, step)
+    contender = harness.Contender(TORCH_KINDS[kind], step)
     contender.info["memory_of"] = (local, params)
     return contender
 
@@ -134,10 +170,10 @@ def worker(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     ps = build_parallel_state(1, 1, torch.device("cpu"))
     batches = harness.make_batches(args, args.warmup + args.steps, harness.global_batch(args, DP))
-    pairs = [(1, True)] + ([(0, False)] if args.baselines else [])
+    pairs = [(1, "ddp-zero"), (3, "fsdp2")] + ([(0, "ddp")] if args.baselines else [])
     contenders = []
-    for zero, sharded in pairs:
-        torch_row = torch_contender(args, sharded)
+    for zero, kind in pairs:
+        torch_row = torch_contender(args, kind)
         megalite = megalite_contender(args, ps, zero)
         megalite.reference = torch_row.name
         contenders += [torch_row, megalite]
