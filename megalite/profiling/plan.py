@@ -172,7 +172,7 @@ def layouts(base: Config, world_size: int) -> Iterator[Layout]:
                 micro = [b for b in _divisors(max(batch // dp, 1)) if b <= MAX_MICRO_BATCH]
                 eps = expert_parallel_sizes(base, dp)
                 for vpp, schedule in [(v, s) for v in (1, *vpps) for s in schedules(pp, v)]:
-                    for zero in (0, 1, 2) if dp * cp > 1 else (0,):
+                    for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
                         for mbs, recompute, ep in itertools.product(micro, RECOMPUTE, eps):
                             yield Layout(
                                 tp, cp, pp, vpp, schedule, tp > 1, zero, mbs, recompute, ep

@@ -213,16 +213,22 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
     dp_bw = machine.bandwidth(dims.span("dp"))  # the dp x cp group: cp varies faster than dp
     split = machine.split_collective_cost
     grads = (replicas - 1) / replicas * params * 4 / dp_bw  # fp32 main grads, reduce-scattered
-    gather = split * (replicas - 1) / replicas * params * element / dp_bw if p.zero else 0.0
-    # reduce-scattered under the last micro-batch's backward (ZeRO-2: under each one's), an
-    # all-reduce without ZeRO; the parameter all-gather under the next step's first forward
-    rounds = m if p.zero == 2 else 1
+    # the parameters' all-gathers: once a step under the next step's first forward (ZeRO-1/2),
+    # or (ZeRO-3) for every micro-batch's forward and again for its backward, each unit's
+    # under the compute of the one before
+    gathers = 2 * m if p.zero == 3 else int(p.zero > 0)
+    gather = gathers * split * (replicas - 1) / replicas * params * element / dp_bw
+    # reduce-scattered under the last micro-batch's backward (ZeRO-2/3: under each one's), an
+    # all-reduce without ZeRO
+    rounds = m if p.zero >= 2 else 1
     reduce = rounds * grads * (split if p.zero else 2)
     window = rounds * max(per_rank(backward))
-    first_forward = min(per_rank(forward))
-    dp_s = max(0.0, reduce - window) + max(0.0, gather - first_forward)
+    gather_window = min(per_rank(forward))
+    if p.zero == 3:
+        gather_window = m * (gather_window + min(per_rank(backward)))
+    dp_s = max(0.0, reduce - window) + max(0.0, gather - gather_window)
     buckets = math.ceil(params * 4 / (p.bucket_mb * 2**20))
-    calls += buckets * (rounds + (p.zero > 0)) if replicas > 1 else 0
+    calls += buckets * (rounds + gathers) if replicas > 1 else 0
     optimizer = params / (replicas if p.zero else 1) * OPTIMIZER_BYTES_PER_PARAM
     optimizer /= machine.memory_bandwidth
 

@@ -217,3 +217,29 @@ def test_bubble_is_idle_over_compute_as_the_metrics_report_it():
         if p.layout.pp == 2 and p.microbatches == 1 and p.layout.schedule == "1f1b"
     ][:1]
     assert "bubble 1.00 of compute" in proposal.reasons
+
+
+def test_zero3_is_planned_and_fits_where_zero2_does_not():
+    """llama-7b as dp 8 alone (full recompute) on 40 GB devices: ZeRO-2's 16-bit parameters
+    whole on every rank do not fit, ZeRO-3's shard does; the planner enumerates zero 3, and its
+    model charges the two gathers of every micro-batch (more collectives than zero 2's)."""
+    hardware = machine("cuda", 8, 1, "40GB")
+    dp_only = [
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "parallel.vpp=1",
+        "parallel.schedule=1f1b",
+        "parallel.sp=false",
+        "train.micro_batch_size=1",
+        "train.recompute=full",
+        "train.global_batch_size=64",
+    ]
+    by_zero = {
+        z: load_config("configs/llama-7b.yaml", [*dp_only, f"parallel.zero={z}"]) for z in (2, 3)
+    }
+    assert estimated_peak_bytes(by_zero[2], hardware) > hardware.memory_bytes
+    assert estimated_peak_bytes(by_zero[3], hardware) < hardware.memory_bytes
+    two, three = (predict(by_zero[z], hardware) for z in (2, 3))
+    assert three.latency_s > two.latency_s and three.step_s > two.step_s
+    base = load_config("configs/llama-7b.yaml")
+    assert any(layout.zero == 3 for layout in layouts(base, 8))
