@@ -54,6 +54,7 @@ SHIPPED = (
     "megalite.models.gpt",
     "megalite.models.llama",
     "megalite.models.mixtral",
+    "megalite.models.qwen2",
     "megalite.models.qwen3",
     "megalite.models.qwen3_moe",
 )

@@ -174,12 +174,15 @@ def attention_widths(cfg: Config) -> tuple[int, int]:
     return m.q_width // tp, kv_heads * m.head_dim
 
 
-def attention_parameters(cfg: Config, prefix: str, bias: bool) -> list[Param]:
-    """`layers.Attention`: q, k and v fused column-parallel, the output projection row-parallel."""
+def attention_parameters(
+    cfg: Config, prefix: str, bias: bool, qkv_bias: bool = False
+) -> list[Param]:
+    """`layers.Attention`: q, k and v fused column-parallel, the output projection row-parallel;
+    `bias` on both, `qkv_bias` on q, k and v only."""
     h = cfg.model.hidden
     q, kv = attention_widths(cfg)
     return [
-        *linear_parameters(f"{prefix}.wqkv", q + 2 * kv, h, bias),
+        *linear_parameters(f"{prefix}.wqkv", q + 2 * kv, h, bias or qkv_bias),
         *linear_parameters(f"{prefix}.wo", h, q, bias),
     ]
 

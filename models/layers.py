@@ -204,23 +204,29 @@ class Attention(nn.Module):
     query heads use."""
 
     def __init__(
-        self, ctx: BuildContext, *, bias: bool, rotary: bool, qk_norm: bool = False
+        self,
+        ctx: BuildContext,
+        *,
+        bias: bool,
+        rotary: bool,
+        qk_norm: bool = False,
+        qkv_bias: bool = False,
     ) -> None:
-        """`qk_norm`: RMSNorm each head of q and of k before rotary (Qwen3, Gemma 3)."""
+        """`bias`: every projection has one (GPT-2); `qkv_bias`: q, k and v only (Qwen2);
+        `qk_norm`: RMSNorm each head of q and of k before rotary (Qwen3, Gemma 3)."""
         super().__init__()
         cfg, ps, tp = ctx.cfg, ctx.ps, ctx.ps.size("tp")
         self.ctx, self.rotary, self.head_dim = ctx, rotary, cfg.head_dim
         init = normal_init(cfg.init_std)
         sp, pair = ctx.sequence_parallel, ctx.linear_pair()
-        linear = dict(bias=bias, init=init, sequence_parallel=sp, pair=pair, float8=ctx.float8)
+        linear = dict(init=init, sequence_parallel=sp, pair=pair, float8=ctx.float8)
         # q, k and v are one weight: one GEMM. With fewer kv heads than tp ranks each rank
         # holds every kv head and computes the one its query heads use.
         kv_width, shared = cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads < tp
         kv_heads = cfg.n_kv_heads if shared else 0
-        assert not (bias and shared), "kv heads shared over tp ranks are built without biases"
         qkv = [ColumnOutput("wq", cfg.q_width), ColumnOutput("wk", kv_width, kv_heads)]
         qkv.append(ColumnOutput("wv", kv_width, kv_heads))
-        self.wqkv = FusedColumnParallelLinear(cfg.hidden, qkv, ps, **linear)
+        self.wqkv = FusedColumnParallelLinear(cfg.hidden, qkv, ps, bias=bias or qkv_bias, **linear)
         self.wo = RowParallelLinear(
             cfg.q_width,
             cfg.hidden,

@@ -29,13 +29,15 @@ class LlamaFormulas(Formulas):
 
     qk_norm = False
     """Whether attention norms each head of q and k (Qwen3): a head_dim weight each."""
+    qkv_bias = False
+    """Whether q, k and v have biases (Qwen2)."""
 
     def layer_parameters(self, cfg: Config, layer: int) -> list[Param]:
         h, f = cfg.model.hidden, cfg.model.ffn_hidden // cfg.parallel.tp
         pre = f"layers.{layer}."
         return [
             *RMS_NORM.parameters(pre + "attn_norm", h),
-            *attention_parameters(cfg, pre + "attn", bias=False),
+            *attention_parameters(cfg, pre + "attn", bias=False, qkv_bias=self.qkv_bias),
             *self.qk_norm_parameters(cfg, pre + "attn"),
             *RMS_NORM.parameters(pre + "mlp_norm", h),
             *linear_parameters(pre + "mlp.gate_up", 2 * f, h, bias=False),

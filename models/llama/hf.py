@@ -1,12 +1,15 @@
 """Llama as Hugging Face's `LlamaForCausalLM`: one tensor per projection under the same
-layout. q and k need no permutation, because megalite's rotary embedding already uses the
-Hugging Face `rotate_half` convention. Rope scaling travels both ways as `rope_type: llama3`
-(transformers 4's `rope_scaling`, 5's `rope_parameters`); other rope types are refused."""
+layout (and the base of the Llama-shaped families' mappings, a tied head among them:
+`model.tie_embeddings`). q and k need no permutation, because megalite's rotary embedding
+already uses the Hugging Face `rotate_half` convention. Rope scaling travels both ways as
+`rope_type: llama3` (transformers 4's `rope_scaling`, 5's `rope_parameters`); other rope types
+are refused."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from megalite.models.hugging_face import HFMapping, Link
 
 from megalite.config import ROPE_SCALING_KEYS, ModelConfig
@@ -23,8 +26,9 @@ class LlamaMapping(HFMapping):
         found = [
             Link("tok_embeddings.weight", "model.embed_tokens.weight"),
             Link("final_norm.weight", "model.norm.weight"),
-            Link("lm_head.weight", "lm_head.weight"),
         ]
+        if not m.tie_embeddings:  # a tied head is the embedding (`to_hf` writes it twice)
+            found.append(Link("lm_head.weight", "lm_head.weight"))
         for i in range(m.n_layers):
             ours, theirs = f"layers.{i}.", f"model.layers.{i}."
             for mine, hf in [
@@ -40,6 +44,12 @@ class LlamaMapping(HFMapping):
             ]:
                 found.append(Link(f"{ours}{mine}.weight", f"{theirs}{hf}.weight"))
         return found
+
+    def to_hf(self, params: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+        state = super().to_hf(params, m)
+        if m.tie_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        return state
 
     def aliases(self, raw: dict[str, Any]) -> dict[str, str]:
         """A Llama with a tied head (trained untied here) may store only the embedding."""
@@ -90,7 +100,7 @@ def hf_settings(m: ModelConfig) -> dict[str, Any]:
         rope_theta=m.rope_theta,  # transformers 5 files both under rope_parameters
         rope_scaling=hf_rope_scaling(m),
         attention_dropout=m.dropout,
-        tie_word_embeddings=False,
+        tie_word_embeddings=m.tie_embeddings,
         bos_token_id=None,
         eos_token_id=None,
     )

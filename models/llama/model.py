@@ -56,14 +56,18 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(rmsnorm(x)), then x + mlp(rmsnorm(x)). `mlp`: the
     feed-forward's class (Mixtral's is a mixture of experts); `qk_norm`: attention norms each
-    head of q and k (Qwen3)."""
+    head of q and k (Qwen3); `qkv_bias`: q, k and v have biases (Qwen2)."""
 
     def __init__(
-        self, ctx: BuildContext, mlp: type[nn.Module] = MLP, qk_norm: bool = False
+        self,
+        ctx: BuildContext,
+        mlp: type[nn.Module] = MLP,
+        qk_norm: bool = False,
+        qkv_bias: bool = False,
     ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(ctx.cfg.hidden, ctx)
-        self.attn = Attention(ctx, bias=False, rotary=True, qk_norm=qk_norm)
+        self.attn = Attention(ctx, bias=False, rotary=True, qk_norm=qk_norm, qkv_bias=qkv_bias)
         self.mlp_norm = RMSNorm(ctx.cfg.hidden, ctx)
         self.mlp = mlp(ctx)
         self.drop = ResidualDropout(ctx)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
 from megalite.models.hugging_face import Link
 from megalite.models.llama.hf import LlamaMapping, hf_settings, rope_from_hf
 
@@ -21,35 +20,17 @@ class Qwen3Mapping(LlamaMapping):
     model_type = "qwen3"
 
     def links(self, m: ModelConfig) -> list[Link]:
-        found = [
-            link
-            for link in super().links(m)
-            if not (m.tie_embeddings and link.ours == "lm_head.weight")
-        ]
+        found = super().links(m)
         for i in range(m.n_layers):
             for norm in ("q_norm", "k_norm"):
-                found.append(
-                    Link(
-                        f"layers.{i}.attn.{norm}.weight",
-                        f"model.layers.{i}.self_attn.{norm}.weight",
-                    )
-                )
+                ours, theirs = f"layers.{i}.attn.{norm}", f"model.layers.{i}.self_attn.{norm}"
+                found.append(Link(f"{ours}.weight", f"{theirs}.weight"))
         return found
-
-    def to_hf(self, params: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-        state = super().to_hf(params, m)
-        if m.tie_embeddings:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
-        return state
-
-    def aliases(self, raw: dict[str, Any]) -> dict[str, str]:
-        return {}  # a tied head is not read: the embedding is the head
 
     def hf_config(self, m: ModelConfig) -> PretrainedConfig:
         from transformers import Qwen3Config
 
-        settings = hf_settings(m) | dict(tie_word_embeddings=m.tie_embeddings)
-        return Qwen3Config(**settings, attention_bias=False, use_sliding_window=False)
+        return Qwen3Config(**hf_settings(m), attention_bias=False, use_sliding_window=False)
 
     def config_from_hf(self, raw: dict[str, Any]) -> dict[str, Any]:
         if raw.get("use_sliding_window"):

@@ -29,9 +29,8 @@ class Qwen3MoEMapping(Qwen3Mapping, MixtralMapping):
         from transformers import Qwen3MoeConfig
 
         self.require_exportable(m, "Qwen3-MoE")
-        settings = hf_settings(m) | dict(tie_word_embeddings=m.tie_embeddings)
         return Qwen3MoeConfig(
-            **settings,
+            **hf_settings(m),
             moe_intermediate_size=m.ffn_hidden,
             num_experts=m.moe_experts,
             num_experts_per_tok=m.moe_top_k,

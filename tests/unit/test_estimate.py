@@ -53,6 +53,7 @@ def _meta_chunks(cfg, tp_rank: int, pp_rank: int, dp: int = 1):
             "parallel.tp=2",
             "parallel.pp=2",
         ],
+        ["model.arch=qwen2", "model.n_kv_heads=1", "model.tie_embeddings=true", "parallel.tp=2"],
         [
             "model.arch=qwen3_moe",
             "model.n_kv_heads=2",

@@ -1,4 +1,4 @@
-"""Hugging Face Mixtral in and out: a `MixtralForCausalLM` comes in through
+"""Hugging Face Mixtral in and out (`hf_round_trip`): a `MixtralForCausalLM` comes in through
 `checkpoint.init_from` computing transformers' logits (routing included), trains in a
 tensor- and pipeline-parallel layout, and `megalite export-hf` writes it back in the published
 checkpoints' layout, which transformers loads to the same logits; export, import and export
@@ -8,11 +8,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import safetensors.torch
-import torch
+from hf_round_trip import assert_round_trip, randomised
 
-import megalite.training.loop as loop
-from megalite.checkpoint.sharded import Checkpoint, resolve_checkpoint
 from megalite.cli import main
 from megalite.config import ConfigError, load_config
 from megalite.launch import run_ranks
@@ -54,12 +51,7 @@ def hf_mixtral():
         bos_token_id=None,
         eos_token_id=None,
     )
-    torch.manual_seed(0)
-    model = MixtralForCausalLM(config).eval()
-    with torch.no_grad():  # every tensor random, the router's sharp enough to matter
-        for name, param in model.named_parameters():
-            param.normal_(0.0, 0.5 if name.endswith("gate.weight") else 0.1)
-    return model
+    return randomised(MixtralForCausalLM(config))
 
 
 def _train(overrides: list[str]) -> None:
@@ -67,42 +59,12 @@ def _train(overrides: list[str]) -> None:
 
 
 def test_hugging_face_mixtral_in_train_and_out(builtin_corpus, tmp_path, monkeypatch):
-    from transformers import AutoModelForCausalLM
-
-    original = hf_mixtral()
-    original.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    # One real step at learning rate 0 changes no weight: the model is the original.
-    monkeypatch.setattr(loop, "learning_rate", lambda step, optim, total: 0.0)
-    run = tmp_path / "run"
-    init = [f"checkpoint.init_from={tmp_path / 'hf'}", "train.steps=1", f"train.out_dir={run}"]
-    assert main(["train", *MIXTRAL, *init]) == 0
-    ours = Checkpoint(resolve_checkpoint(run)).model()
-    ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = original(ids).logits
-        assert (ours(ids) - expected).abs().max().item() < 1e-4
-
-    back = tmp_path / "back"
-    assert main(["export-hf", "--checkpoint", str(run), "--out", str(back)]) == 0
-    theirs = AutoModelForCausalLM.from_pretrained(back).eval()
-    with torch.no_grad():
-        assert (theirs(ids).logits - expected).abs().max().item() < 1e-4
-
-    # in again, and out again: the same bytes
-    again = tmp_path / "again"
-    assert main(["train", *MIXTRAL, f"checkpoint.init_from={back}", "train.steps=1",
-                 f"train.out_dir={again}"]) == 0  # fmt: skip
-    assert main(["export-hf", "--checkpoint", str(again), "--out", str(tmp_path / "b2")]) == 0
-    first = safetensors.torch.load_file(next(back.glob("*.safetensors")))
-    second = safetensors.torch.load_file(next((tmp_path / "b2").glob("*.safetensors")))
-    assert first.keys() == second.keys()
-    assert all(torch.equal(first[name], second[name]) for name in first)
+    back = assert_round_trip(hf_mixtral(), MIXTRAL, tmp_path, monkeypatch)
 
     # and it trains from there in a tp 2 x pp 2 layout
     layout = tmp_path / "layout"
     overrides = [*MIXTRAL, f"checkpoint.init_from={back}", "train.steps=2", "parallel.tp=2",
                  "parallel.sp=true", "parallel.pp=2", f"train.out_dir={layout}"]  # fmt: skip
-    monkeypatch.undo()
     run_ranks(4, _train, overrides)
     assert (layout / "checkpoints" / "latest").exists()
 

@@ -1,18 +1,18 @@
-"""Hugging Face Qwen3 and Qwen3-MoE in and out: a random `Qwen3ForCausalLM` (QK-norm, q wider
-than the model, a tied head, every norm random too) or `Qwen3MoeForCausalLM` (its experts and a
-router sharp enough to matter) comes in through `checkpoint.init_from` computing transformers'
-logits; at tp 2 + SP x pp 2 (ep 2 for the experts) its first evaluation is transformers' loss on
-the same windows; `megalite export-hf` writes it back, which transformers loads to the same
-logits; export, import and export again gives bit-identical tensors."""
+"""Hugging Face Qwen2, Qwen3 and Qwen3-MoE in and out: a random `Qwen3ForCausalLM` (QK-norm, q
+wider than the model, a tied head, every norm random too), `Qwen2ForCausalLM` (q, k and v
+biases) or `Qwen3MoeForCausalLM` (its experts and a router sharp enough to matter) comes in
+through `checkpoint.init_from` computing transformers' logits; at tp 2 + SP x pp 2 (ep 2 for
+the experts) its first evaluation is transformers' loss on the same windows; `megalite
+export-hf` writes it back, which transformers loads to the same logits; export, import and
+export again gives bit-identical tensors."""
 
 import json
 
 import pytest
-import safetensors.torch
 import torch
 import torch.nn.functional as F
+from hf_round_trip import assert_round_trip, randomised
 
-import megalite.training.loop as loop
 from megalite.checkpoint.sharded import Checkpoint, resolve_checkpoint
 from megalite.cli import main
 from megalite.config import ConfigError, load_config
@@ -45,11 +45,24 @@ MOE = [
     "model.moe_top_k=2",
 ]
 """Qwen3-MoE at the same widths: QWEN3 with these after it."""
+FAMILIES = {
+    "qwen2": ["model.arch=qwen2", "model.head_dim=16"],  # q, k, v biases; head_dim h / heads
+    "qwen3": [],
+    "qwen3_moe": MOE,
+}
+"""Each family as QWEN3's overrides and these after them."""
 
 
-def hf_qwen3(tied: bool = True, moe: bool = False):
-    """A random Hugging Face Qwen3 (Qwen3-MoE with `moe`) at QWEN3's widths."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+def hf_qwen3(tied: bool = True, family: str = "qwen3"):
+    """A random Hugging Face model of `family` (FAMILIES) at QWEN3's widths."""
+    from transformers import (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     shape = dict(
         vocab_size=500,
@@ -66,70 +79,38 @@ def hf_qwen3(tied: bool = True, moe: bool = False):
         bos_token_id=None,
         eos_token_id=None,
     )
-    if moe:
+    if family == "qwen3_moe":
         experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, **experts, norm_topk_prob=True))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**(shape | dict(head_dim=16))))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**shape))
-    torch.manual_seed(0)
-    with torch.no_grad():  # every tensor random, the norms' included, the router sharp
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.5 if name.endswith("mlp.gate.weight") else 0.1)
-    return model.eval()
+    return randomised(model, router="mlp.gate.weight")
 
 
 def _train(overrides: list[str]) -> None:
     train(load_config(None, overrides))
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3-moe"])
-def test_hugging_face_qwen3_in_and_out(moe, builtin_corpus, tmp_path, monkeypatch):
-    from transformers import AutoModelForCausalLM
-
-    original = hf_qwen3(moe=moe)
-    family = [*QWEN3, *(MOE if moe else [])]
-    original.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    monkeypatch.setattr(loop, "learning_rate", lambda step, optim, total: 0.0)
-    run = tmp_path / "run"
-    init = [f"checkpoint.init_from={tmp_path / 'hf'}", "train.steps=1", f"train.out_dir={run}"]
-    assert main(["train", *family, *init]) == 0
-    ours = Checkpoint(resolve_checkpoint(run)).model()
-    ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = original(ids).logits
-        assert (ours(ids) - expected).abs().max().item() < 1e-4
-
-    back = tmp_path / "back"
-    assert main(["export-hf", "--checkpoint", str(run), "--out", str(back)]) == 0
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_hugging_face_qwen_in_and_out(name, builtin_corpus, tmp_path, monkeypatch):
+    overrides = [*QWEN3, *FAMILIES[name]]
+    back = assert_round_trip(hf_qwen3(family=name), overrides, tmp_path, monkeypatch)
     assert json.loads((back / "config.json").read_text())["tie_word_embeddings"] is True
-    theirs = AutoModelForCausalLM.from_pretrained(back).eval()
-    with torch.no_grad():
-        assert (theirs(ids).logits - expected).abs().max().item() < 1e-4
-
-    again = tmp_path / "again"
-    assert main(["train", *family, f"checkpoint.init_from={back}", "train.steps=1",
-                 f"train.out_dir={again}"]) == 0  # fmt: skip
-    assert main(["export-hf", "--checkpoint", str(again), "--out", str(tmp_path / "b2")]) == 0
-    first = safetensors.torch.load_file(next(back.glob("*.safetensors")))
-    second = safetensors.torch.load_file(next((tmp_path / "b2").glob("*.safetensors")))
-    assert first.keys() == second.keys()
-    assert all(torch.equal(first[name], second[name]) for name in first)
 
 
 @pytest.mark.parametrize(
-    "moe, layout",
-    [(False, ["parallel.pp=2"]), (True, ["parallel.ep=2"])],
-    ids=["qwen3-tp2-sp-pp2", "qwen3-moe-tp2-sp-ep2"],
+    "name, layout",
+    [("qwen2", ["parallel.pp=2"]), ("qwen3", ["parallel.pp=2"]), ("qwen3_moe", ["parallel.ep=2"])],
+    ids=["qwen2-tp2-sp-pp2", "qwen3-tp2-sp-pp2", "qwen3-moe-tp2-sp-ep2"],
 )
-def test_qwen3_in_a_layout_evaluates_as_transformers_does(moe, layout, builtin_corpus, tmp_path):
+def test_qwen_in_a_layout_evaluates_as_transformers_does(name, layout, builtin_corpus, tmp_path):
     """The first evaluation after one step at a vanishing learning rate (1e-12: the weights
     move by about that) is transformers' mean loss on the same held-out windows."""
-    hf_qwen3(moe=moe).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    hf_qwen3(family=name).save_pretrained(tmp_path / "hf", safe_serialization=True)
     out = tmp_path / "layout"
-    family = [*QWEN3, *(MOE if moe else [])]
+    family = [*QWEN3, *FAMILIES[name]]
     overrides = [*family, f"checkpoint.init_from={tmp_path / 'hf'}", "train.steps=1",
                  "train.eval_interval=1", "train.eval_steps=1", "optim.lr=1e-12",
                  "optim.min_lr=0", "parallel.tp=2", "parallel.sp=true", *layout,
@@ -142,7 +123,7 @@ def test_qwen3_in_a_layout_evaluates_as_transformers_does(moe, layout, builtin_c
     val = open_data(cfg).val
     batch = val.read(val.evaluation_pairs(0, cfg.train.global_batch_size), True, True)
     with torch.no_grad():
-        logits = hf_qwen3(moe=moe)(batch.inputs).logits
+        logits = hf_qwen3(family=name)(batch.inputs).logits
     expected = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten()).item()
     assert val_loss == pytest.approx(expected, rel=1e-4)
 
@@ -176,7 +157,7 @@ def test_an_untied_qwen3_keeps_its_head(builtin_corpus, tmp_path):
     "overrides, message",
     [
         (["model.arch=llama", "model.head_dim=24"], "model.head_dim .* only qwen3"),
-        (["model.arch=llama", "model.tie_embeddings=true"], "tie_embeddings is for qwen3"),
+        (["model.arch=llama", "model.tie_embeddings=true"], "tie_embeddings is for qwen2, qwen3"),
         (["model.arch=qwen3", "model.hidden=64", "model.n_heads=5"], "or set model.head_dim"),
         (["model.arch=qwen3", "model.head_dim=7"], "model.head_dim must be even"),
     ],
