@@ -40,7 +40,10 @@ def activation_bytes_per_layer(
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    return (tensor.device.type, tensor.untyped_storage().data_ptr())
+    """The storage itself (its C++ object), not its memory address: a ZeRO-3 bucket's storage
+    is freed and allocated again around every use, at a new address, and its parameters are
+    still its views."""
+    return (tensor.device.type, tensor.untyped_storage()._cdata)
 
 
 def live_tensors(run: Run) -> dict[str, list[torch.Tensor]]:

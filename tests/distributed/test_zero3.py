@@ -31,7 +31,7 @@ from megalite.config import load_config
 from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
 from megalite.profiling.estimate import estimate_layout, zero_paper_bytes
-from megalite.profiling.memory import live_bytes
+from megalite.profiling.memory import SavedActivationTracker, live_bytes
 from megalite.training.loop import train
 from megalite.training.setup import build_run
 from megalite.training.step import train_step
@@ -364,3 +364,25 @@ def test_model_states_at_gpt2_widths_are_the_estimate_and_the_zero_paper():
             assert live[part] == stage.part(name), part
         states = live["params"] + live["grads"] + live["optimizer"]
         assert states == zero_paper_bytes(psi, 4, 3) + 2 * psi / 4
+
+
+def _saved_peaks(_) -> dict[int, int]:
+    """Peak bytes saved for backward over one step, the model's tensors excluded, by zero."""
+    peaks = {}
+    for zero in (1, 3):
+        cfg = load_config(None, [*TINY, *LLAMA, f"parallel.zero={zero}"])
+        run = build_run(cfg, build_parallel_state(1, 1, torch.device("cpu")))
+        held = [t for chunk in run.chunks for t in (*chunk.parameters(), *chunk.buffers())]
+        torch.manual_seed(0)
+        with SavedActivationTracker(exclude=held) as saved:
+            train_step(run, torch.randint(0, 500, (2, cfg.model.seq_len + 1)), 1e-3)
+        peaks[zero] = saved.peak
+    return peaks
+
+
+def test_saved_activations_leave_out_the_gathered_weights():
+    """The profiler's count of what autograd keeps excludes the parameters by their storage,
+    which at zero 3 is allocated again at a new address for every use: the same bytes as at
+    zero 1, no weight among them."""
+    for peaks in run_ranks(4, _saved_peaks, None):
+        assert peaks[3] == peaks[1] > 0
