@@ -65,24 +65,41 @@ class LlamaMapping(HFMapping):
         return LlamaConfig(**hf_settings(m))
 
     def config_from_hf(self, raw: dict[str, Any]) -> dict[str, Any]:
-        hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
-        if (raw.get("head_dim") or hidden // heads) != hidden // heads:  # null: the default
-            raise ValueError(f"head_dim {raw['head_dim']} is not hidden / n_heads")
+        require_derived_head_dim(raw)
         if raw.get("hidden_act") != "silu":
             raise ValueError(f"activation {raw.get('hidden_act')!r} is not one megalite implements")
         if raw.get("attention_bias") or raw.get("mlp_bias"):
             raise ValueError("Llama with attention or MLP biases is not supported")
-        return {
-            "hidden": hidden,
-            "n_layers": raw["num_hidden_layers"],
-            "n_heads": heads,
-            "n_kv_heads": raw.get("num_key_value_heads", heads),
-            "ffn_hidden": raw["intermediate_size"],
-            "vocab_size": raw["vocab_size"],
-            "norm_eps": raw["rms_norm_eps"],
-            "max_positions": raw.get("max_position_embeddings", 2048),  # transformers' default
-            **rope_from_hf(raw),
-        }
+        return llama_shape(raw)
+
+
+def head_dim_of(raw: dict[str, Any]) -> int:
+    """The head width a Llama-shaped config.json states (null or absent: hidden / heads)."""
+    return raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+
+
+def require_derived_head_dim(raw: dict[str, Any]) -> None:
+    """ValueError unless the head width is hidden / heads (where `model.head_dim` is not free)."""
+    if head_dim_of(raw) != raw["hidden_size"] // raw["num_attention_heads"]:
+        raise ValueError(f"head_dim {raw['head_dim']} is not hidden / n_heads")
+
+
+def llama_shape(raw: dict[str, Any], default_positions: int = 2048) -> dict[str, Any]:
+    """The settings every Llama-shaped config.json states the same way (Qwen's too): widths,
+    heads, norm epsilon, positions (`default_positions` where the file leaves them out, as
+    the family's transformers class does) and rotary settings."""
+    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+    return {
+        "hidden": hidden,
+        "n_layers": raw["num_hidden_layers"],
+        "n_heads": heads,
+        "n_kv_heads": raw.get("num_key_value_heads", heads),
+        "ffn_hidden": raw["intermediate_size"],
+        "vocab_size": raw["vocab_size"],
+        "norm_eps": raw["rms_norm_eps"],
+        "max_positions": raw.get("max_position_embeddings", default_positions),
+        **rope_from_hf(raw),
+    }
 
 
 def hf_settings(m: ModelConfig) -> dict[str, Any]:

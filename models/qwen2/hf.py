@@ -7,7 +7,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from megalite.models.hugging_face import Link
-from megalite.models.llama.hf import LlamaMapping, hf_settings
+from megalite.models.llama.hf import (
+    LlamaMapping,
+    hf_settings,
+    llama_shape,
+    require_derived_head_dim,
+)
 
 from megalite.config import ModelConfig
 
@@ -35,13 +40,19 @@ class Qwen2Mapping(LlamaMapping):
         return Qwen2Config(**hf_settings(m), use_sliding_window=False)
 
     def config_from_hf(self, raw: dict[str, Any]) -> dict[str, Any]:
-        if raw.get("use_sliding_window"):
-            raise ValueError("Qwen2 with sliding-window attention is not supported")
-        plain = {k: v for k, v in raw.items() if k != "tie_word_embeddings"}
-        return super().config_from_hf(plain) | {
-            "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
-            "max_positions": raw.get("max_position_embeddings", 32768),  # transformers' default
-        }
+        require_derived_head_dim(raw)
+        return qwen_settings(raw, "Qwen2")
+
+
+def qwen_settings(raw: dict[str, Any], family: str) -> dict[str, Any]:
+    """The settings of a Qwen config.json (Qwen2's, Qwen3's): Llama's shape, the tied head, and
+    transformers' 32768 positions by default; sliding windows and other activations refused."""
+    if raw.get("use_sliding_window"):
+        raise ValueError(f"{family} with sliding-window attention is not supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"activation {raw.get('hidden_act')!r} is not one megalite implements")
+    tied = bool(raw.get("tie_word_embeddings", False))
+    return llama_shape(raw, default_positions=32768) | {"tie_embeddings": tied}
 
 
 MAPPING = Qwen2Mapping()

@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from megalite.models.hugging_face import Link
-from megalite.models.llama.hf import LlamaMapping, hf_settings, rope_from_hf
+from megalite.models.llama.hf import LlamaMapping, head_dim_of, hf_settings
+from megalite.models.qwen2.hf import qwen_settings
 
 from megalite.config import ModelConfig
 
@@ -33,26 +34,9 @@ class Qwen3Mapping(LlamaMapping):
         return Qwen3Config(**hf_settings(m), attention_bias=False, use_sliding_window=False)
 
     def config_from_hf(self, raw: dict[str, Any]) -> dict[str, Any]:
-        if raw.get("use_sliding_window"):
-            raise ValueError("Qwen3 with sliding-window attention is not supported")
         if raw.get("attention_bias"):
             raise ValueError("Qwen3 with attention biases is not supported")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"activation {raw.get('hidden_act')!r} is not one megalite implements")
-        hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
-        return {
-            "hidden": hidden,
-            "n_layers": raw["num_hidden_layers"],
-            "n_heads": heads,
-            "n_kv_heads": raw.get("num_key_value_heads", heads),
-            "head_dim": raw.get("head_dim") or hidden // heads,
-            "ffn_hidden": raw["intermediate_size"],
-            "vocab_size": raw["vocab_size"],
-            "norm_eps": raw["rms_norm_eps"],
-            "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
-            "max_positions": raw.get("max_position_embeddings", 32768),  # transformers' default
-            **rope_from_hf(raw),
-        }
+        return qwen_settings(raw, "Qwen3") | {"head_dim": head_dim_of(raw)}
 
 
 MAPPING = Qwen3Mapping()

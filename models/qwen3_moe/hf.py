@@ -51,9 +51,8 @@ class Qwen3MoEMapping(Qwen3Mapping, MixtralMapping):
             )
         if raw.get("mlp_only_layers") or raw.get("decoder_sparse_step", 1) != 1:
             raise ValueError("Qwen3-MoE with dense layers among the sparse ones is not supported")
-        found = Qwen3Mapping.config_from_hf(self, raw | {"intermediate_size": 0})
-        return found | {
-            "ffn_hidden": raw["moe_intermediate_size"],
+        experts = raw | {"intermediate_size": raw["moe_intermediate_size"]}  # each expert's
+        return Qwen3Mapping.config_from_hf(self, experts) | {
             # the published configs say num_experts; transformers 5 writes num_local_experts
             "moe_experts": raw.get("num_experts", raw.get("num_local_experts")),
             "moe_top_k": raw["num_experts_per_tok"],

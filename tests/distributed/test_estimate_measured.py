@@ -7,7 +7,8 @@ exactly, and the peak of the activations autograd keeps over a real schedule
 is within 5 % of the estimate. Under context parallelism (cp 2 and 4, alone and with tp 2 + SP,
 and with document masks) too, where each rank's activations are those of seq_len / cp tokens:
 measured and estimated, they fall as 1/cp. Mixtral too (shared experts, both routers, and
-expert parallelism, where the estimate assumes balanced routing: top-k = experts makes it so).
+expert parallelism, where the estimate assumes balanced routing: top-k = experts makes it so),
+and Qwen3 (QK-norm, q wider than the model, a tied head).
 And the gradients a split backward leaves in `.grad` from B to W are the estimate's."""
 
 import pytest
@@ -94,8 +95,17 @@ LAYOUTS = {
         # the experts' weight gradients are computed in B: only attention's linears defer
         ("parallel.pp=2", "parallel.schedule=zb-h1", "model.moe_top_k=4"),
     ],
+    "qwen3": [  # QK-norms (in fp32 their input keeps the fused q/k/v output), a tied head
+        ("parallel.zero=1",),
+        ("parallel.tp=2", "parallel.sp=true"),
+        ("parallel.tp=2", "train.precision=bf16", "train.recompute=selective"),
+        ("parallel.pp=2", "parallel.schedule=1f1b"),
+    ],
 }
-MODEL = {"mixtral": ("model.n_kv_heads=2", "model.moe_experts=4", "model.ffn_hidden=96")}
+MODEL = {
+    "mixtral": ("model.n_kv_heads=2", "model.moe_experts=4", "model.ffn_hidden=96"),
+    "qwen3": ("model.n_kv_heads=2", "model.head_dim=24", "model.tie_embeddings=true"),
+}
 
 
 def _config(path: str | None, overrides: tuple[str, ...]) -> Config:
@@ -159,7 +169,7 @@ def _kept(est, pp_rank: int) -> int:
     return sum(map(est.stages[pp_rank].part, ("activations", "head weight grads", DEFERRED)))
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama", "mixtral"])
+@pytest.mark.parametrize("arch", ["gpt", "llama", "mixtral", "qwen3"])
 def test_estimate_equals_measurement(arch):
     model = (f"model.arch={arch}", *TINY, *MODEL.get(arch, ()))
     cfgs = [_config(None, (*model, *layout)) for layout in LAYOUTS[arch]]
@@ -169,6 +179,7 @@ def test_estimate_equals_measurement(arch):
 SHIPPED = {  # at the shipped widths, vocabulary (the head's chunked loss) and micro-batch 8
     "configs/gpt-tiny.yaml": ("parallel.tp=2", "parallel.sp=true", "parallel.pp=2"),
     "configs/llama-tiny.yaml": ("parallel.tp=2", "parallel.sp=true", "parallel.zero=1"),
+    "configs/qwen3-tiny.yaml": ("parallel.tp=2", "parallel.sp=true", "parallel.zero=1"),
 }
 
 
