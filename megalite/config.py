@@ -327,6 +327,12 @@ class ParallelConfig:
     holds moe_experts / ep of them) and tokens travel to their experts and back by all-to-all.
     Must divide the data-parallel size and model.moe_experts. Expert gradients are reduced over
     the dp x cp ranks holding the same experts."""
+    dp_replicate: int = 1
+    """Hybrid sharding (HSDP; torchtitan's data_parallel_replicate_degree): ZeRO shards within
+    groups of dp / dp_replicate ranks and keeps dp_replicate copies of each shard, so its
+    all-gathers stay inside a group (a node) and only the gradients' all-reduce of the owned
+    shards crosses the groups. Needs parallel.zero >= 1 and must divide dp. Experts shard
+    over all their replicas."""
     vpp: int = 1
     """Virtual pipeline chunks per pipeline rank (interleaved schedule; zb-v: 2)."""
     sp: bool = False
@@ -355,13 +361,19 @@ class ParallelConfig:
     """Gradient bucket size (MB of fp32) for the overlapped data-parallel reduction."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "cp", "pp", "ep"):
+        for name in ("tp", "cp", "pp", "ep", "dp_replicate"):
             _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1")
         _require(
             self.cp_comm in ("p2p", "allgather"),
             f"parallel.cp_comm must be p2p or allgather, got {self.cp_comm!r}",
         )
         _require(self.zero in (0, 1, 2, 3), f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}")
+        _require(
+            self.dp_replicate == 1 or self.zero >= 1,
+            f"parallel.dp_replicate={self.dp_replicate} replicates ZeRO's shards, but "
+            "parallel.zero=0 shards nothing: set parallel.zero to 1, 2 or 3, or "
+            "parallel.dp_replicate=1",
+        )
         _schedule_rule(check_chunks, self.schedule, self.pp, self.vpp)
         # The schedule also builds gpipe with virtual stages (evaluation runs their forwards);
         # training offers virtual stages only interleaved.
@@ -381,7 +393,14 @@ class ParallelConfig:
     def dims(self, world_size: int) -> ParallelDims:
         """This layout's rank grid on `world_size` ranks (dp takes the rest), or the error that
         names the fix."""
-        return ParallelDims.for_world(world_size, ep=self.ep, tp=self.tp, cp=self.cp, pp=self.pp)
+        return ParallelDims.for_world(
+            world_size,
+            ep=self.ep,
+            dp_replicate=self.dp_replicate,
+            tp=self.tp,
+            cp=self.cp,
+            pp=self.pp,
+        )
 
 
 @dataclass

@@ -13,6 +13,12 @@ ep (fastest) times edp. The dense weights keep the grid above (replicated over a
 expert's weights are sharded over tp, ep and pp and replicated over cp x edp. The two grids
 are the named views of the ranks (`views`): a group is asked for by the axes it spans in either
 (`group_name`), and a parameter's placements name the axes of its view.
+
+Hybrid sharding (HSDP, torchtitan's `data_parallel_replicate_degree`; Megatron-LM's distributed
+optimizer instances) is a third view, `hybrid_dims`: dp split into dp_shard (fastest) times
+dp_replicate. ZeRO then shards the dense weights' state over cp x dp_shard and keeps
+dp_replicate copies of each shard (`shard_and_replicate`), so its gathers stay within a group
+of dp / dp_replicate ranks (a node, or a few) and only the gradients cross the replicas.
 Nothing here imports torch, so a layout that cannot run fails before torch is loaded.
 """
 
@@ -51,6 +57,8 @@ class ParallelDims:
     """The axes that shard the weights (`WEIGHT_AXES` for a run's grid)."""
     ep: int = 1
     """Expert-parallel ranks within each dp group (`expert_dims`)."""
+    dp_replicate: int = 1
+    """Replicas of each ZeRO shard (HSDP, `hybrid_dims`): dp is dp_shard x dp_replicate."""
 
     def __post_init__(self) -> None:
         bad = {axis: size for axis, size in self.sizes.items() if size < 1}
@@ -62,14 +70,27 @@ class ParallelDims:
                 f"{self.sizes.get(DERIVED, 1)}: expert-parallel ranks are carved out of dp, so "
                 f"launch a multiple of {self.ep} data-parallel replicas or lower parallel.ep"
             )
+        if self.dp_replicate > 1 and self.sizes.get(DERIVED, 1) % self.dp_replicate:
+            raise ConfigError(
+                f"parallel.dp_replicate={self.dp_replicate} does not divide the data-parallel "
+                f"size {self.sizes.get(DERIVED, 1)}: ZeRO shards within groups of dp / "
+                f"dp_replicate ranks, so launch a multiple of {self.dp_replicate} data-parallel "
+                "replicas or change parallel.dp_replicate"
+            )
 
     @classmethod
     def for_world(
-        cls, world_size: int, order: tuple[str, ...] = ORDER, ep: int = 1, **sizes: int
+        cls,
+        world_size: int,
+        order: tuple[str, ...] = ORDER,
+        ep: int = 1,
+        dp_replicate: int = 1,
+        **sizes: int,
     ) -> ParallelDims:
         """The grid of `world_size` ranks with the given axis sizes (an axis not given: 1), dp
-        taking the rest, and `ep` expert-parallel ranks within dp; the clear error when the
-        other axes do not divide the world, or ep does not divide dp."""
+        taking the rest, `ep` expert-parallel ranks within dp and `dp_replicate` replicas of
+        each ZeRO shard; the clear error when the other axes do not divide the world, or ep or
+        dp_replicate does not divide dp."""
         if DERIVED in sizes or DERIVED not in order or not set(sizes) <= set(order):
             raise ValueError(f"sizes {sizes} must name axes of {order} other than {DERIVED}")
         given = {axis: sizes.get(axis, 1) for axis in order if axis != DERIVED}
@@ -81,7 +102,8 @@ class ParallelDims:
                 f"{'*'.join(map(str, named.values()))}: launch a multiple of {product} processes "
                 f"or change {' / '.join(f'parallel.{axis}' for axis in named)}"
             )
-        return cls({axis: given.get(axis, world_size // product) for axis in order}, ep=ep)
+        derived = {axis: given.get(axis, world_size // product) for axis in order}
+        return cls(derived, ep=ep, dp_replicate=dp_replicate)
 
     @property
     def world_size(self) -> int:
@@ -95,22 +117,48 @@ class ParallelDims:
         return (*self.weight_axes, *(a for a in named if a not in self.weight_axes))
 
     def layout(self) -> dict[str, int]:
-        """Each axis's size in naming order (and ep where > 1), as checkpoints record the layout
-        that saved them."""
+        """Each axis's size in naming order (and ep, dp_replicate where > 1), as checkpoints
+        record the layout that saved them."""
         layout = {axis: self.sizes[axis] for axis in self.naming_order}
-        return layout | ({"ep": self.ep} if self.ep > 1 else {})
+        views = {"ep": self.ep, "dp_replicate": self.dp_replicate}
+        return layout | {name: size for name, size in views.items() if size > 1}
+
+    def _split_dp(self, fast: str, fast_size: int, slow: str) -> dict[str, int]:
+        """The sizes with dp split into `fast` (of `fast_size`) x `slow`, in the grid's order."""
+        sizes: dict[str, int] = {}
+        for axis, size in self.sizes.items():
+            if axis == DERIVED:
+                sizes |= {fast: fast_size, slow: size // fast_size}
+            else:
+                sizes[axis] = size
+        return sizes
 
     @functools.cached_property
     def expert_dims(self) -> ParallelDims:
         """The same ranks as the grid of the experts: dp split into ep (fastest) x edp, the
         weights sharded over tp, ep and pp. A rank's dp coordinate is edp * ep + ep."""
-        sizes: dict[str, int] = {}
-        for axis, size in self.sizes.items():
-            if axis == DERIVED:
-                sizes |= {"ep": self.ep, "edp": size // self.ep}
-            else:
-                sizes[axis] = size
+        sizes = self._split_dp("ep", self.ep, "edp")
         return ParallelDims(sizes, weight_axes=(*self.weight_axes[:1], "ep", *self.weight_axes[1:]))
+
+    @functools.cached_property
+    def hybrid_dims(self) -> ParallelDims:
+        """The same ranks as HSDP's grid: dp split into dp_shard (fastest) x dp_replicate, the
+        weights sharded as the dense grid's. A rank's dp coordinate is dp_replicate *
+        dp_shard size + dp_shard, as torchtitan's mesh orders them."""
+        shard = self.sizes[DERIVED] // self.dp_replicate
+        return ParallelDims(self._split_dp("dp_shard", shard, "dp_replicate"), self.weight_axes)
+
+    def shard_and_replicate(
+        self, replica_axes: tuple[str, ...]
+    ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The axes ZeRO shards a weight's state over, and those it keeps copies of each shard
+        over, for a weight replicated over `replica_axes`: all of them and none, except the
+        dense weights under HSDP (cp x dp_shard, and dp_replicate). The experts, replicated over
+        cp x edp, shard over all their replicas."""
+        if self.dp_replicate == 1 or DERIVED not in replica_axes:
+            return replica_axes, ()
+        shard = tuple("dp_shard" if axis == DERIVED else axis for axis in replica_axes)
+        return shard, ("dp_replicate",)
 
     @functools.cached_property
     def strides(self) -> dict[str, int]:
@@ -166,13 +214,14 @@ class ParallelDims:
 
     @functools.cached_property
     def views(self) -> dict[str, ParallelDims]:
-        """The named views of the same ranks: `dense` (this grid) and `expert` (dp split into ep
-        x edp, `expert_dims`). An axis is looked up in the first view that has it."""
+        """The named views of the same ranks that parameters are placed in: `dense` (this
+        grid) and `expert` (dp split into ep x edp, `expert_dims`)."""
         return {"dense": self, "expert": self.expert_dims}
 
     def view_of(self, axes: tuple[str, ...]) -> ParallelDims:
-        """The first view holding every one of `axes`: the grid they are coordinates of."""
-        for view in self.views.values():
+        """The first view holding every one of `axes` (the views, then HSDP's grid,
+        `hybrid_dims`): the grid they are coordinates of."""
+        for view in (*self.views.values(), self.hybrid_dims):
             if set(axes) <= set(view.sizes):
                 return view
         raise ValueError(f"no view of the grid has all of the axes {axes}")
@@ -184,7 +233,8 @@ class ParallelDims:
         of one piece of the weights (`dp_cp`, Megatron's data-parallel group with context
         parallelism: the dp group's ranks when cp is 1, a communicator of its own all the
         same), the embedding pairs; with expert parallelism the ep groups and the replicas of
-        one piece of the experts (`expert_dp`: cp x edp) last."""
+        one piece of the experts (`expert_dp`: cp x edp); under HSDP the ZeRO shard groups
+        (`dp_shard_cp`: cp x dp_shard) and the replicas of each shard (`dp_replicate`) last."""
         named = {
             **{axis: (axis,) for axis in self.sizes},
             "model_parallel": self.weight_axes,
@@ -193,6 +243,9 @@ class ParallelDims:
         }
         if self.ep > 1:  # the experts' all-to-all, and the replicas of one expert's weights
             named |= {"ep": ("ep",), "expert_dp": self.expert_dims.replica_axes}
+        if self.dp_replicate > 1:  # HSDP: ZeRO's shards, and the copies of each
+            shard, replicate = self.shard_and_replicate(self.replica_axes)
+            named |= {"dp_shard_cp": shard, "dp_replicate": replicate}
         return named
 
     def named_groups(self) -> dict[str, list[list[int]]]:

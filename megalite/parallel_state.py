@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.errors import ConfigError, MegaliteError
-from megalite.parallel_dims import ParallelDims
+from megalite.parallel_dims import ORDER, ParallelDims
 
 
 @dataclass(frozen=True)
@@ -278,6 +278,7 @@ def build_parallel_state(
     timeout_s: float | None = None,
     cp: int = 1,
     ep: int = 1,
+    dp_replicate: int = 1,
 ) -> ParallelState:
     """Create every process group of the layout; must run on all ranks in the same order.
 
@@ -288,7 +289,7 @@ def build_parallel_state(
     A single process outside torch.distributed gets the layout of one rank, or the error that
     says how many processes the layout needs."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    dims = ParallelDims.for_world(world_size, ep=ep, tp=tp, cp=cp, pp=pp)
+    dims = ParallelDims.for_world(world_size, ep=ep, dp_replicate=dp_replicate, tp=tp, cp=cp, pp=pp)
     if not dist.is_initialized():
         return ParallelState(dims, 0, device)
     rank = dist.get_rank()
@@ -404,8 +405,9 @@ def layout_change(
     else:
         global_batch = f"a global batch of {global_then} -> {global_now}"
     then = "" if micro_then == micro_now else f" micro-batches of {micro_then}"
+    world_then = math.prod(saved.get(axis, 1) for axis in ORDER)  # not ep: a view of dp
     return (
-        f"world size {math.prod(saved.values())} -> {ps.world_size}: layout {describe(saved)} "
+        f"world size {world_then} -> {ps.world_size}: layout {describe(saved)} "
         f"-> {describe(now)}, {global_batch} as {microbatches_then}{then} -> "
         f"{microbatches_now} micro-batches of {micro_now} per data-parallel rank"
     )

@@ -112,7 +112,7 @@ def owned_tensors(state: RunState) -> tuple[dict[str, dict[str, torch.Tensor]], 
     for name, tensor in state.routing.items():  # the routing biases: one copy per stage
         if first(tensor.meta) and _saved_name(tensor, name, ps) is not None:
             add(name, tensor, model_file, 0, tensor)
-    for name, tensor, lo, _, views in optimizer.owned_pieces():
+    for name, tensor, lo, _, views in optimizer.owned_pieces(first_copies=True):
         if (optimizer.sharded or first(tensor.meta)) and _saved_name(tensor, name, ps):
             for kind, view in views.items():
                 add(f"{state_name(name, kind)}@{lo}", tensor, optim_file, lo, view)

@@ -42,7 +42,9 @@ Buckets are cut at unit boundaries, and the optimizer step leaves the gathering 
 
 Ownership (Megatron's distributed optimizer): every bucket is padded to a multiple of dp and
 data-parallel rank r owns the r-th contiguous piece of each bucket. With ZeRO-0 a rank owns
-everything. "Owned coordinates" index the concatenation of a rank's owned pieces, which is how
+everything. Under HSDP (`parallel.dp_replicate`) "dp" here is the shard group (cp x dp_shard),
+and each owned piece's gradient is all-reduced over its copies after the step's last
+reduction (`_sum_over_copies`). "Owned coordinates" index the concatenation of a rank's owned pieces, which is how
 the optimizer lays out its master weights and Adam state.
 """
 
@@ -126,8 +128,28 @@ class GradBuffer:
         return self.ps.size(*self.replica_axes)
 
     @property
-    def replica_rank(self) -> int:
-        return self.ps.coord(*self.replica_axes)
+    def shard_group(self) -> Any:
+        """The ranks over which ZeRO shards this buffer (all its replicas, but under HSDP)."""
+        return self.ps.group(*self.shard_axes)
+
+    @property
+    def shard_size(self) -> int:
+        return self.ps.size(*self.shard_axes)
+
+    @property
+    def shard_rank(self) -> int:
+        return self.ps.coord(*self.shard_axes)
+
+    @property
+    def replicate_group(self) -> Any:
+        """HSDP: the ranks holding copies of this rank's shard (None: no copies)."""
+        return self.ps.group(*self.replicate_axes)
+
+    @property
+    def first_copy(self) -> bool:
+        """Whether this rank holds the first copy of its owned shard: it alone counts the shard
+        in the gradient norm and writes it to checkpoints (every rank, but under HSDP)."""
+        return self.ps.coord(*self.replicate_axes) == 0
 
     @property
     def weight_axes(self) -> tuple[str, ...]:
@@ -139,8 +161,12 @@ class GradBuffer:
         # dense weights, cp x edp for the experts. Its gradients are reduced, and its state
         # sharded, over them.
         (self.replica_axes,) = {param.meta.replica_axes(self.ps.dims) for param in self.params}
-        dp = self.replica_size
+        # HSDP shards the dense weights over cp x dp_shard and keeps dp_replicate copies of
+        # each shard; unsharded (shards of one rank), one all-reduce over every replica
+        self.shard_axes, replicate_axes = self.ps.dims.shard_and_replicate(self.replica_axes)
+        dp = self.shard_size
         self.sharded = self.shard_optimizer and dp > 1
+        self.replicate_axes = replicate_axes if self.sharded else ()
         self.grads_sharded = self.shard_grads and self.sharded
         self.params_sharded = self.shard_params and self.grads_sharded
         self.buckets: list[Bucket] = []
@@ -240,8 +266,8 @@ class GradBuffer:
         """This rank's piece of a bucket, in buffer coordinates."""
         if not self.sharded:
             return bucket.start, bucket.end
-        piece = bucket.numel // self.replica_size
-        start = bucket.start + self.replica_rank * piece
+        piece = bucket.numel // self.shard_size
+        start = bucket.start + self.shard_rank * piece
         return start, start + piece
 
     def owned_params(self, bucket: Bucket) -> torch.Tensor:
@@ -368,7 +394,7 @@ class GradBuffer:
         grads = self.grads_flat[bucket.start : bucket.end]
         if self.sharded:
             bucket.handle = comm.reduce_scatter_flat(
-                self.owned_grads[bucket.owned], grads, self.replica_group, async_op=True
+                self.owned_grads[bucket.owned], grads, self.shard_group, async_op=True
             )
         else:
             bucket.handle = comm.all_reduce(grads, self.replica_group, async_op=True)
@@ -380,23 +406,37 @@ class GradBuffer:
         self.sync_enabled = True
 
     def finish_sync(self) -> None:
-        """Wait for every bucket (launching any whose gradients never arrived)."""
+        """Wait for every bucket (launching any whose gradients never arrived); under HSDP,
+        then sum each owned shard over its copies."""
+        self.sync_enabled = False
         if self.grads_sharded:
             self.end_backward()
             for bucket in self.buckets:
                 if not bucket.reduced:  # no gradient this step: zero, not last step's
                     self.owned_grads[bucket.owned].zero_()
+        else:
+            for param in self.params:
+                if param not in self.arrived:  # no gradient this step: zero, not last step's
+                    param.main_grad.zero_()
+            for bucket in self.buckets:
+                if bucket.handle is None and bucket.pending > 0:
+                    bucket.pending = 0
+                    self._launch(bucket)
+                if bucket.handle is not None:
+                    bucket.handle.wait()
+        self._sum_over_copies()
+
+    def _sum_over_copies(self) -> None:
+        """HSDP: all-reduce each owned shard's gradient over the copies of the shard, bucket by
+        bucket with every reduction in flight at once. It follows the last reduce-scatter of
+        the step: the shard sums every micro-batch of the shard group first, so the copies
+        exchange 1/dp_shard of the gradient once a step (torchtitan's HSDP does the same)."""
+        if self.replicate_group is None:
             return
-        for param in self.params:
-            if param not in self.arrived:  # no gradient this step: zero, not last step's
-                param.main_grad.zero_()
-        for bucket in self.buckets:
-            if bucket.handle is None and bucket.pending > 0:
-                bucket.pending = 0
-                self._launch(bucket)
-            if bucket.handle is not None:
-                bucket.handle.wait()
-        self.sync_enabled = False
+        owned = [self.owned_grads[bucket.owned] for bucket in self.buckets]
+        handles = [comm.all_reduce(shard, self.replicate_group, async_op=True) for shard in owned]
+        for handle in handles:
+            handle.wait()
 
     # ------------------------------------------------------------------ ZeRO-2 staging
 
@@ -425,11 +465,11 @@ class GradBuffer:
         """Launch the bucket's reduce-scatter, then fold in every earlier one: their reductions
         overlapped the backward that filled this bucket."""
         bucket.received = torch.empty(
-            bucket.numel // self.replica_size, dtype=torch.float32, device=self.device
+            bucket.numel // self.shard_size, dtype=torch.float32, device=self.device
         )
         self._count_staging(bucket.received.nbytes)
         bucket.handle = comm.reduce_scatter_flat(
-            bucket.received, bucket.staging, self.replica_group, async_op=True
+            bucket.received, bucket.staging, self.shard_group, async_op=True
         )
         self.in_flight.append(bucket)
         while len(self.in_flight) > 1:
@@ -480,7 +520,7 @@ class GradBuffer:
         for bucket in reversed(self.buckets):
             source = self.owned_params(bucket).clone()
             full = self.params_flat[bucket.start : bucket.end]
-            handle = comm.all_gather_flat(full, source, self.replica_group, async_op=True)
+            handle = comm.all_gather_flat(full, source, self.shard_group, async_op=True)
             bucket.gather = (handle, source)
 
     def is_gathered(self, bucket: Bucket) -> bool:
@@ -497,7 +537,7 @@ class GradBuffer:
         full = bucket.full
         full.untyped_storage().resize_(full.numel() * full.element_size())
         source = self.owned_params(bucket)
-        handle = comm.all_gather_flat(full, source, self.replica_group, async_op=True)
+        handle = comm.all_gather_flat(full, source, self.shard_group, async_op=True)
         bucket.gather = (handle, source)
 
     def release_params(self, bucket: Bucket) -> None:

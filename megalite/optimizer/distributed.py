@@ -146,8 +146,7 @@ class DistributedOptimizer:
                     exp_avg=self.adamw.zeros(master.numel()),
                     exp_avg_sq=self.adamw.zeros(master.numel()),
                     decay=_ranges(buffer, start, end, names, lambda meta: meta.weight_decay),
-                    counted=_ranges(buffer, start, end, names, self._counts_in_norm),
-                    copies=_ranges(buffer, start, end, names, self._left_out_of_norm),
+                    **self._norm_ranges(buffer, start, end),
                     noise=_noise_segments(buffer, start, end, names, ps),
                 )
             )
@@ -171,13 +170,22 @@ class DistributedOptimizer:
         membership = torch.nn.functional.one_hot(group_of_piece, len(views) + 1)
         return pieces, membership.to(self.ps.device, torch.float64)
 
-    def _counts_in_norm(self, meta: ParamMeta) -> bool:
-        """Each element once: a tensor not sharded over tp counts on tp rank 0 alone."""
-        sharded = meta.placement("tp").kind == "shard"
-        return meta.tied_name is None and (sharded or self.ps.coord("tp") == 0)
+    def _norm_ranges(
+        self, buffer: GradBuffer, start: int, end: int
+    ) -> dict[str, list[tuple[int, int]]]:
+        """`counted` and `copies` of a piece: each element counts once, a tensor not sharded
+        over tp on tp rank 0 alone, an HSDP shard on its first copy alone."""
+        if not buffer.first_copy:
+            return {"counted": [], "copies": [(0, end - start)]}
 
-    def _left_out_of_norm(self, meta: ParamMeta) -> bool:
-        return not self._counts_in_norm(meta)
+        def counts(meta: ParamMeta) -> bool:
+            sharded = meta.placement("tp").kind == "shard"
+            return meta.tied_name is None and (sharded or self.ps.coord("tp") == 0)
+
+        return {
+            "counted": _ranges(buffer, start, end, self.names, counts),
+            "copies": _ranges(buffer, start, end, self.names, lambda meta: not counts(meta)),
+        }
 
     @property
     def sharded(self) -> bool:
@@ -272,7 +280,7 @@ class DistributedOptimizer:
     # ------------------------------------------------------------------ checkpoints
 
     def owned_pieces(
-        self,
+        self, first_copies: bool = False
     ) -> Iterator[tuple[str, torch.Tensor, int, int, dict[str, torch.Tensor]]]:
         """(name, tensor, lo, hi, {kind: state}) for every range [lo, hi) of a global tensor's
         local piece, flattened, whose optimizer state this rank holds, `kind` in STATE_KINDS.
@@ -280,25 +288,29 @@ class DistributedOptimizer:
         (`global_tensors`; under ZeRO-3 its shape alone, on the meta device), so checkpoints
         keep one state per global tensor, as before fusing.
         The state tensors are views: a checkpoint saves and restores exactly what this rank
-        owns, with no gather over dp."""
-        for state, name, piece, lo, hi, index in self._owned_ranges():
+        owns, with no gather over dp. `first_copies`: only the shards this rank holds the first
+        copy of (HSDP keeps several; a checkpoint writes one)."""
+        for state, name, piece, lo, hi, index in self._owned_ranges(first_copies):
             views = {kind: getattr(state, kind)[lo:hi] for kind in STATE_KINDS}
             yield name, piece, index, index + hi - lo, views
 
     def owned_weights(self) -> Iterator[tuple[str, torch.Tensor, int, torch.Tensor]]:
-        """(name, tensor, lo, values) for the same ranges as `owned_pieces`: `values` the
-        16-bit parameters there (a view). What a ZeRO-3 checkpoint writes of the weights, since
-        no rank holds them whole between steps."""
-        for state, name, piece, lo, hi, index in self._owned_ranges():
+        """(name, tensor, lo, values) for the ranges of `owned_pieces(first_copies=True)`:
+        `values` the 16-bit parameters there (a view). What a ZeRO-3 checkpoint writes of the
+        weights, since no rank holds them whole between steps."""
+        for state, name, piece, lo, hi, index in self._owned_ranges(first_copies=True):
             yield name, piece, index, state.params[lo:hi]
 
     def _owned_ranges(
-        self,
+        self, first_copies: bool = False
     ) -> Iterator[tuple[ShardState, str, torch.Tensor, int, int, int]]:
-        """(state, name, tensor, lo, hi, index): where each global tensor meets an owned piece,
-        [lo, hi) in the piece's coordinates, starting at `index` of the tensor's local piece,
-        flattened (`owned_pieces`)."""
+        """(state, name, tensor, lo, hi, index): where each global tensor meets an owned piece
+        (`first_copies`: of which this rank holds the first copy), [lo, hi) in the piece's
+        coordinates, starting at `index` of the tensor's local piece, flattened
+        (`owned_pieces`)."""
         for state in self.states:
+            if first_copies and not state.buffer.first_copy:
+                continue
             end = state.start + state.master.numel()
             meetings = _meetings(state.buffer, state.start, end, self.names)
             for name, _, param, lo, hi, index in meetings:

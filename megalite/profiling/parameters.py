@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from megalite.config import Config
+from megalite.config import Config, ParallelConfig
 from megalite.models.formulas import Param, formulas_of
 from megalite.models.partition import chunk_layers
 from megalite.profiling.activations import head_rows
@@ -126,6 +126,13 @@ def gradient_arrival(
     return tuple(bucket_of[p.name] for p in order)
 
 
+def dense_shards(parallel: ParallelConfig, replicas: int) -> int:
+    """The ranks the dense weights' buffers are padded to and ZeRO-sharded over
+    (`GradBuffer.shard_size`), of their `replicas` (dp x cp): all of them, but under HSDP the
+    cp x dp_shard of each copy."""
+    return replicas // parallel.dp_replicate
+
+
 def layout_buffers(cfg: Config, pp_rank: int, dp: int) -> list[BufferLayout]:
     """The gradient buffers of `pp_rank`'s chunks (one each: a chunk has one dtype; and one of
     its MoE experts, replicated over dp / ep, where it has them). `dp`: the replicas of the
@@ -142,7 +149,7 @@ def layout_buffers(cfg: Config, pp_rank: int, dp: int) -> list[BufferLayout]:
             mine = [param for param in params if param.expert == expert]
             if not mine:
                 continue
-            replicas = dp // p.ep if expert else dp
+            replicas = dp // p.ep if expert else dense_shards(p, dp)
             buckets = buckets_of(mine, bucket_numel, replicas, p.zero == 3)
             arrival = gradient_arrival(mine, bucket_numel, p.zero == 3)
             layouts.append(BufferLayout(buckets, replicas, module_buffers, arrival))
@@ -167,7 +174,7 @@ def zero3_gathered(cfg: Config, pp_rank: int, dp: int) -> int:
         sizes: Counter[str] = Counter()
         for expert in (False, True):
             mine = [param for param in params if param.expert == expert]
-            replicas = dp // p.ep if expert else dp
+            replicas = dp // p.ep if expert else dense_shards(p, dp)
             if replicas > 1:
                 for bucket in _cut(mine, bucket_numel, by_unit=True):
                     padded = -(-sum(param.numel for param in bucket) // replicas) * replicas

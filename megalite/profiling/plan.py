@@ -65,6 +65,8 @@ class Layout:
     recompute: str
     ep: int = 1
     """Expert-parallel ranks within dp (mixture-of-experts models)."""
+    dp_replicate: int = 1
+    """HSDP's copies of each ZeRO shard (`hybrid_sizes`)."""
 
     def values(self, base: Config, device: str) -> dict[str, Any]:
         """The config keys (`section.key`) and values that select this layout."""
@@ -81,6 +83,8 @@ class Layout:
         }
         if base.model.moe_experts is not None:
             values["parallel.ep"] = self.ep
+        if self.dp_replicate > 1 or base.parallel.dp_replicate > 1:
+            values["parallel.dp_replicate"] = self.dp_replicate
         if base.train.recompute_layers is not None:  # full recompute here means every layer
             values["train.recompute_layers"] = None
         if device == "cpu" and base.train.device != "cpu":
@@ -103,7 +107,9 @@ class Layout:
         text += f" {self.schedule}" if self.schedule.startswith("zb") else ""
         zero = f" zero{self.zero}" if self.zero else ""
         ep = f" (ep {self.ep})" if self.ep > 1 else ""
-        return text + f" dp {dp}{ep}{zero} mbs {self.micro_batch_size}"
+        copies = self.dp_replicate
+        hsdp = f" (hsdp {dp // copies}x{copies})" if copies > 1 else ""
+        return text + f" dp {dp}{ep}{hsdp}{zero} mbs {self.micro_batch_size}"
 
 
 @dataclass
@@ -157,11 +163,23 @@ def expert_parallel_sizes(base: Config, dp: int) -> list[int]:
     return [ep for ep in _divisors(dp) if experts % ep == 0]
 
 
-def layouts(base: Config, world_size: int) -> Iterator[Layout]:
+def hybrid_sizes(zero: int, tp: int, cp: int, dp: int, ranks_per_node: int | None) -> list[int]:
+    """dp_replicate's sizes worth planning: 1, and under ZeRO the HSDP whose shard groups
+    (cp x dp_shard, with tp inside) fill a node, where that leaves more than one copy: its
+    gathers then stay on the node's links and only one all-reduce of the shards a step crosses
+    nodes."""
+    if not zero or ranks_per_node is None or ranks_per_node % (tp * cp):
+        return [1]
+    shard = ranks_per_node // (tp * cp)
+    return [1, dp // shard] if shard > 1 and dp % shard == 0 and dp > shard else [1]
+
+
+def layouts(base: Config, world_size: int, ranks_per_node: int | None = None) -> Iterator[Layout]:
     """Every layout worth building: tp, cp and pp dividing the world (cp: see
     `context_parallel_sizes`), vpp splitting the layers evenly, each schedule for it, ZeRO only
-    with more than one replica (dp x cp), micro-batches dividing a replica's batch, each
-    recompute mode; sp whenever tp > 1 (the same traffic as without, less memory)."""
+    with more than one replica (dp x cp), HSDP by a node (`hybrid_sizes`, given the node's
+    ranks), micro-batches dividing a replica's batch, each recompute mode; sp whenever tp > 1
+    (the same traffic as without, less memory)."""
     n_layers, batch = base.model.n_layers, base.train.global_batch_size
     cps = context_parallel_sizes(base, world_size)
     for tp in _divisors(world_size):
@@ -173,9 +191,12 @@ def layouts(base: Config, world_size: int) -> Iterator[Layout]:
                 eps = expert_parallel_sizes(base, dp)
                 for vpp, schedule in [(v, s) for v in (1, *vpps) for s in schedules(pp, v)]:
                     for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
-                        for mbs, recompute, ep in itertools.product(micro, RECOMPUTE, eps):
+                        hybrid = hybrid_sizes(zero, tp, cp, dp, ranks_per_node)
+                        for mbs, recompute, ep, copies in itertools.product(
+                            micro, RECOMPUTE, eps, hybrid
+                        ):
                             yield Layout(
-                                tp, cp, pp, vpp, schedule, tp > 1, zero, mbs, recompute, ep
+                                tp, cp, pp, vpp, schedule, tp > 1, zero, mbs, recompute, ep, copies
                             )
 
 
@@ -235,7 +256,7 @@ def plan(
     from megalite.profiling.throughput import predict
 
     ranked = []
-    candidates = list(dict.fromkeys(layouts(base, machine.world_size)))
+    candidates = list(dict.fromkeys(layouts(base, machine.world_size, machine.ranks_per_node)))
     for layout in tqdm(candidates, desc="predicting layouts", unit="layout", disable=not progress):
         found = validated(base, layout, machine.world_size, machine.device)
         if found is not None:

@@ -42,7 +42,7 @@ from megalite.parallel_dims import ParallelDims
 from megalite.pipeline.schedule import build_schedule, check_microbatches, v_shaped
 from megalite.pipeline.simulate import simulate
 from megalite.profiling.estimate import ELEMENT_BYTES, resolve_precision
-from megalite.profiling.parameters import stage_parameters
+from megalite.profiling.parameters import dense_shards, stage_parameters
 
 OPTIMIZER_BYTES_PER_PARAM = 28
 """AdamW reads param, grad, m, v and writes param, m, v: seven fp32 values per parameter."""
@@ -210,14 +210,20 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
 
     params = partition.parameters
     replicas = dp * p.cp  # gradients reduced, ZeRO sharded over dp x cp
-    dp_bw = machine.bandwidth(dims.span("dp"))  # the dp x cp group: cp varies faster than dp
+    shards = dense_shards(p, replicas)  # HSDP: within cp x dp_shard
+    copies = replicas // shards
+    # the dp x cp group (cp varies faster than dp), and HSDP's shard group within it
+    dp_bw = machine.bandwidth(dims.span("dp"))
+    shard_bw = machine.bandwidth(dims.hybrid_dims.span("dp_shard")) if copies > 1 else dp_bw
     split = machine.split_collective_cost
-    grads = (replicas - 1) / replicas * params * 4 / dp_bw  # fp32 main grads, reduce-scattered
+    grads = (shards - 1) / shards * params * 4 / shard_bw  # fp32 main grads, reduce-scattered
+    # HSDP: each owned shard all-reduced over its copies once a step, after the backward
+    over_copies = 2 * (copies - 1) / copies * params / shards * 4 / dp_bw
     # the parameters' all-gathers: once a step under the next step's first forward (ZeRO-1/2),
     # or (ZeRO-3) for every micro-batch's forward and again for its backward, each unit's
     # under the compute of the one before
     gathers = 2 * m if p.zero == 3 else int(p.zero > 0)
-    gather = gathers * split * (replicas - 1) / replicas * params * element / dp_bw
+    gather = gathers * split * (shards - 1) / shards * params * element / shard_bw
     # reduce-scattered under the last micro-batch's backward (ZeRO-2/3: under each one's), an
     # all-reduce without ZeRO
     rounds = m if p.zero >= 2 else 1
@@ -226,10 +232,10 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
     gather_window = min(per_rank(forward))
     if p.zero == 3:
         gather_window = m * (gather_window + min(per_rank(backward)))
-    dp_s = max(0.0, reduce - window) + max(0.0, gather - gather_window)
+    dp_s = max(0.0, reduce - window) + max(0.0, gather - gather_window) + over_copies
     buckets = math.ceil(params * 4 / (p.bucket_mb * 2**20))
-    calls += buckets * (rounds + gathers) if replicas > 1 else 0
-    optimizer = params / (replicas if p.zero else 1) * OPTIMIZER_BYTES_PER_PARAM
+    calls += buckets * (rounds + gathers + (copies > 1)) if replicas > 1 else 0
+    optimizer = params / (shards if p.zero else 1) * OPTIMIZER_BYTES_PER_PARAM
     optimizer /= machine.memory_bandwidth
 
     step, cpu_bound = makespan + p2p + dp_s + optimizer, False
@@ -237,7 +243,8 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
         compute = m * (sum(forward) + sum(backward))  # the pp ranks together
         p2p_work = 4 * m * boundaries * message  # both ends copy every message
         p2p_work += 2 * m * sum(times.cp_moved_s)  # the ring's, whole, by both ends
-        work = p.tp * p.cp * dp * (compute + p2p_work + p.pp * (reduce + gather + optimizer))
+        data_parallel = reduce + gather + optimizer + over_copies
+        work = p.tp * p.cp * dp * (compute + p2p_work + p.pp * data_parallel)
         shared = work / min(machine.cores, machine.world_size)
         shared *= 1 + (1 - machine.bubble_lent) * bubble  # the bubble time not lent is lost
         cpu_bound, step = shared > step, max(step, shared)

@@ -220,7 +220,10 @@ def setup_topology(cfg: Config) -> ParallelState:
     if device.type == "cuda":
         keep_launch_order(p.tp)  # before init_distributed starts CUDA
     init_distributed(device, collective_timeout(cfg.fault))
-    return build_parallel_state(p.tp, p.pp, device, collective_timeout(cfg.fault), cp=p.cp, ep=p.ep)
+    timeout = collective_timeout(cfg.fault)
+    return build_parallel_state(
+        p.tp, p.pp, device, timeout, cp=p.cp, ep=p.ep, dp_replicate=p.dp_replicate
+    )
 
 
 def start_run(
