@@ -498,7 +498,9 @@ class OptimConfig:
     """none, or cpu (ZeRO-Offload): the fp32 master weights and Adam moments live in host memory
     (what the copy engine moves is pinned on CUDA, in one arena per rank) and the update runs on
     the CPU, on the node's cores shared among its ranks; gradients go down and updated
-    parameters come back bucket by bucket, overlapped with the CPU's update."""
+    parameters come back bucket by bucket, overlapped with the CPU's update. At
+    parallel.zero=3 the owned parameters live on the host too (ZeRO-Infinity's CPU tier), each
+    brought up for its gather."""
     state_dtype: str = "fp32"
     """Storage of Adam's moments: fp32, or bf16 (half their memory; the update still computes
     in fp32, exp_avg rounded to nearest, exp_avg_sq stochastically). Master weights stay fp32."""

@@ -39,18 +39,24 @@ ZeRO-3 (sharded parameters) keeps only the owned pieces of the 16-bit parameters
 parameters are views of, allocated and gathered when a unit (`zero3`) is about to run and
 released after its forward, and again once the bucket's gradients of a backward are all in.
 Buckets are cut at unit boundaries, and the optimizer step leaves the gathering to the units.
+With the optimizer offloaded (`offload_params`, ZeRO-Infinity's CPU tier) the owned pieces live
+in host memory (pinned on CUDA), where the update writes them: each gather first brings its
+owned piece up on a stream of its own, and the all-gather follows it there, so both run under
+the unit that is computing.
 
 Ownership (Megatron's distributed optimizer): every bucket is padded to a multiple of dp and
 data-parallel rank r owns the r-th contiguous piece of each bucket. With ZeRO-0 a rank owns
 everything. Under HSDP (`parallel.dp_replicate`) "dp" here is the shard group (cp x dp_shard),
 and each owned piece's gradient is all-reduced over its copies after the step's last
-reduction (`_sum_over_copies`). "Owned coordinates" index the concatenation of a rank's owned pieces, which is how
-the optimizer lays out its master weights and Adam state.
+reduction (`_sum_over_copies`). "Owned coordinates" index the concatenation of a rank's owned
+pieces, which is how the optimizer lays out its master weights and Adam state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +65,7 @@ from torch import nn
 
 from megalite import comm
 from megalite.data_parallel.zero3 import ShardedUnits, has_forward, parameter_units, unit_index
+from megalite.host_memory import HostArena
 from megalite.kernels import wgrad_accumulate
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.deferred import Deferral
@@ -117,6 +124,9 @@ class GradBuffer:
     unit_of: dict[nn.Parameter, int] = field(default_factory=dict)
     """ZeRO-3: the unit (`zero3.unit_index`) of each parameter. A bucket never spans two
     units, so that a unit's gathers bring its parameters and no other unit's."""
+    offload_params: bool = False
+    """ZeRO-3 with the optimizer on the host: keep the owned pieces of the parameters there,
+    between uses, and bring each up for its gather."""
 
     @property
     def replica_group(self) -> Any:
@@ -216,7 +226,12 @@ class GradBuffer:
             offset += end - start
         owned = sum(end - start for start, end in self.owned_ranges)
         self.params_owned: torch.Tensor | None = None
-        """ZeRO-3: the owned pieces of the 16-bit parameters, in owned coordinates."""
+        """ZeRO-3: the owned pieces of the 16-bit parameters, in owned coordinates (on the host
+        under `offload_params`)."""
+        self.offload_params = self.offload_params and self.params_sharded
+        on_cuda = self.offload_params and self.device.type == "cuda"
+        self.upload_stream = torch.cuda.Stream(self.device) if on_cuda else None
+        """Where the offloaded pieces come up, and their gathers run (CUDA only)."""
         if self.params_sharded:
             self._keep_owned_params(owned)
         self.owned_grads = (
@@ -246,7 +261,12 @@ class GradBuffer:
     def _keep_owned_params(self, owned: int) -> None:
         """ZeRO-3, once built: copy each bucket's owned piece of the parameters out, then
         release the bucket, so that from now on a rank holds its owned pieces alone."""
-        self.params_owned = torch.empty(owned, dtype=self.params[0].dtype, device=self.device)
+        dtype = self.params[0].dtype
+        if self.offload_params:
+            self.host_params = HostArena([(owned, dtype)], pin=self.device.type == "cuda")
+            self.params_owned = self.host_params.views[0]
+        else:
+            self.params_owned = torch.empty(owned, dtype=dtype, device=self.device)
         for bucket, (start, end) in zip(self.buckets, self.owned_ranges):
             piece = bucket.full[start - bucket.start : end - bucket.start]
             self.owned_params(bucket).copy_(piece)
@@ -279,11 +299,17 @@ class GradBuffer:
         return self.params_flat[start:end]
 
     def param_tensors(self) -> list[torch.Tensor]:
-        """The 16-bit parameter storage resident now: the full buffer, or (ZeRO-3) the owned
-        pieces and the buckets gathered at the moment (none between steps)."""
+        """The 16-bit parameter storage resident on the device now: the full buffer, or
+        (ZeRO-3) the owned pieces, unless they are offloaded, and the buckets gathered at the
+        moment (none between steps)."""
         if not self.params_sharded:
             return [self.params_flat]
-        return [self.params_owned] + [b.full for b in self.buckets if self.is_gathered(b)]
+        gathered = [b.full for b in self.buckets if self.is_gathered(b)]
+        return gathered if self.offload_params else [self.params_owned, *gathered]
+
+    def host_param_tensors(self) -> list[torch.Tensor]:
+        """The parameter storage on the host: the owned pieces under `offload_params`."""
+        return [self.params_owned] if self.offload_params else []
 
     def owned_segments(self, param: nn.Parameter) -> list[tuple[int, int, int]]:
         """Where `param` meets this rank's owned pieces: (owned start, owned end, offset of that
@@ -536,9 +562,25 @@ class GradBuffer:
             return
         full = bucket.full
         full.untyped_storage().resize_(full.numel() * full.element_size())
-        source = self.owned_params(bucket)
-        handle = comm.all_gather_flat(full, source, self.shard_group, async_op=True)
+        with self._from_host() as bring_up:
+            source = bring_up(self.owned_params(bucket))
+            handle = comm.all_gather_flat(full, source, self.shard_group, async_op=True)
         bucket.gather = (handle, source)
+
+    @contextlib.contextmanager
+    def _from_host(self) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+        """Where a gather is issued, and what brings its owned piece to the device: the compute
+        stream and nothing, or under `offload_params` on CUDA the upload stream, after the
+        work queued so far (which frees the memory the upload and the gather write), with a
+        copy from pinned memory. NCCL orders the all-gather after its issuing stream, and
+        `wait_param_gather` orders the compute after the gather. On the CPU host and device are
+        one: the piece is its own source."""
+        if self.upload_stream is None:
+            yield lambda piece: piece
+            return
+        self.upload_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.upload_stream):
+            yield lambda piece: piece.to(self.device, non_blocking=True)
 
     def release_params(self, bucket: Bucket) -> None:
         """ZeRO-3: free the bucket's full parameters (once their gather has landed): its
@@ -604,11 +646,12 @@ def build_grad_buffers(
     zero: int,
     own_bucket: set[nn.Parameter] = frozenset(),
     fuse_wgrad: bool = True,
+    offload_params: bool = False,
 ) -> list[GradBuffer]:
     """One buffer per (model chunk, parameter dtype, replica axes: the experts apart), parameters
     in reverse (backward) order. `zero`: 0 (everything replicated), 1 (optimizer state sharded), 2
-    (gradients too), 3 (parameters too, gathered unit by unit: `zero3`); `fuse_wgrad`: see
-    `GradBuffer.fuse_wgrad`."""
+    (gradients too), 3 (parameters too, gathered unit by unit: `zero3`); `fuse_wgrad`,
+    `offload_params`: see `GradBuffer`'s fields."""
     buffers = []
     bucket_numel = max(1, int(bucket_mb * 2**20 / 4))
     for chunk in chunks:
@@ -630,6 +673,7 @@ def build_grad_buffers(
                 chunk.ctx.deferral,
                 shard_params=zero == 3,
                 unit_of=units_of_params,
+                offload_params=offload_params,
             )
             for params in by_kind.values()
         ]

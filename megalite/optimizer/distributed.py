@@ -128,7 +128,11 @@ class DistributedOptimizer:
             for bucket, (start, end) in zip(buffer.buckets, buffer.owned_ranges)
         ]
         self.placement = (
-            OnHost(ps.device, [params for *_, params in pieces])
+            OnHost(
+                ps.device,
+                [params for *_, params in pieces],
+                [buffer.offload_params for buffer, *_ in pieces],
+            )
             if cfg.offload == "cpu"
             else OnDevice(ps.device)
         )

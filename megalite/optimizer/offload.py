@@ -16,6 +16,10 @@ as its event fires, while the copy engine is still bringing pieces k+1.. down, a
 k's parameters back up on the same stream, so they travel while piece k+1 is updated. The
 compute stream waits for the side stream only before the parameter all-gather. On a CPU-only
 machine host and device are one: the same code runs, with synchronous copies and no pinning.
+
+Under ZeRO-3 the owned parameters themselves live on the host (`GradBuffer.offload_params`):
+the update writes them there, in place when they are fp32 (they are their own masters), and
+nothing goes up after it; each gather brings its piece up instead.
 """
 
 from __future__ import annotations
@@ -90,20 +94,24 @@ class OnHost(OnDevice):
 
     offloaded = True
 
-    def __init__(self, device: torch.device, pieces: list[torch.Tensor]) -> None:
-        """`pieces`: the model's parameters of each owned piece (views on the device)."""
+    def __init__(
+        self, device: torch.device, pieces: list[torch.Tensor], on_host: list[bool]
+    ) -> None:
+        """`pieces`: the model's parameters of each owned piece (views on the device, or on the
+        host where `on_host` says so: ZeRO-3's offloaded parameters)."""
         super().__init__(device)
         self.device, self.state_device = device, HOST
         pin = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if pin else None
+        self.on_host = on_host
         # Per piece, what the copy engine moves: the gradient down, the parameters up (from
-        # the master weights themselves when they are fp32).
-        sizes = [(p.numel(), torch.float32) for p in pieces] + [
-            (p.numel(), p.dtype) for p in pieces
-        ]
+        # the master weights themselves when they are fp32), unless they live here
+        up = [p for p, here in zip(pieces, on_host) if not here]
+        sizes = [(p.numel(), torch.float32) for p in pieces] + [(p.numel(), p.dtype) for p in up]
         self.arena = HostArena(sizes, pin)
         self.host_grads = self.arena.views[: len(pieces)]
-        self.outgoing = self.arena.views[len(pieces) :]
+        outgoing = iter(self.arena.views[len(pieces) :])
+        self.outgoing = [None if here else next(outgoing) for here in on_host]
         self.uploads = [
             None if p.dtype == torch.float32 else u for p, u in zip(pieces, self.outgoing)
         ]
@@ -115,6 +123,8 @@ class OnHost(OnDevice):
         return torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
 
     def master_of(self, i: int, params: torch.Tensor) -> torch.Tensor:
+        if self.on_host[i]:  # the parameters live here: fp32 ones are their own masters
+            return super().master_of(i, params)
         if self.uploads[i] is None:  # fp32 parameters go up from here: pinned
             return self.outgoing[i].copy_(params)
         return torch.empty(params.numel(), dtype=torch.float32, device=HOST).copy_(params)
@@ -140,6 +150,9 @@ class OnHost(OnDevice):
         return self.host_grads[i]
 
     def parameters_up(self, i: int, master: torch.Tensor, params: torch.Tensor) -> None:
+        if self.on_host[i]:  # written where they live; each gather brings them up
+            super().parameters_up(i, master, params)
+            return
         source = master if self.uploads[i] is None else self.uploads[i].copy_(master)
         with self._side_stream():
             params.copy_(source, non_blocking=True)

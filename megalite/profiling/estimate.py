@@ -176,6 +176,11 @@ def _static_parts(cfg: Config, pp_rank: int, dp: int, element: int, device: str)
         sum(b.owned_pieces(True)) if s and zero == 3 else b.padded for b, s in zip(buffers, sharded)
     ]
     owned = [piece for b, s in zip(buffers, sharded) for piece in b.owned_pieces(s)]
+    # ZeRO-3 with the optimizer offloaded: the owned pieces on the host (`offload_params`)
+    offloaded = [zero == 3 and s and cfg.optim.offload == "cpu" for s in sharded]
+    owned_on_host = [
+        off for b, s, off in zip(buffers, sharded, offloaded) for _ in b.owned_pieces(s)
+    ]
     # ZeRO-2 and 3: no full-size gradient buffer, only the owned shard
     grads = [4 * b.padded for b, s in zip(buffers, sharded) if not (s and zero >= 2)]
     grads += [4 * n for b, s in zip(buffers, sharded) if s for n in b.owned_pieces(True)]
@@ -183,30 +188,40 @@ def _static_parts(cfg: Config, pp_rank: int, dp: int, element: int, device: str)
     staged = [b.staging_pieces() for b, s in zip(buffers, sharded) if s and zero >= 2]
     staging = max(staged, key=sum, default=[])
     rotary = [n * element for b in buffers for n in b.module_buffers]
+    on_device = [n * element for n, off in zip(resident, offloaded) if not off]
+    on_host = [n * element for n, off in zip(resident, offloaded) if off]
     parts = [
-        Part("parameters", sum(resident) * element, tuple(n * element for n in resident)),
+        Part("parameters", sum(on_device), tuple(on_device)),
         Part("buffers", sum(rotary), tuple(rotary)),
         Part("gradients", sum(grads), tuple(grads)),
         Part("gradient staging", 4 * sum(staging), tuple(4 * n for n in staging)),
-        _optimizer_part(cfg.optim, owned, element, device),
+        _optimizer_part(cfg.optim, owned, element, device, owned_on_host),
     ]
     if zero == 3:  # the units' full parameters, gathered around their forward and backward
         parts.insert(1, Part("parameter gathers", zero3_gathered(cfg, pp_rank, dp) * element))
+    if any(offloaded):
+        parts.insert(1, Part("offloaded parameters", sum(on_host), tuple(on_host), "host"))
     return parts
 
 
-def _optimizer_part(o: OptimConfig, owned: list[int], element: int, device: str) -> Part:
+def _optimizer_part(
+    o: OptimConfig, owned: list[int], element: int, device: str, on_host: list[bool]
+) -> Part:
     """The optimizer's tensors for the owned pieces (`optimizer.distributed`, `adamw`, `offload`):
     fp32 master weights (unless the params are fp32 and stay on the device) and Adam's m and v
     in optim.state_dtype; with optim.offload=cpu all on the host, plus each piece's fp32
     gradient staging and, for 16-bit params, its upload staging; a bf16-state update's upcast
-    scratch (sized for the device that runs the update)."""
+    scratch (sized for the device that runs the update). `on_host`: per piece, whether its
+    parameters live on the host too (ZeRO-3's, offloaded), so that fp32 ones are their own
+    masters and nothing is staged for the way up."""
     offload = o.offload == "cpu"
     moment = ELEMENT_BYTES[o.state_dtype]
-    per_owned = [4] * (offload or element != 4) + [moment, moment]
-    if offload:
-        per_owned += [4] + [element] * (element != 4)
-    tensors = [n * k for n in owned for k in per_owned]
+    tensors = []
+    for n, here in zip(owned, on_host):
+        per_owned = [4] * ((offload and not here) or element != 4) + [moment, moment]
+        if offload:
+            per_owned += [4] + [element] * (element != 4 and not here)
+        tensors += [n * k for k in per_owned]
     largest = max(owned, default=0)
     scratch = scratch_numel(largest, o.state_dtype, "cpu" if offload else device)
     tensors += [scratch * SCRATCH_BYTES_PER_ELEMENT] if scratch else []

@@ -53,9 +53,13 @@ def live_tensors(run: Run) -> dict[str, list[torch.Tensor]]:
     shards ZeRO-1 reduces into; ZeRO-2 keeps the shards alone, its bucket
     staging lives only inside a backward), and the optimizer's fp32 master copies (where params
     are 16-bit or offloaded), Adam moments (in optim.state_dtype), update scratch and offload
-    staging. What `live_bytes` counts, and what a benchmark moves off the device."""
+    staging; ZeRO-3's owned parameters on the host under optim.offload=cpu, where any buffer
+    has them ("offloaded params"). What `live_bytes` counts, and what a benchmark moves off the
+    device."""
+    offloaded = [t for buffer in run.buffers for t in buffer.host_param_tensors()]
     return {
         "params": [t for buffer in run.buffers for t in buffer.param_tensors()],
+        **({"offloaded params": offloaded} if offloaded else {}),
         "buffers": [b for chunk in run.chunks for b in chunk.buffers()],
         "grads": [t for buffer in run.buffers for t in buffer.gradient_tensors()],
         "optimizer": run.optimizer.state_tensors(),
@@ -67,11 +71,8 @@ def live_bytes(run: Run) -> dict[str, int]:
     one). `live_devices` says where each part lives."""
     parts = live_tensors(run)
     model_buffers = {_storage_key(b): b.untyped_storage().nbytes() for b in parts.pop("buffers")}
-    return {
-        "params": sum(t.nbytes for t in parts["params"]),
-        "buffers": sum(model_buffers.values()),
-        "grads": sum(t.nbytes for t in parts["grads"]),
-        "optimizer": sum(t.nbytes for t in parts["optimizer"]),
+    return {part: sum(t.nbytes for t in tensors) for part, tensors in parts.items()} | {
+        "buffers": sum(model_buffers.values())
     }
 
 
@@ -81,7 +82,8 @@ def live_devices(run: Run) -> dict[str, str]:
     the host even when host and device are one CPU)."""
     placement = run.optimizer.placement
     optimizer = "host" if placement.offloaded else "gpu"
-    return {"params": "gpu", "buffers": "gpu", "grads": "gpu", "optimizer": optimizer}
+    offloaded = {"offloaded params": "host"} if "offloaded params" in live_tensors(run) else {}
+    return {"params": "gpu", "buffers": "gpu", "grads": "gpu", "optimizer": optimizer} | offloaded
 
 
 class _Held:

@@ -131,7 +131,14 @@ def build_run(
     names = {param: name for chunk in chunks for name, param in chunk.named_parameters()}
     tied = {param for param in names if param.meta.pp_tied}
     buffers_of_chunk = [
-        build_grad_buffers([chunk], ps, cfg.parallel.bucket_mb, cfg.parallel.zero, tied)
+        build_grad_buffers(
+            [chunk],
+            ps,
+            cfg.parallel.bucket_mb,
+            cfg.parallel.zero,
+            tied,
+            offload_params=cfg.optim.offload == "cpu",
+        )
         for chunk in chunks
     ]
     buffers = [b for chunk_buffers in buffers_of_chunk for b in chunk_buffers]
