@@ -327,6 +327,12 @@ class ParallelConfig:
     holds moe_experts / ep of them) and tokens travel to their experts and back by all-to-all.
     Must divide the data-parallel size and model.moe_experts. Expert gradients are reduced over
     the dp x cp ranks holding the same experts."""
+    reshard_after_forward: bool = True
+    """ZeRO-3: free each block's gathered parameters after its forward (and gather them again
+    for its backward); false keeps them until the step's gradients are reduced (FSDP2's
+    option): one gather a step instead of two per micro-batch, for the stage's full
+    parameters held through the step. Worth it with pipeline parallelism's several
+    micro-batches per stage."""
     dp_replicate: int = 1
     """Hybrid sharding (HSDP; torchtitan's data_parallel_replicate_degree): ZeRO shards within
     groups of dp / dp_replicate ranks and keeps dp_replicate copies of each shard, so its
@@ -368,6 +374,11 @@ class ParallelConfig:
             f"parallel.cp_comm must be p2p or allgather, got {self.cp_comm!r}",
         )
         _require(self.zero in (0, 1, 2, 3), f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}")
+        _require(
+            self.reshard_after_forward or self.zero == 3,
+            "parallel.reshard_after_forward=false keeps ZeRO-3's gathered parameters; at "
+            f"parallel.zero={self.zero} they are never freed: set parallel.zero=3 or drop it",
+        )
         _require(
             self.dp_replicate == 1 or self.zero >= 1,
             f"parallel.dp_replicate={self.dp_replicate} replicates ZeRO's shards, but "

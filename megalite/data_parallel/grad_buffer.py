@@ -127,6 +127,9 @@ class GradBuffer:
     offload_params: bool = False
     """ZeRO-3 with the optimizer on the host: keep the owned pieces of the parameters there,
     between uses, and bring each up for its gather."""
+    keep_gathered: bool = False
+    """ZeRO-3 (`parallel.reshard_after_forward=false`): release the gathered parameters only
+    once the step's gradients are reduced, not after each forward and backward."""
 
     @property
     def replica_group(self) -> Any:
@@ -440,6 +443,8 @@ class GradBuffer:
             for bucket in self.buckets:
                 if not bucket.reduced:  # no gradient this step: zero, not last step's
                     self.owned_grads[bucket.owned].zero_()
+            if self.params_sharded:  # kept for the step (or released already)
+                self._release_all()
         else:
             for param in self.params:
                 if param not in self.arrived:  # no gradient this step: zero, not last step's
@@ -500,7 +505,7 @@ class GradBuffer:
         self.in_flight.append(bucket)
         while len(self.in_flight) > 1:
             self._add_reduced(self.in_flight.pop(0))
-        if self.params_sharded:  # every use of its parameters in this backward is done
+        if self.params_sharded and not self.keep_gathered:  # its backward's uses are done
             self.release_params(bucket)
 
     def _add_reduced(self, bucket: Bucket) -> None:
@@ -522,7 +527,8 @@ class GradBuffer:
         """ZeRO-2, after each step of this chunk that completes a micro-batch's gradients (B,
         or W under a split backward): reduce the buckets some of whose parameters got no
         gradient, and add every reduction in, so no staging outlives the step that filled it.
-        ZeRO-3: release the parameters of every bucket, so none outlives the backward."""
+        ZeRO-3: release the parameters of every bucket, so none outlives the backward (unless
+        they are kept for the step)."""
         if not self.grads_sharded:
             return
         for bucket in self.buckets:
@@ -530,7 +536,12 @@ class GradBuffer:
                 self._reduce_staged(bucket)
         while self.in_flight:
             self._add_reduced(self.in_flight.pop(0))
-        for bucket in self.buckets if self.params_sharded else ():  # none got a gradient
+        if self.params_sharded and not self.keep_gathered:
+            self._release_all()
+
+    def _release_all(self) -> None:
+        """ZeRO-3: release every bucket's gathered parameters."""
+        for bucket in self.buckets:
             self.release_params(bucket)
 
     # ------------------------------------------------------------------ parameter sync
@@ -647,11 +658,12 @@ def build_grad_buffers(
     own_bucket: set[nn.Parameter] = frozenset(),
     fuse_wgrad: bool = True,
     offload_params: bool = False,
+    keep_gathered: bool = False,
 ) -> list[GradBuffer]:
     """One buffer per (model chunk, parameter dtype, replica axes: the experts apart), parameters
     in reverse (backward) order. `zero`: 0 (everything replicated), 1 (optimizer state sharded), 2
     (gradients too), 3 (parameters too, gathered unit by unit: `zero3`); `fuse_wgrad`,
-    `offload_params`: see `GradBuffer`'s fields."""
+    `offload_params`, `keep_gathered`: see `GradBuffer`'s fields."""
     buffers = []
     bucket_numel = max(1, int(bucket_mb * 2**20 / 4))
     for chunk in chunks:
@@ -674,12 +686,13 @@ def build_grad_buffers(
                 shard_params=zero == 3,
                 unit_of=units_of_params,
                 offload_params=offload_params,
+                keep_gathered=keep_gathered,
             )
             for params in by_kind.values()
         ]
         sharded_params = [buffer for buffer in chunk_buffers if buffer.params_sharded]
         if sharded_params:
-            ShardedUnits(units, sharded_params)
+            ShardedUnits(units, sharded_params, keep=keep_gathered)
         elif any(buffer.sharded for buffer in chunk_buffers):
             _install_gather_waits(chunk, chunk_buffers)
         buffers += chunk_buffers

@@ -18,6 +18,11 @@ directly (GPT's position table). The buckets are cut at unit boundaries
   backward (`GradBuffer.end_backward`).
 - recompute (`train.recompute`): the rerun of a unit's forward in backward finds it gathered
   for its backward, and neither prefetches nor releases.
+- `keep` (`parallel.reshard_after_forward=false`, FSDP2's option of that name): nothing is
+  released until the step's gradients are all reduced (`GradBuffer.finish_sync`), so each
+  bucket is gathered once a step, by the first micro-batch's forward, and the later
+  micro-batches of a pipeline stage find their parameters in place: the stage's full
+  parameters held for the step against 2m gathers of them.
 
 The hooks run eagerly in a compiled block (`eager_only`: graph breaks at its start and end).
 Every replica runs the same units in the same order, so every group issues its gathers in one
@@ -105,7 +110,10 @@ class ShardedUnits:
     """The hooks that gather, prefetch and release one chunk's units (see the module's
     docstring). `buffers`: the chunk's ZeRO-3 buffers."""
 
-    def __init__(self, units: list[nn.Module], buffers: Sequence[ShardedBuffer]) -> None:
+    def __init__(
+        self, units: list[nn.Module], buffers: Sequence[ShardedBuffer], keep: bool = False
+    ) -> None:
+        self.keep = keep
         self.buckets: list[list[tuple[ShardedBuffer, Any]]] = []
         for params in _unit_params(units):
             found: dict[int, tuple[ShardedBuffer, Any]] = {}
@@ -150,12 +158,13 @@ class ShardedUnits:
 
     @eager_only
     def _after_forward(self, index: int, _module: nn.Module, _args: Any, output: Any) -> None:
-        """Release the buckets no later unit of this forward reads; hook the outputs, whose
-        gradient marks the start of this unit's backward. Recompute's rerun does neither: its
-        backward, which follows, still reads the parameters."""
+        """Release the buckets no later unit of this forward reads (unless they are kept for
+        the step); hook the outputs, whose gradient marks the start of this unit's backward.
+        Recompute's rerun does neither: its backward, which follows, still reads the
+        parameters."""
         if replaying():
             return
-        for buffer, bucket in self.buckets[index]:
+        for buffer, bucket in [] if self.keep else self.buckets[index]:
             self.left[id(bucket)] -= 1
             if self.left[id(bucket)] == 0:
                 buffer.release_params(bucket)

@@ -164,11 +164,12 @@ def zero3_gathered(cfg: Config, pp_rank: int, dp: int) -> int:
     tied embedding read by the head (no `lm_head` parameter of its own) from its forward to the
     head's and from the head's backward on. A split backward, which keeps a B's units until its
     W, is not replayed. `dp`: the replicas (dp x cp); buffers with one replica stay whole
-    (`parameters`)."""
+    (`parameters`). Kept for the step (`parallel.reshard_after_forward=false`): every unit of
+    every chunk, all gathered by the end of the first micro-batch's forwards."""
     p = cfg.parallel
     last = p.pp * p.vpp - 1
     bucket_numel = max(1, int(p.bucket_mb * 2**20 / 4))
-    peak = 0
+    peak = kept = 0
     for stage, layers in chunk_layers(cfg, pp_rank):
         params = chunk_parameters(cfg, layers, stage == 0, stage == last)
         sizes: Counter[str] = Counter()
@@ -180,7 +181,8 @@ def zero3_gathered(cfg: Config, pp_rank: int, dp: int) -> int:
                     padded = -(-sum(param.numel for param in bucket) // replicas) * replicas
                     sizes[zero3_unit(bucket[0].name)] += padded
         peak = max(peak, _unit_peak(sizes, params, stage == last))
-    return peak
+        kept += sum(sizes.values())
+    return peak if p.reshard_after_forward else kept
 
 
 def _unit_peak(sizes: Counter[str], params: list[Param], has_head: bool) -> int:

@@ -67,6 +67,8 @@ class Layout:
     """Expert-parallel ranks within dp (mixture-of-experts models)."""
     dp_replicate: int = 1
     """HSDP's copies of each ZeRO shard (`hybrid_sizes`)."""
+    reshard_after_forward: bool = True
+    """ZeRO-3: False keeps a stage's gathered parameters for the step (with pp > 1)."""
 
     def values(self, base: Config, device: str) -> dict[str, Any]:
         """The config keys (`section.key`) and values that select this layout."""
@@ -85,6 +87,8 @@ class Layout:
             values["parallel.ep"] = self.ep
         if self.dp_replicate > 1 or base.parallel.dp_replicate > 1:
             values["parallel.dp_replicate"] = self.dp_replicate
+        if not self.reshard_after_forward or not base.parallel.reshard_after_forward:
+            values["parallel.reshard_after_forward"] = self.reshard_after_forward
         if base.train.recompute_layers is not None:  # full recompute here means every layer
             values["train.recompute_layers"] = None
         if device == "cpu" and base.train.device != "cpu":
@@ -106,6 +110,7 @@ class Layout:
         text += f"x{self.vpp}" if self.vpp > 1 else ""
         text += f" {self.schedule}" if self.schedule.startswith("zb") else ""
         zero = f" zero{self.zero}" if self.zero else ""
+        zero += " kept" if not self.reshard_after_forward else ""
         ep = f" (ep {self.ep})" if self.ep > 1 else ""
         copies = self.dp_replicate
         hsdp = f" (hsdp {dp // copies}x{copies})" if copies > 1 else ""
@@ -178,7 +183,8 @@ def layouts(base: Config, world_size: int, ranks_per_node: int | None = None) ->
     """Every layout worth building: tp, cp and pp dividing the world (cp: see
     `context_parallel_sizes`), vpp splitting the layers evenly, each schedule for it, ZeRO only
     with more than one replica (dp x cp), HSDP by a node (`hybrid_sizes`, given the node's
-    ranks), micro-batches dividing a replica's batch, each recompute mode; sp whenever tp > 1
+    ranks), ZeRO-3 with pp also keeping each stage's gathered parameters for the step,
+    micro-batches dividing a replica's batch, each recompute mode; sp whenever tp > 1
     (the same traffic as without, less memory)."""
     n_layers, batch = base.model.n_layers, base.train.global_batch_size
     cps = context_parallel_sizes(base, world_size)
@@ -192,11 +198,13 @@ def layouts(base: Config, world_size: int, ranks_per_node: int | None = None) ->
                 for vpp, schedule in [(v, s) for v in (1, *vpps) for s in schedules(pp, v)]:
                     for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
                         hybrid = hybrid_sizes(zero, tp, cp, dp, ranks_per_node)
-                        for mbs, recompute, ep, copies in itertools.product(
-                            micro, RECOMPUTE, eps, hybrid
+                        reshards = (True, False) if zero == 3 and pp > 1 else (True,)
+                        for mbs, recompute, ep, copies, reshard in itertools.product(
+                            micro, RECOMPUTE, eps, hybrid, reshards
                         ):
                             yield Layout(
-                                tp, cp, pp, vpp, schedule, tp > 1, zero, mbs, recompute, ep, copies
+                                *(tp, cp, pp, vpp, schedule, tp > 1, zero, mbs, recompute),
+                                *(ep, copies, reshard),
                             )
 
 

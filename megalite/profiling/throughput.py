@@ -219,10 +219,11 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
     grads = (shards - 1) / shards * params * 4 / shard_bw  # fp32 main grads, reduce-scattered
     # HSDP: each owned shard all-reduced over its copies once a step, after the backward
     over_copies = 2 * (copies - 1) / copies * params / shards * 4 / dp_bw
-    # the parameters' all-gathers: once a step under the next step's first forward (ZeRO-1/2),
-    # or (ZeRO-3) for every micro-batch's forward and again for its backward, each unit's
-    # under the compute of the one before
-    gathers = 2 * m if p.zero == 3 else int(p.zero > 0)
+    # the parameters' all-gathers: once a step under the next step's first forward (ZeRO-1/2,
+    # and ZeRO-3 keeping them for the step), or (ZeRO-3) for every micro-batch's forward and
+    # again for its backward, each unit's under the compute of the one before
+    regathers = p.zero == 3 and p.reshard_after_forward
+    gathers = 2 * m if regathers else int(p.zero > 0)
     gather = gathers * split * (shards - 1) / shards * params * element / shard_bw
     # reduce-scattered under the last micro-batch's backward (ZeRO-2/3: under each one's), an
     # all-reduce without ZeRO
@@ -230,7 +231,7 @@ def predict(cfg: Config, machine: Machine) -> Prediction:
     reduce = rounds * grads * (split if p.zero else 2)
     window = rounds * max(per_rank(backward))
     gather_window = min(per_rank(forward))
-    if p.zero == 3:
+    if regathers:
         gather_window = m * (gather_window + min(per_rank(backward)))
     dp_s = max(0.0, reduce - window) + max(0.0, gather - gather_window) + over_copies
     buckets = math.ceil(params * 4 / (p.bucket_mb * 2**20))

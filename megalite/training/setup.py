@@ -138,6 +138,7 @@ def build_run(
             cfg.parallel.zero,
             tied,
             offload_params=cfg.optim.offload == "cpu",
+            keep_gathered=not cfg.parallel.reshard_after_forward,
         )
         for chunk in chunks
     ]

@@ -42,6 +42,7 @@ MIXTRAL = ("model.arch=mixtral", "model.n_kv_heads=2", "model.moe_experts=4", "m
 ZERO3 = ("parallel.zero=3",)
 PP2 = ("parallel.pp=2",)
 VPP2 = ("parallel.pp=2", "parallel.vpp=2")
+KEPT = ("parallel.reshard_after_forward=false",)
 LAYOUTS = {
     "dp4-eval": ((*LLAMA, *EVAL), ()),
     "tp2-sp-dp2-offload": (GPT, ("parallel.tp=2", "parallel.sp=true", "optim.offload=cpu")),
@@ -51,6 +52,8 @@ LAYOUTS = {
         (*VPP2, "parallel.schedule=interleaved", "train.recompute=full"),
     ),
     "pp2-vpp2-zb-v": (GPT, (*VPP2, "parallel.schedule=zb-v")),
+    "pp2-dp2-kept": (LLAMA, (*PP2, *KEPT)),
+    "pp2-vpp2-interleaved-kept": (GPT, (*VPP2, "parallel.schedule=interleaved", *KEPT)),
     "cp2-dp2-segments": (LLAMA, ("parallel.cp=2", "train.recompute=segments")),
     "mixtral-ep2-dp2": (MIXTRAL, ("parallel.ep=2",)),
 }
@@ -241,7 +244,13 @@ def test_a_rank_holds_its_shard_and_the_blocks_it_computes():
         assert phases == one_micro_batch * 2
 
 
-GATHER_LAYOUTS = [GPT, (*GPT, "parallel.tp=2", "parallel.sp=true"), (*LLAMA, "parallel.pp=2")]
+GATHER_LAYOUTS = [
+    GPT,
+    (*GPT, "parallel.tp=2", "parallel.sp=true"),
+    (*LLAMA, "parallel.pp=2"),
+    (*LLAMA, "parallel.pp=2", *KEPT),
+    (*GPT, *VPP2, "parallel.schedule=interleaved", *KEPT),
+]
 
 
 def _gather_config(layout: tuple[str, ...]):
@@ -280,7 +289,8 @@ def _gathered_peaks(_) -> list[tuple[int, int]]:
 def test_the_estimate_counts_what_is_gathered_at_once():
     """`megalite estimate`'s "parameter gathers" is the most a rank holds gathered in a step:
     the unit computing and the one arriving, the chunk's own (GPT's wpe) and, at pp 1, GPT's tied
-    embedding from its forward to the head's and from the head's backward on."""
+    embedding from its forward to the head's and from the head's backward on; kept for the
+    step, every chunk's parameters on the rank."""
     per_rank = run_ranks(4, _gathered_peaks, None, timeout=240)
     for i, layout in enumerate(GATHER_LAYOUTS):
         stages = estimate_layout(_gather_config(layout), 4, device="cpu").stages
@@ -295,14 +305,15 @@ def test_zero_paper_figure_for_its_7_5b_example():
     assert zero_paper_bytes(7.5e9, 64, 3) == pytest.approx(1.875e9, rel=1e-12)
 
 
-def _step_bytes(_) -> dict[tuple[int, int], dict[str, int]]:
+def _step_bytes(_) -> dict[tuple[int | str, int], dict[str, int]]:
     """Bytes of each kind of collective (of the full tensors) in a steady step at dp 4, by
-    (zero stage, micro-batches per rank)."""
+    (zero stage, micro-batches per rank); zero 3 keeping its gathers for the step: "3 kept"."""
     found = {}
     for micro_batches in (1, 2):
-        for zero in (1, 3):
+        for zero in (1, 3, "3 kept"):
             batch = ("train.micro_batch_size=2", f"train.global_batch_size={8 * micro_batches}")
-            cfg = load_config(None, [*TINY, *GPT, *batch, f"parallel.zero={zero}"])
+            stage = ("parallel.zero=3", *KEPT) if zero == "3 kept" else (f"parallel.zero={zero}",)
+            cfg = load_config(None, [*TINY, *GPT, *batch, *stage])
             run = build_run(cfg, build_parallel_state(1, 1, torch.device("cpu")))
             tokens = torch.randint(0, 500, (2 * micro_batches, cfg.model.seq_len + 1))
             train_step(run, tokens, 1e-3)  # the first step's gathers are set-up's
@@ -332,6 +343,17 @@ def test_zero3_communicates_one_and_a_half_times_zero1():
     assert dp_bytes[3] / dp_bytes[1] == pytest.approx(1.5, rel=1e-9)
     assert found[1, 2]["all_gather"] + found[1, 2]["reduce_scatter"] == 2 * psi
     assert found[3, 2]["all_gather"] + found[3, 2]["reduce_scatter"] == 6 * psi
+
+
+def test_zero3_kept_for_the_step_gathers_once():
+    """parallel.reshard_after_forward=false: each bucket is gathered once a step, however many
+    micro-batches (Psi), and still reduce-scattered per micro-batch (ZeRO-2's policy)."""
+    found = run_ranks(4, _step_bytes, None)[0]
+    psi = found[1, 1]["reduce_scatter"]
+    for micro_batches in (1, 2):
+        kept = found["3 kept", micro_batches]
+        assert kept["all_gather"] == psi
+        assert kept["reduce_scatter"] == micro_batches * psi
 
 
 GPT2_124M_WIDTHS = (
