@@ -494,7 +494,10 @@ class GradBuffer:
 
     def _reduce_staged(self, bucket: Bucket) -> None:
         """Launch the bucket's reduce-scatter, then fold in every earlier one: their reductions
-        overlapped the backward that filled this bucket."""
+        overlapped the backward that filled this bucket. ZeRO-3 folds the earlier units' only:
+        the prefetch of the unit before was issued on the same group ahead of this unit's
+        reduce-scatters, so waiting for one of them within the unit would hold its backward
+        behind that whole prefetch."""
         bucket.received = torch.empty(
             bucket.numel // self.shard_size, dtype=torch.float32, device=self.device
         )
@@ -503,10 +506,15 @@ class GradBuffer:
             bucket.received, bucket.staging, self.shard_group, async_op=True
         )
         self.in_flight.append(bucket)
-        while len(self.in_flight) > 1:
+        while self._fold_key(self.in_flight[0]) != self._fold_key(bucket):
             self._add_reduced(self.in_flight.pop(0))
         if self.params_sharded and not self.keep_gathered:  # its backward's uses are done
             self.release_params(bucket)
+
+    def _fold_key(self, bucket: Bucket) -> Any:
+        """What the in-flight reductions are folded by (`_reduce_staged`): the unit (ZeRO-3), or
+        the bucket itself."""
+        return self.unit_of.get(bucket.params[0]) if self.params_sharded else id(bucket)
 
     def _add_reduced(self, bucket: Bucket) -> None:
         bucket.handle.wait()

@@ -48,6 +48,9 @@ class BufferLayout:
     """Elements of the chunk's non-parameter buffers (rotary cos / sin tables per layer)."""
     arrival: tuple[int, ...] = ()
     """The bucket of each parameter's gradient, in the order backward delivers them."""
+    units: tuple[str, ...] = ()
+    """ZeRO-3: each bucket's unit, by which the reductions in flight are folded (`GradBuffer.
+    _reduce_staged`); empty: each bucket by itself."""
 
     @property
     def padded(self) -> int:
@@ -62,7 +65,11 @@ class BufferLayout:
         """ZeRO-2: elements of the fp32 staging alive at once at this buffer's peak, replaying
         `GradBuffer`'s policy over the order the gradients arrive: a bucket's staging is taken
         at its first gradient; once complete it gets its received piece, its reduce-scatter is
-        launched and every earlier one is added in and released."""
+        launched and every earlier one (ZeRO-3: of an earlier unit) is added in and released."""
+
+        def key(bucket: int) -> object:
+            return self.units[bucket] if self.units else bucket
+
         pending = Counter(self.arrival)
         alive: dict[int, list[int]] = {}
         in_flight: list[int] = []
@@ -76,7 +83,7 @@ class BufferLayout:
                 in_flight.append(bucket)
             held = [n for tensors in alive.values() for n in tensors]
             peak = max(peak, held, key=sum)
-            while len(in_flight) > 1:
+            while in_flight and key(in_flight[0]) != key(in_flight[-1]):
                 del alive[in_flight.pop(0)]
         return peak
 
@@ -152,7 +159,9 @@ def layout_buffers(cfg: Config, pp_rank: int, dp: int) -> list[BufferLayout]:
             replicas = dp // p.ep if expert else dense_shards(p, dp)
             buckets = buckets_of(mine, bucket_numel, replicas, p.zero == 3)
             arrival = gradient_arrival(mine, bucket_numel, p.zero == 3)
-            layouts.append(BufferLayout(buckets, replicas, module_buffers, arrival))
+            by_unit = _cut(mine, bucket_numel, True) if p.zero == 3 else []
+            units = tuple(zero3_unit(bucket[0].name) for bucket in by_unit)
+            layouts.append(BufferLayout(buckets, replicas, module_buffers, arrival, units))
             module_buffers = []  # counted once per chunk
     return layouts
 

@@ -105,7 +105,7 @@ def _measure_memory() -> list[tuple[int, dict[str, int], int, int]]:
     rank, for every layout and zero level, over one training step."""
     results = []
     for layout in MEMORY_LAYOUTS:
-        for zero in (0, 1, 2):
+        for zero in (0, 1, 2, 3):
             cfg = _memory_config(layout, zero)
             ps = build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, torch.device("cpu"))
             run = build_run(cfg, ps)
@@ -120,14 +120,15 @@ def _measure_memory() -> list[tuple[int, dict[str, int], int, int]]:
 
 def test_memory_equals_estimate_for_each_zero_level():
     """4 ranks: dp 4, or dp 2 with pp 2 or tp 2. Parameters, gradients and optimizer state per
-    rank from the live tensors equal the estimate exactly for zero 0, 1 and 2; ZeRO-2's
+    rank from the live tensors equal the estimate exactly for zero 0, 1, 2 and 3; ZeRO-2's
     gradients are 1/dp of ZeRO-0's, and its staging peak is the estimator's and under the full
-    buffer it replaces."""
+    buffer it replaces; ZeRO-3's staging too (each unit's reductions in flight until the unit
+    before completes a bucket), its gradients ZeRO-2's."""
     per_rank = run_ranks(4, _measure_memory, timeout=240)
     i = 0
     for layout in MEMORY_LAYOUTS:
         grads = {}
-        for zero in (0, 1, 2):
+        for zero in (0, 1, 2, 3):
             est = estimate_layout(_memory_config(layout, zero), 4, device="cpu")
             for rank, results in enumerate(per_rank):
                 pp_rank, live, staging = results[i]
@@ -141,6 +142,7 @@ def test_memory_equals_estimate_for_each_zero_level():
             i += 1
         assert grads[2] * est.dp == grads[0], layout  # 4/dp per parameter (padding included)
         assert grads[1] == grads[0] + grads[2]  # ZeRO-1 keeps the full buffer and the shard
+        assert grads[3] == grads[2]
         # no full-size buffer in disguise (though a tiny model's vocabulary is most of a chunk)
         assert 0 < staged < grads[0], layout
 
