@@ -53,13 +53,16 @@ def test_fp32_calls_try_only_small_two_stage_tiles(kernel, head_dim):
 
 
 def test_fp32_forward_tiles_by_head_size():
-    """At head_dim 128 only the 32 x 32 tile fits the budget; at 64 the 64 x 64 tile only with 8
-    warps; at 32 and below the whole ieee list is tried."""
-    assert tuning.tiles_to_try(*FWD_TILES, "ieee", 128) == [(32, 32, 4, 2)]
+    """At head_dim 256 only the 32 x 32 tile with 8 warps fits the budget; at 128 the 32 x 32
+    tiles; at 64 the 64 x 64 tile only with 8 warps; at 32 and below the whole ieee list is
+    tried."""
+    assert tuning.tiles_to_try(*FWD_TILES, "ieee", 256) == [(32, 32, 8, 2)]
+    assert tuning.tiles_to_try(*FWD_TILES, "ieee", 128) == [(32, 32, 4, 2), (32, 32, 8, 2)]
     assert tuning.tiles_to_try(*FWD_TILES, "ieee", 64) == [
         (64, 64, 8, 2),
         (64, 32, 4, 2),
         (32, 32, 4, 2),
+        (32, 32, 8, 2),
     ]
     for head_dim in (16, 32):
         assert tuning.tiles_to_try(*FWD_TILES, "ieee", head_dim) == FWD_TILES[1]
@@ -118,4 +121,4 @@ def test_triton_autotuner_prunes_through_the_hook(device):
     kwargs = {"HEAD_DIM": 128, "CAUSAL": True, "UPCAST": False}
     assert len(_tiles(tuner.prune_configs({**kwargs, "PRECISION": "tf32"}))) == 5
     kept = _tiles(tuner.prune_configs({**kwargs, "PRECISION": "ieee"}))
-    assert kept == [(32, 32, 4, 2)]
+    assert kept == [(32, 32, 4, 2), (32, 32, 8, 2)]
