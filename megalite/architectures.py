@@ -42,6 +42,9 @@ class Architecture:
     wide)."""
     tie_option: bool = False
     """Whether `model.tie_embeddings` may tie its LM head to the token embedding."""
+    sliding_window: bool = False
+    """Whether `model.sliding_window` (and its layer pattern) may be set: the model's attention
+    takes a window."""
     rope_scaling: bool = False
     """Whether `model.rope_scaling` may be set: the model has rotary embeddings from
     `layers.rotary_tables`, and its Hugging Face mapping carries the scaling both ways."""
@@ -54,6 +57,7 @@ SHIPPED = (
     "megalite.models.gpt",
     "megalite.models.llama",
     "megalite.models.mixtral",
+    "megalite.models.mistral",
     "megalite.models.qwen2",
     "megalite.models.qwen3",
     "megalite.models.qwen3_moe",

@@ -96,6 +96,14 @@ class ModelConfig:
     """Whether the LM head is the token embedding's weight (Hugging Face's
     `tie_word_embeddings`: Qwen3's models up to 4B). Architectures whose record allows it
     (qwen3); GPT's head is always tied, Llama's never."""
+    sliding_window: int | None = None
+    """Sliding-window attention (Mistral 7B v0.1: 4096): a token attends to itself and the
+    window - 1 tokens before it (Hugging Face's `sliding_window`), on the layers
+    `sliding_window_pattern` picks. Architectures whose record allows it (mistral)."""
+    sliding_window_pattern: int | None = None
+    """Which layers the window applies to: None every layer; n every layer but each n-th
+    (layer i is global when (i + 1) % n == 0: Gemma 3's 6, five local layers to one global;
+    GPT-OSS's 2, alternating)."""
     ffn_hidden: int | None = None
     """MLP inner width; None means the architecture's default (GPT-2's 4*hidden, Llama's
     8/3*hidden rounded up to a multiple of 64)."""
@@ -199,6 +207,26 @@ class ModelConfig:
             f"{_one_of(_allowing('any_head_dim'))} allow",
         )
         _require(self.head_dim >= 2 and self.head_dim % 2 == 0, "model.head_dim must be even")
+        _require(
+            self.sliding_window is None or arch.sliding_window,
+            f"model.sliding_window is for {_one_of(_allowing('sliding_window'))}",
+        )
+        _require(
+            self.sliding_window is None or self.sliding_window >= 1,
+            f"model.sliding_window must be >= 1 (or null: full attention), got "
+            f"{self.sliding_window}",
+        )
+        _require(
+            self.sliding_window_pattern is None
+            or (self.sliding_window is not None and self.sliding_window_pattern >= 1),
+            "model.sliding_window_pattern picks the windowed layers: set model.sliding_window "
+            "too, and a pattern >= 1",
+        )
+        _require(
+            self.sliding_window is None or self.dropout == 0.0,
+            "model.dropout drops attention probabilities, which sliding-window attention never "
+            "materialises: set model.dropout=0",
+        )
         _require(
             not self.tie_embeddings or arch.tie_option,
             f"model.tie_embeddings is for {_one_of(_allowing('tie_option'))} (GPT's head is "
@@ -304,6 +332,14 @@ class ModelConfig:
     def q_width(self) -> int:
         """Output width of the query projection, and input width of the output one."""
         return self.n_heads * self.head_dim
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of global layer `layer`, None where it attends to every earlier
+        token (`sliding_window`, `sliding_window_pattern`)."""
+        pattern = self.sliding_window_pattern
+        if self.sliding_window is None or (pattern is not None and (layer + 1) % pattern == 0):
+            return None
+        return self.sliding_window
 
 
 @dataclass

@@ -211,12 +211,14 @@ class Attention(nn.Module):
         rotary: bool,
         qk_norm: bool = False,
         qkv_bias: bool = False,
+        window: int | None = None,
     ) -> None:
         """`bias`: every projection has one (GPT-2); `qkv_bias`: q, k and v only (Qwen2);
-        `qk_norm`: RMSNorm each head of q and of k before rotary (Qwen3, Gemma 3)."""
+        `qk_norm`: RMSNorm each head of q and of k before rotary (Qwen3, Gemma 3); `window`: a
+        sliding window of keys (Mistral; None: every earlier token)."""
         super().__init__()
         cfg, ps, tp = ctx.cfg, ctx.ps, ctx.ps.size("tp")
-        self.ctx, self.rotary, self.head_dim = ctx, rotary, cfg.head_dim
+        self.ctx, self.rotary, self.head_dim, self.window = ctx, rotary, cfg.head_dim, window
         init = normal_init(cfg.init_std)
         sp, pair = ctx.sequence_parallel, ctx.linear_pair()
         linear = dict(init=init, sequence_parallel=sp, pair=pair, float8=ctx.float8)
@@ -286,11 +288,11 @@ class Attention(nn.Module):
             ps = self.ctx.ps
             mode = self.ctx.cp_comm
             return chunked_attention(
-                q, k, v, layout, ps.ranks("cp"), ps.coord("cp"), ps.group("cp"), mode
+                q, k, v, layout, ps.ranks("cp"), ps.coord("cp"), ps.group("cp"), mode, self.window
             )
         p = self.ctx.cfg.dropout if self.training else 0.0
         if p == 0.0:
-            return flash_attention(q, k, v, causal=True)
+            return flash_attention(q, k, v, causal=True, window=self.window)
         tp_random = self.ctx.tp_random
 
         def dropped(q, k, v):

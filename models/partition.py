@@ -16,7 +16,7 @@ import dataclasses
 from functools import cache
 from typing import NamedTuple
 
-from megalite.models.flops import flops_per_token
+from megalite.models.flops import flops_per_token, head_flops, mean_attention_flops
 from megalite.models.formulas import formulas_of
 
 from megalite.config import Config, ModelConfig
@@ -74,17 +74,17 @@ class PartFlops(NamedTuple):
 
 
 def part_flops(model: ModelConfig) -> PartFlops:
-    """Split `flops_per_token` into one layer, the embedding and the head (by differencing the
-    formula over the layer count, so the parts always add up to the whole)."""
+    """Split `flops_per_token` into one layer (the mean layer, where sliding windows make them
+    differ), the embedding and the head, so the parts always add up to the whole."""
     return _part_flops(dataclasses.astuple(model))
 
 
 @cache  # the planner asks for thousands of layouts of one model
 def _part_flops(fields: tuple) -> PartFlops:
     model = ModelConfig(*fields)
-    one, two = (flops_per_token(dataclasses.replace(model, n_layers=n)) for n in (1, 2))
-    layer = two - one
-    return PartFlops(layer=layer, embedding=0.0, head=one - layer)
+    head = head_flops(model)
+    layer = (flops_per_token(model) - head) / model.n_layers
+    return PartFlops(layer=layer, embedding=0.0, head=head)
 
 
 def layer_weights(cfg: Config) -> tuple[float, float]:
@@ -137,7 +137,7 @@ def stage_costs(cfg: Config) -> list[StageCost]:
     forward; segments: every layer once; selective: the attention scores)."""
     flops, t = part_flops(cfg.model), cfg.train
     m = cfg.model
-    attention = 12 * m.hidden * m.seq_len / 2  # per layer, forward + backward, causal
+    attention = mean_attention_flops(m)  # per layer, forward + backward, causal
     if t.recompute in ("full", "segments"):
         rerun = flops.layer / 3
     elif t.recompute == "selective":

@@ -22,6 +22,10 @@ Two ways to reach the other ranks' keys and values (`parallel.cp_comm`):
 
 Memory: both keep only q, k, v, the output and the LSE of the local rows (as the flash kernel
 does): activation memory falls as 1/cp.
+
+A sliding window (`model.sliding_window`) is one more bound the kernel applies from the blocks'
+offsets; a pair of chunks whose every key lies before every query's window is skipped like a
+key chunk after the queries.
 """
 
 from __future__ import annotations
@@ -40,14 +44,18 @@ from megalite.kernels import attention_block_backward, attention_block_forward
 Chunks = tuple[tuple[int, int], ...]
 
 
-def _blocks(q_chunks: Chunks, k_chunks: Chunks) -> Iterator[tuple[slice, slice, int, int]]:
+def _blocks(
+    q_chunks: Chunks, k_chunks: Chunks, window: int | None = None
+) -> Iterator[tuple[slice, slice, int, int]]:
     """(local query rows, local key rows, query offset, key offset) of every pair of chunks in
-    which some query sees some key (a key chunk wholly after the query chunk is skipped)."""
+    which some query sees some key (a key chunk wholly after the query chunk is skipped, and
+    with a window one wholly before the first query's window)."""
     q_local = 0
     for q_start, q_len in q_chunks:
         k_local = 0
         for k_start, k_len in k_chunks:
-            if k_start <= q_start + q_len - 1:
+            before_window = window is not None and k_start + k_len - 1 <= q_start - window
+            if k_start <= q_start + q_len - 1 and not before_window:
                 yield (
                     slice(q_local, q_local + q_len),
                     slice(k_local, k_local + k_len),
@@ -70,30 +78,32 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out, block_l
 
 
 class _Attention:
-    """The blocks of a rank's queries against one holder's keys, forward and backward."""
+    """The blocks of a rank's queries against one holder's keys, forward and backward; `window`:
+    a sliding window (None: all earlier keys)."""
 
-    def __init__(self, layout: SequenceLayout, scale: float) -> None:
-        self.layout, self.scale = layout, scale
+    def __init__(self, layout: SequenceLayout, scale: float, window: int | None = None) -> None:
+        self.layout, self.scale, self.window = layout, scale, window
 
     def _doc(self, rows: slice) -> torch.Tensor | None:
         doc = self.layout.doc_start
         return None if doc is None else doc[:, rows]
 
     def forward(self, q, k, v, k_chunks: Chunks, out, lse) -> None:
-        for rows, keys, q_off, k_off in _blocks(self.layout.chunks, k_chunks):
+        for rows, keys, q_off, k_off in _blocks(self.layout.chunks, k_chunks, self.window):
             block_out, block_lse = attention_block_forward(
                 q[:, rows], k[:, keys], v[:, keys], q_offset=q_off, k_offset=k_off,
                 causal=True, doc_start=self._doc(rows), softmax_scale=self.scale,
+                window=self.window,
             )  # fmt: skip
             _merge(out, lse, rows, block_out, block_lse)
 
     def backward(self, dout, q, k, v, out, lse, delta, k_chunks: Chunks, dq, dkv) -> None:
         """Add this holder's blocks' gradients: into dq (local rows) and dkv (its keys)."""
-        for rows, keys, q_off, k_off in _blocks(self.layout.chunks, k_chunks):
+        for rows, keys, q_off, k_off in _blocks(self.layout.chunks, k_chunks, self.window):
             dq_b, dk_b, dv_b = attention_block_backward(
                 dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, :, rows],
                 q_offset=q_off, k_offset=k_off, causal=True, doc_start=self._doc(rows),
-                softmax_scale=self.scale, delta=delta[:, :, rows],
+                softmax_scale=self.scale, delta=delta[:, :, rows], window=self.window,
             )  # fmt: skip
             dq[:, rows] += dq_b
             dkv[0][:, keys] += dk_b
@@ -125,13 +135,13 @@ def _fresh(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class RingAttention(torch.autograd.Function):
-    """Ring attention over the cp ranks (`ranks`, this one `cp_rank`, their `group`); cp 1 is
-    the plain case."""
+    """Ring attention over the cp ranks (`ranks`, this one `cp_rank`, their `group`) of the
+    `blocks` of a layout; cp 1 is the plain case."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: SequenceLayout, ranks: tuple[int, ...], cp_rank: int,
-                group: Any, scale: float):  # fmt: skip
-        ring, blocks = _Ring(ranks, cp_rank, group), _Attention(layout, scale)
+    def forward(ctx, q, k, v, blocks: _Attention, ranks: tuple[int, ...], cp_rank: int,
+                group: Any):  # fmt: skip
+        ring, layout = _Ring(ranks, cp_rank, group), blocks.layout
         out, lse = _fresh(q)
         kv = torch.stack([k, v])  # one message per step
         for step in range(ring.size):
@@ -172,7 +182,7 @@ class RingAttention(torch.autograd.Function):
         if grads_pending is not None:
             grads_pending.wait()
             dkv = grads_incoming
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *[None] * 5
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *[None] * 4
 
 
 def _whole_window(pieces: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -201,8 +211,8 @@ class AllGatherAttention(torch.autograd.Function):
     """Every rank gathers the whole window's K/V over the cp `group` (Llama 3's choice)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: SequenceLayout, group: Any, scale: float):
-        blocks = _Attention(layout, scale)
+    def forward(ctx, q, k, v, blocks: _Attention, group: Any):
+        layout = blocks.layout
         kv = _gather_window(k, v, layout, group)
         out, lse = _fresh(q)
         blocks.forward(q, kv[0], kv[1], _all_chunks(layout.seq_len, comm.size(group)), out, lse)
@@ -222,7 +232,7 @@ class AllGatherAttention(torch.autograd.Function):
         chunks = _all_chunks(layout.seq_len, comm.size(group))
         ctx.blocks.backward(dout, q, kv[0], kv[1], out, lse, delta, chunks, dq, dkv)
         mine = comm.reduce_scatter(_to_holders(dkv, comm.size(group)), group, dim=0)[0]
-        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None
 
 
 def _all_chunks(seq_len: int, cp: int) -> Chunks:
@@ -246,13 +256,15 @@ def chunked_attention(
     cp_rank: int,
     group: Any,
     comm_mode: str = "p2p",
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of this rank's query rows over every key its layout lets them see.
+    """Causal attention of this rank's query rows over every key its layout (and a sliding
+    `window`) lets them see.
 
     q (b, local, heads, hd), k/v (b, local, kv heads, hd): this rank's chunks of the windows;
     `ranks` the cp ring's global ranks (this one at `cp_rank`), `group` its process group;
     `comm_mode` p2p (ring) or allgather. Returns (b, local, heads, hd)."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    blocks = _Attention(layout, 1.0 / math.sqrt(q.shape[-1]), window)
     if comm_mode == "allgather" and len(ranks) > 1:
-        return AllGatherAttention.apply(q, k, v, layout, group, scale)
-    return RingAttention.apply(q, k, v, layout, ranks, cp_rank, group, scale)
+        return AllGatherAttention.apply(q, k, v, blocks, group)
+    return RingAttention.apply(q, k, v, blocks, ranks, cp_rank, group)

@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass
 
 from megalite.config import Config
+from megalite.models.flops import mean_attention_flops
 from megalite.models.partition import rank_stages, stage_costs, stage_ranges
 from megalite.parallel_dims import ParallelDims
 from megalite.pipeline.schedule import build_schedule, check_microbatches, v_shaped
@@ -374,8 +375,8 @@ def cp_transfers(cfg: Config, machine: Machine, dims: ParallelDims, element: int
         scatter = split * (cp - 1) * dkv / bandwidth
         return CpTransfers(gather, gather + scatter, gather, gather + scatter, 1, 2)
     # the layer's causal attention scores and weighted sum (fwd 1/3, bwd 2/3 of
-    # `stage_costs`' 12 h s / 2 per token), this rank's heads, one ring step's share
-    attention = 12 * m.hidden * m.seq_len / 2 * tokens / p.tp / machine.rank_flops / cp
+    # `stage_costs`' per token), this rank's heads, one ring step's share
+    attention = mean_attention_flops(m) * tokens / p.tp / machine.rank_flops / cp
     step_f, step_b = attention / 3, 2 * attention / 3
     kv_s, dkv_s = kv / bandwidth, dkv / bandwidth
     forward = (cp - 1) * max(0.0, kv_s - step_f)  # the last step sends nothing

@@ -56,7 +56,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(rmsnorm(x)), then x + mlp(rmsnorm(x)). `mlp`: the
     feed-forward's class (Mixtral's is a mixture of experts); `qk_norm`: attention norms each
-    head of q and k (Qwen3); `qkv_bias`: q, k and v have biases (Qwen2)."""
+    head of q and k (Qwen3); `qkv_bias`: q, k and v have biases (Qwen2); `window`: its
+    attention's sliding window (Mistral)."""
 
     def __init__(
         self,
@@ -64,10 +65,13 @@ class Block(nn.Module):
         mlp: type[nn.Module] = MLP,
         qk_norm: bool = False,
         qkv_bias: bool = False,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(ctx.cfg.hidden, ctx)
-        self.attn = Attention(ctx, bias=False, rotary=True, qk_norm=qk_norm, qkv_bias=qkv_bias)
+        self.attn = Attention(
+            ctx, bias=False, rotary=True, qk_norm=qk_norm, qkv_bias=qkv_bias, window=window
+        )
         self.mlp_norm = RMSNorm(ctx.cfg.hidden, ctx)
         self.mlp = mlp(ctx)
         self.drop = ResidualDropout(ctx)
@@ -102,7 +106,9 @@ class Llama(CausalLM):
             self.tok_embeddings.weight.meta.pp_tied = cfg.tie_embeddings and not has_head
             self.drop = ResidualDropout(ctx)
         # Keyed by global index, so parameter names never depend on the pipeline layout.
-        self.layers = nn.ModuleDict({str(i): self.block(ctx) for i in layer_ids})
+        self.layers = nn.ModuleDict(
+            {str(i): self.block(ctx, window=cfg.window_of(i)) for i in layer_ids}
+        )
         if has_head:
             self.final_norm = RMSNorm(cfg.hidden, ctx)
             tied = {}

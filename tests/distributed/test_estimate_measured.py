@@ -180,6 +180,7 @@ SHIPPED = {  # at the shipped widths, vocabulary (the head's chunked loss) and m
     "configs/gpt-tiny.yaml": ("parallel.tp=2", "parallel.sp=true", "parallel.pp=2"),
     "configs/llama-tiny.yaml": ("parallel.tp=2", "parallel.sp=true", "parallel.zero=1"),
     "configs/qwen3-tiny.yaml": ("parallel.tp=2", "parallel.sp=true", "parallel.zero=1"),
+    "configs/mistral-tiny.yaml": ("parallel.cp=2", "parallel.zero=3"),
 }
 
 
