@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from attention_checks import leaves, lse_err, rel, use
 from megalite.kernels import attention_block_backward, attention_block_forward, flash_attention
 from megalite.kernels.flash_attention import doc_start_from_cu_seqlens
 
@@ -33,27 +34,6 @@ def float64_block(q, k, v, q_offset=0, k_offset=0, causal=True, doc_start=None, 
     total = weights.sum(-1, keepdim=True)
     out = torch.einsum("bhqk,bkhd->bqhd", weights / total.clamp_min(1e-300), v)
     return out, (total.log() + row_max).squeeze(-1)
-
-
-def rel(actual, expected):
-    """||actual - expected|| / ||expected|| in float64, floored at 1 (all-zero references)."""
-    diff = (actual.double() - expected.double()).norm().item()
-    return diff / max(expected.double().norm().item(), 1.0)
-
-
-def lse_err(actual, expected):
-    """-inf exactly where expected; relative error on the finite entries."""
-    dead = expected == float("-inf")
-    assert torch.equal(actual == float("-inf"), dead), "rows without a visible key differ"
-    return rel(actual[~dead], expected[~dead]) if (~dead).any() else 0.0
-
-
-def use(backend, monkeypatch):
-    monkeypatch.setenv("MEGALITE_KERNELS", backend)
-
-
-def leaves(*tensors):
-    return [t.detach().double().requires_grad_() for t in tensors]
 
 
 def check_block(q, k, v, dout, *, q_offset, k_offset, causal, doc_start=None, tol=TOL):
