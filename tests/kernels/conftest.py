@@ -18,6 +18,7 @@ import zlib
 
 import pytest
 import torch  # does not import triton
+from kernel_checks import rel
 
 DEVICE = os.environ.get("MEGALITE_KERNEL_TEST_DEVICE", "cpu")
 # Dependencies first.
@@ -52,16 +53,6 @@ else:
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
-def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected|| / ||expected|| in float64.
-
-    The norm is floored at 1 so an exactly-zero reference (for example dq and dk at seq 1,
-    where softmax over one key has no gradient) is judged by absolute error instead.
-    """
-    diff = (actual.double() - expected.double()).norm().item()
-    return diff / max(expected.double().norm().item(), 1.0)
-
-
 @pytest.fixture(autouse=True)
 def force_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every kernel test runs the Triton path unless it switches MEGALITE_KERNELS itself."""
@@ -70,7 +61,7 @@ def force_triton(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def rel_err():
-    return _rel_err
+    return rel
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from attention_checks import leaves, lse_err, rel, use
+from kernel_checks import leaves, lse_err, rel, use
 from megalite.kernels import attention_block_backward, attention_block_forward, flash_attention
 from megalite.kernels.flash_attention import doc_start_from_cu_seqlens
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_checks import leaves, lse_err, rel, use
+from kernel_checks import leaves, lse_err, rel, use
 from megalite.kernels import attention_block_backward, attention_block_forward, flash_attention
 from megalite.kernels.flash_attention import (
     _backward_op,
