@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -55,6 +56,19 @@ def read_run(out_dir: Path):
     checkpoint = Checkpoint(resolve_checkpoint(out_dir))  # the newest: the final weights
     weights = {name: checkpoint.tensor(name) for name in checkpoint.weight_names()}
     return losses, weights
+
+
+SAVE_AT_5 = ("checkpoint.interval=5", "checkpoint.keep=5")
+"""Checkpoint at steps 5 and 10 of TINY's 10, both kept: `rewind_to_step_5` then resumes."""
+
+
+def rewind_to_step_5(run_dir: Path) -> None:
+    """Make a finished SAVE_AT_5 run look as if it crashed after step 5: its step-10 checkpoint
+    gone, `latest` at step 5 and no metrics, so the next launch resumes there."""
+    checkpoints = Path(run_dir) / "checkpoints"
+    shutil.rmtree(checkpoints / "step_000010")
+    (checkpoints / "latest").write_text("step_000005")
+    (Path(run_dir) / "metrics.jsonl").write_text("")
 
 
 EVAL = ("train.eval_interval=5", "train.eval_steps=2")

@@ -5,7 +5,6 @@ ZeRO 1 and 2 over dp x cp, recompute and document masking; at long sequences; an
 that resume at another cp."""
 
 import json
-import shutil
 
 import pytest
 from equivalence import (
@@ -13,6 +12,7 @@ from equivalence import (
     assert_equivalent,
     assert_same_losses,
     reference,
+    rewind_to_step_5,
     run_in_scratch,
     run_layout,
 )
@@ -99,10 +99,7 @@ def test_resume_at_another_cp(builtin_corpus, tmp_path, world, cp):
     """Saved at cp 2 with the optimizer sharded over the two cp ranks, resumed at cp 1 and 4:
     steps 6-10 are the uninterrupted single process's."""
     run_layout(2, TINY + LLAMA + SAVE_AT_5 + ("parallel.cp=2",), tmp_path)
-    checkpoints = tmp_path / "checkpoints"
-    shutil.rmtree(checkpoints / "step_000010")  # "crash" after step 5
-    (checkpoints / "latest").write_text("step_000005")
-    (tmp_path / "metrics.jsonl").write_text("")
+    rewind_to_step_5(tmp_path)
     resumed, _ = run_layout(world, TINY + LLAMA + SAVE_AT_5 + (f"parallel.cp={cp}",), tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(6, 11))

@@ -3,14 +3,11 @@ with dp = 2 (ZeRO-1), stop, resume steps 6-10 with tp = 2, and the losses are th
 process's on the same blend."""
 
 import json
-import shutil
 
 import pytest
-from equivalence import TINY, assert_same_losses, reference, run_layout
+from equivalence import SAVE_AT_5, TINY, assert_same_losses, reference, rewind_to_step_5, run_layout
 
 from megalite.data import Tokenizer, builtin_corpus_text, prepare_corpus
-
-SAVE_AT_5 = ("checkpoint.interval=5", "checkpoint.keep=5")
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +23,8 @@ def blend(builtin_corpus, tmp_path_factory) -> tuple[str, ...]:
 
 def test_blend_is_the_same_in_every_layout_and_after_resume(blend, tmp_path):
     run_layout(2, TINY + blend + SAVE_AT_5 + ("parallel.zero=1",), tmp_path)
-    checkpoints = tmp_path / "checkpoints"
     first_half = [json.loads(row) for row in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    shutil.rmtree(checkpoints / "step_000010")  # "crash" after step 5
-    (checkpoints / "latest").write_text("step_000005")
-    (tmp_path / "metrics.jsonl").write_text("")
+    rewind_to_step_5(tmp_path)
     resumed, _ = run_layout(2, TINY + blend + SAVE_AT_5 + ("parallel.tp=2",), tmp_path)
     ref_losses, _ = reference(TINY + blend)
     before = [(row["loss"], row["grad_norm"]) for row in first_half[:5]]

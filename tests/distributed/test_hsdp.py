@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from equivalence import TINY, assert_equals_reference, assert_same_losses, read_run, reference
+from equivalence import (
+    SAVE_AT_5,
+    TINY,
+    assert_equals_reference,
+    assert_same_losses,
+    read_run,
+    reference,
+    rewind_to_step_5,
+)
 
 from megalite import comm
 from megalite.config import load_config
@@ -126,9 +134,6 @@ def test_only_the_owned_shards_cross_the_copies():
     assert not [n for n, size in plain["all_reduce"] if size == 2]
 
 
-SAVE_AT_5 = ("checkpoint.interval=5", "checkpoint.keep=5")
-
-
 def test_checkpoints_resume_with_and_without_hsdp(builtin_corpus, tmp_path):
     """Steps 1-5 under HSDP at zero 3, 6-10 from its step-5 checkpoint at zero 1 on dp 4 and at
     zero 2 under HSDP; steps 1-5 at zero 1 on dp 4, 6-10 under HSDP at zero 3: the single
@@ -143,10 +148,7 @@ def test_checkpoints_resume_with_and_without_hsdp(builtin_corpus, tmp_path):
         "optim_tp00_pp00_dp01.safetensors",
     ]
     for directory in saved.values():
-        checkpoints = directory / "checkpoints"
-        shutil.rmtree(checkpoints / "step_000010")  # "crash" after step 5
-        (checkpoints / "latest").write_text("step_000005")
-        (directory / "metrics.jsonl").write_text("")
+        rewind_to_step_5(directory)
     resumes = {
         "hsdp -> zero 1": (saved["hsdp"], ("parallel.zero=1",)),
         "hsdp -> hsdp zero 2": (tmp_path / "hsdp-zero2", ("parallel.zero=2", *HSDP)),

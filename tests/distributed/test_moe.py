@@ -6,11 +6,17 @@ out of dp, tokens exchanged all-to-all) alone and with each of those; Mixtral's 
 and DeepSeek-V3's sigmoid router with shared experts, z-loss and bias balancing."""
 
 import json
-import shutil
 
 import pytest
 import torch
-from equivalence import TINY, assert_equivalent, assert_same_losses, reference, run_layout
+from equivalence import (
+    TINY,
+    assert_equivalent,
+    assert_same_losses,
+    reference,
+    rewind_to_step_5,
+    run_layout,
+)
 
 from megalite.context_parallel.layout import local_chunks, shard_sequence
 from megalite.launch import run_ranks
@@ -103,9 +109,7 @@ def test_resume_at_another_ep(builtin_corpus, tmp_path, world, ep):
     checkpoints = tmp_path / "checkpoints"
     manifest = json.loads((checkpoints / "step_000005" / "manifest.json").read_text())
     assert "model_tp00_ep01_pp00.safetensors" in manifest["files"]  # ep rank 1's experts
-    shutil.rmtree(checkpoints / "step_000010")  # "crash" after step 5
-    (checkpoints / "latest").write_text("step_000005")
-    (tmp_path / "metrics.jsonl").write_text("")
+    rewind_to_step_5(tmp_path)
     resumed, _ = run_layout(world, TINY + MIXTRAL + SAVE_AT_5 + (f"parallel.ep={ep}",), tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(6, 11))
@@ -190,9 +194,7 @@ def test_resume_restores_the_routing_biases(builtin_corpus, tmp_path):
     checkpoints = tmp_path / "checkpoints"
     manifest = json.loads((checkpoints / "step_000005" / "manifest.json").read_text())
     assert {"layers.0.mlp.expert_bias", "layers.3.mlp.expert_bias"} <= manifest["tensors"].keys()
-    shutil.rmtree(checkpoints / "step_000010")
-    (checkpoints / "latest").write_text("step_000005")
-    (tmp_path / "metrics.jsonl").write_text("")
+    rewind_to_step_5(tmp_path)
     resumed, _ = run_layout(1, TINY + DEEPSEEK + SAVE_AT_5, tmp_path)
     ref_losses, _ = reference(TINY + DEEPSEEK)
     assert_same_losses(resumed, ref_losses[5:], norm_rtol=NORM_RTOL)

@@ -7,10 +7,9 @@ import json
 import shutil
 
 import pytest
-from equivalence import TINY, assert_same_losses, reference, run_layout
+from equivalence import SAVE_AT_5, TINY, assert_same_losses, reference, rewind_to_step_5, run_layout
 
 GPT = ("model.arch=gpt",)
-SAVE_AT_5 = ("checkpoint.interval=5", "checkpoint.keep=5")
 
 
 @pytest.mark.parametrize(
@@ -24,10 +23,7 @@ SAVE_AT_5 = ("checkpoint.interval=5", "checkpoint.keep=5")
 def test_resume_in_another_layout(builtin_corpus, tmp_path, first, second):
     (world_a, layout_a), (world_b, layout_b) = first, second
     run_layout(world_a, TINY + GPT + SAVE_AT_5 + layout_a, tmp_path)
-    checkpoints = tmp_path / "checkpoints"
-    shutil.rmtree(checkpoints / "step_000010")  # "crash" after step 5
-    (checkpoints / "latest").write_text("step_000005")
-    (tmp_path / "metrics.jsonl").write_text("")
+    rewind_to_step_5(tmp_path)
     resumed, _ = run_layout(world_b, TINY + GPT + SAVE_AT_5 + layout_b, tmp_path)
     ref_losses, _ = reference(TINY + GPT)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

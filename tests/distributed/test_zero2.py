@@ -5,11 +5,10 @@ parameter), and the staging the buckets take while their reduce-scatters run is 
 exactly as the estimator counts it, beside zero 0 and 1."""
 
 import json
-import shutil
 
 import pytest
 import torch
-from equivalence import TINY, assert_equivalent, reference, run_layout
+from equivalence import TINY, assert_equivalent, reference, rewind_to_step_5, run_layout
 
 from megalite import comm
 from megalite.config import load_config
@@ -48,10 +47,7 @@ def test_zero2_resumes_in_another_layout(builtin_corpus, tmp_path):
     """Steps 1-5 on dp 2 with ZeRO-2, steps 6-10 on tp 2 x pp 2: the single process's losses."""
     save_at_5 = ("checkpoint.interval=5", "checkpoint.keep=5")
     run_layout(2, TINY + GPT + save_at_5 + ("parallel.zero=2", *SMALL_BUCKETS), tmp_path)
-    checkpoints = tmp_path / "checkpoints"
-    shutil.rmtree(checkpoints / "step_000010")  # "crash" after step 5
-    (checkpoints / "latest").write_text("step_000005")
-    (tmp_path / "metrics.jsonl").write_text("")
+    rewind_to_step_5(tmp_path)
     layout = ("parallel.tp=2", "parallel.pp=2")
     resumed, _ = run_layout(4, TINY + GPT + save_at_5 + layout, tmp_path)
     ref_losses, _ = reference(TINY + GPT)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from equivalence import (
     EVAL,
+    SAVE_AT_5,
     TINY,
     assert_equals_reference,
     assert_same_losses,
@@ -24,6 +25,7 @@ from equivalence import (
     read_run,
     reference,
     relative_error,
+    rewind_to_step_5,
 )
 
 from megalite import comm
@@ -120,9 +122,6 @@ def test_float8_at_zero3_is_zero2_bit_for_bit(builtin_corpus, tmp_path):
     assert all(relative_error(weights3[k], weights2[k]) == 0 for k in weights2)
 
 
-SAVE_AT_5 = ("checkpoint.interval=5", "checkpoint.keep=5")
-
-
 def test_checkpoints_resume_across_zero_levels(builtin_corpus, tmp_path):
     """Steps 1-5 at zero 3 on dp 4, steps 6-10 from its step-5 checkpoint at zero 1, at zero 0
     and at zero 3 on tp 2 x dp 2; steps 1-5 at zero 1, 6-10 at zero 3: the single process's
@@ -131,10 +130,7 @@ def test_checkpoints_resume_across_zero_levels(builtin_corpus, tmp_path):
     first = [(TINY + GPT + SAVE_AT_5 + (f"parallel.zero={z}",), str(d)) for z, d in saved.items()]
     run_ranks(4, _train_each, first, timeout=300)
     for directory in saved.values():
-        checkpoints = directory / "checkpoints"
-        shutil.rmtree(checkpoints / "step_000010")  # "crash" after step 5
-        (checkpoints / "latest").write_text("step_000005")
-        (directory / "metrics.jsonl").write_text("")
+        rewind_to_step_5(directory)
     resumes = {
         "3->1": (saved[3], ("parallel.zero=1",)),
         "3->0": (tmp_path / "zero3-at-zero0", ("parallel.zero=0",)),
