@@ -40,6 +40,13 @@ def _train(config: str | None, overrides: tuple[str, ...], out_dir: str) -> None
     train(load_config(config, [*overrides, f"train.out_dir={out_dir}"]))
 
 
+def train_each(runs: list[tuple[tuple[str, ...], str]]) -> None:
+    """Train each (overrides, out_dir) one after the other: several runs in one launch of the
+    ranks (`run_ranks(world, train_each, runs)`)."""
+    for overrides, out_dir in runs:
+        train(load_config(None, [*overrides, f"train.out_dir={out_dir}"]))
+
+
 def run_layout(
     world_size: int, overrides: tuple[str, ...], out_dir: Path, config: str | None = None
 ):

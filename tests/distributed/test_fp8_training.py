@@ -29,14 +29,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from equivalence import TINY
+from equivalence import TINY, train_each
 from test_step_syncs import LAYOUTS as SYNC_LAYOUTS
 from test_step_syncs import _syncs
 
 from megalite.checkpoint.sharded import step_dir
-from megalite.config import load_config
 from megalite.launch import run_ranks
-from megalite.training.loop import train
 
 STEPS = 4
 FP8 = (f"train.steps={STEPS}", "train.fp8_min_dim=0")
@@ -66,11 +64,6 @@ LAYOUTS = {  # name: (ranks, model, layout)
 }
 
 
-def _train_each(runs: list[tuple[tuple[str, ...], str]]) -> None:
-    for overrides, out_dir in runs:
-        train(load_config(None, [*overrides, f"train.out_dir={out_dir}"]))
-
-
 def _steps(out_dir: Path) -> list[tuple[float, float]]:
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return [(row["loss"], row["grad_norm"]) for row in rows]
@@ -80,7 +73,7 @@ def _train_runs(world: int, runs: dict[str, tuple[str, ...]]) -> dict[str, list]
     """(loss, grad norm) per step of each run, trained one after the other in one launch."""
     with tempfile.TemporaryDirectory(prefix="megalite-fp8-") as root:
         dirs = {name: Path(root) / name for name in runs}
-        run_ranks(world, _train_each, [(runs[n], str(dirs[n])) for n in runs], timeout=600)
+        run_ranks(world, train_each, [(runs[n], str(dirs[n])) for n in runs], timeout=600)
         return {name: _steps(dirs[name]) for name in runs}
 
 
@@ -93,7 +86,7 @@ def _layout_and_resumed(
     with tempfile.TemporaryDirectory(prefix="megalite-fp8-") as root:
         dirs = {name: Path(root) / name for name in runs}
         trained = [((*runs[n][0], *EVERY_STEP), str(dirs[n])) for n in runs]
-        run_ranks(world, _train_each, trained, timeout=600)
+        run_ranks(world, train_each, trained, timeout=600)
         resumed = {
             (name, step): (
                 *runs[name][1],
@@ -104,7 +97,7 @@ def _layout_and_resumed(
             for step in range(1, STEPS)
         }
         resumed_dirs = {key: Path(root) / f"{key[0]}-from-{key[1]}" for key in resumed}
-        run_ranks(1, _train_each, [(resumed[k], str(resumed_dirs[k])) for k in resumed])
+        run_ranks(1, train_each, [(resumed[k], str(resumed_dirs[k])) for k in resumed])
         return {
             name: (
                 _steps(dirs[name]),
@@ -184,7 +177,7 @@ def test_float8_checkpoints_resume_with_or_without_float8(tmp_path):
 
     def run(fp8: str, out_dir: Path, steps: int) -> list[float]:
         overrides = (*base, f"train.steps={steps}", f"train.fp8={fp8}", f"train.out_dir={out_dir}")
-        run_ranks(1, _train_each, [(overrides, str(out_dir))])
+        run_ranks(1, train_each, [(overrides, str(out_dir))])
         return [loss for loss, _ in _steps(out_dir)]
 
     uninterrupted = run("tensorwise", tmp_path / "full", 4)
@@ -219,7 +212,7 @@ def test_float8_linears_run_eager_between_compiled_pieces(tmp_path):
         for compiled in ("false", "true")
     }
     dirs = {compiled: tmp_path / compiled for compiled in runs}
-    run_ranks(1, _train_each, [(runs[c], str(dirs[c])) for c in runs], timeout=600)
+    run_ranks(1, train_each, [(runs[c], str(dirs[c])) for c in runs], timeout=600)
     rows = [json.loads(line) for line in (dirs["true"] / "metrics.jsonl").read_text().splitlines()]
     assert [row["recompiles"] for row in rows] == [0, 0]
     eager, compiled = (_steps(dirs[c]) for c in runs)

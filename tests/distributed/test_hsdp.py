@@ -18,6 +18,7 @@ from equivalence import (
     read_run,
     reference,
     rewind_to_step_5,
+    train_each,
 )
 
 from megalite import comm
@@ -28,7 +29,6 @@ from megalite.parallel_dims import ParallelDims
 from megalite.parallel_state import build_parallel_state
 from megalite.profiling.estimate import estimate_layout
 from megalite.profiling.memory import live_bytes
-from megalite.training.loop import train
 from megalite.training.setup import build_run
 from megalite.training.step import train_step
 
@@ -47,11 +47,6 @@ NORM_RTOL = {"zero3-mixtral-ep2": 1e-4}
 """Top-k routing ties move the gradient norm by ~1e-5 (`test_moe.NORM_RTOL`)."""
 
 
-def _train_each(runs: list[tuple[tuple[str, ...], str]]) -> None:
-    for overrides, out_dir in runs:
-        train(load_config(None, [*overrides, f"train.out_dir={out_dir}"]))
-
-
 @pytest.fixture(scope="module")
 def layouts(builtin_corpus, tmp_path_factory) -> dict[str, Path]:
     """Every layout of LAYOUTS trained, in one launch."""
@@ -60,7 +55,7 @@ def layouts(builtin_corpus, tmp_path_factory) -> dict[str, Path]:
         (TINY + model + layout + HSDP, str(root / name))
         for name, (model, layout) in LAYOUTS.items()
     ]
-    run_ranks(4, _train_each, runs, timeout=600)
+    run_ranks(4, train_each, runs, timeout=600)
     return {name: root / name for name in LAYOUTS}
 
 
@@ -141,7 +136,7 @@ def test_checkpoints_resume_with_and_without_hsdp(builtin_corpus, tmp_path):
     saved = {"hsdp": tmp_path / "hsdp", "zero1": tmp_path / "zero1"}
     first = {"hsdp": ("parallel.zero=3", *HSDP), "zero1": ("parallel.zero=1",)}
     runs = [(TINY + GPT + SAVE_AT_5 + first[name], str(d)) for name, d in saved.items()]
-    run_ranks(4, _train_each, runs, timeout=300)
+    run_ranks(4, train_each, runs, timeout=300)
     step5 = saved["hsdp"] / "checkpoints" / "step_000005"
     assert sorted(p.name for p in step5.glob("optim_*")) == [
         "optim_tp00_pp00_dp00.safetensors",
@@ -156,7 +151,7 @@ def test_checkpoints_resume_with_and_without_hsdp(builtin_corpus, tmp_path):
     }
     shutil.copytree(saved["hsdp"], tmp_path / "hsdp-zero2")
     runs = [(TINY + GPT + SAVE_AT_5 + layout, str(d)) for d, layout in resumes.values()]
-    run_ranks(4, _train_each, runs, timeout=300)
+    run_ranks(4, train_each, runs, timeout=300)
     ref_losses, _ = reference(TINY + GPT)
     for name, (directory, _) in resumes.items():
         losses, _ = read_run(directory)

@@ -26,6 +26,7 @@ from equivalence import (
     reference,
     relative_error,
     rewind_to_step_5,
+    train_each,
 )
 
 from megalite import comm
@@ -34,7 +35,6 @@ from megalite.launch import run_ranks
 from megalite.parallel_state import build_parallel_state
 from megalite.profiling.estimate import estimate_layout, zero_paper_bytes
 from megalite.profiling.memory import SavedActivationTracker, live_bytes
-from megalite.training.loop import train
 from megalite.training.setup import build_run
 from megalite.training.step import train_step
 
@@ -64,15 +64,10 @@ NORM_RTOL = {"mixtral-ep2-dp2": 1e-4}
 """Top-k routing ties move the gradient norm by ~1e-5 (`test_moe.NORM_RTOL`)."""
 
 
-def _train_each(runs: list[tuple[tuple[str, ...], str]]) -> None:
-    for overrides, out_dir in runs:
-        train(load_config(None, [*overrides, f"train.out_dir={out_dir}"]))
-
-
 def _train_runs(world: int, runs: dict[str, tuple[str, ...]], root: Path) -> dict[str, Path]:
     """Each run trained on `world` ranks, one after the other in one launch: its directory."""
     dirs = {name: root / name for name in runs}
-    run_ranks(world, _train_each, [(runs[n], str(dirs[n])) for n in runs], timeout=600)
+    run_ranks(world, train_each, [(runs[n], str(dirs[n])) for n in runs], timeout=600)
     return dirs
 
 
@@ -128,7 +123,7 @@ def test_checkpoints_resume_across_zero_levels(builtin_corpus, tmp_path):
     losses, each."""
     saved = {3: tmp_path / "zero3", 1: tmp_path / "zero1"}
     first = [(TINY + GPT + SAVE_AT_5 + (f"parallel.zero={z}",), str(d)) for z, d in saved.items()]
-    run_ranks(4, _train_each, first, timeout=300)
+    run_ranks(4, train_each, first, timeout=300)
     for directory in saved.values():
         rewind_to_step_5(directory)
     resumes = {
@@ -140,7 +135,7 @@ def test_checkpoints_resume_across_zero_levels(builtin_corpus, tmp_path):
     for directory, _ in list(resumes.values())[1:3]:
         shutil.copytree(saved[3], directory)
     runs = [(TINY + GPT + SAVE_AT_5 + layout, str(d)) for d, layout in resumes.values()]
-    run_ranks(4, _train_each, runs, timeout=300)
+    run_ranks(4, train_each, runs, timeout=300)
     ref_losses, _ = reference(TINY + GPT)
     for name, (directory, _) in resumes.items():
         losses, _ = read_run(directory)
