@@ -65,8 +65,8 @@ def test_a_mismatched_hugging_face_model_names_the_overrides(builtin_corpus, tmp
         read_hf(hf_dir, same)
 
     config = json.loads((hf_dir / "config.json").read_text())
-    (hf_dir / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
-    with pytest.raises(CheckpointError, match="model_type 'mistral' is not one megalite builds"):
+    (hf_dir / "config.json").write_text(json.dumps({**config, "model_type": "bloom"}))
+    with pytest.raises(CheckpointError, match="model_type 'bloom' is not one megalite builds"):
         read_hf(hf_dir, same)
 
 
