@@ -45,6 +45,12 @@ class Architecture:
     sliding_window: bool = False
     """Whether `model.sliding_window` (and its layer pattern) may be set: the model's attention
     takes a window."""
+    query_scale: bool = False
+    """Whether `model.query_scale` may set the softmax scale (query_scale ** -0.5 in place of
+    head_dim ** -0.5)."""
+    layer_rope: bool = False
+    """Whether the windowed layers may take a rotary base of their own (`model.rope_local_theta`)
+    and the others a linear scaling (`model.rope_linear_factor`)."""
     rope_scaling: bool = False
     """Whether `model.rope_scaling` may be set: the model has rotary embeddings from
     `layers.rotary_tables`, and its Hugging Face mapping carries the scaling both ways."""
@@ -58,6 +64,7 @@ SHIPPED = (
     "megalite.models.llama",
     "megalite.models.mixtral",
     "megalite.models.mistral",
+    "megalite.models.gemma3",
     "megalite.models.qwen2",
     "megalite.models.qwen3",
     "megalite.models.qwen3_moe",

@@ -104,6 +104,18 @@ class ModelConfig:
     """Which layers the window applies to: None every layer; n every layer but each n-th
     (layer i is global when (i + 1) % n == 0: Gemma 3's 6, five local layers to one global;
     GPT-OSS's 2, alternating)."""
+    query_scale: float | None = None
+    """Attention scores are scaled by query_scale ** -0.5 (Gemma 3's `query_pre_attn_scalar`:
+    256 at head_dim 256, 168 in 27B at head_dim 128). None: head_dim. Architectures whose
+    record allows it (gemma3)."""
+    rope_local_theta: float | None = None
+    """Rotary base of the windowed layers (Gemma 3's `rope_local_base_freq`, 10000, where the
+    global layers take rope_theta, 1e6). None: rope_theta. Architectures whose record allows
+    it (gemma3)."""
+    rope_linear_factor: float | None = None
+    """Linear rope scaling of the global (unwindowed) layers: their rotary frequencies divided
+    by this (Gemma 3 4B and up: 8; Hugging Face's rope_type linear). None: unscaled.
+    Architectures whose record allows it (gemma3)."""
     ffn_hidden: int | None = None
     """MLP inner width; None means the architecture's default (GPT-2's 4*hidden, Llama's
     8/3*hidden rounded up to a multiple of 64)."""
@@ -226,6 +238,24 @@ class ModelConfig:
             self.sliding_window is None or self.dropout == 0.0,
             "model.dropout drops attention probabilities, which sliding-window attention never "
             "materialises: set model.dropout=0",
+        )
+        for name, flag in (
+            ("query_scale", "query_scale"),
+            ("rope_local_theta", "layer_rope"),
+            ("rope_linear_factor", "layer_rope"),
+        ):
+            _require(
+                getattr(self, name) is None or getattr(arch, flag),
+                f"model.{name} is for {_one_of(_allowing(flag))}, not model.arch={self.arch}: "
+                "leave it out",
+            )
+        for name in ("query_scale", "rope_local_theta"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"model.{name} must be > 0 (or null), got {value}")
+        _require(
+            self.rope_linear_factor is None or self.rope_linear_factor >= 1,
+            "model.rope_linear_factor must be >= 1 (the context is that many times "
+            f"pretraining's), or null, got {self.rope_linear_factor}",
         )
         _require(
             not self.tie_embeddings or arch.tie_option,

@@ -119,22 +119,33 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 (Llama)."""
+    """x / rms(x) * weight, computed in fp32 (Llama); x / rms(x) * (1 + weight) with
+    `unit_offset` (Gemma)."""
 
-    def __init__(self, hidden: int, ctx: BuildContext, over_heads: bool = False) -> None:
+    def __init__(
+        self, hidden: int, ctx: BuildContext, over_heads: bool = False, unit_offset: bool = False
+    ) -> None:
         """`over_heads`: normalise each attention head (QK-norm, one weight of head_dim for
-        every head), whose gradient each tp rank holds for its own heads only."""
+        every head), whose gradient each tp rank holds for its own heads only. `unit_offset`:
+        scale by 1 + weight, the weight initialised to 0 (Gemma's RMSNorm)."""
         super().__init__()
-        self.eps = ctx.cfg.norm_eps
+        self.eps, self.unit_offset = ctx.cfg.norm_eps, unit_offset
         partial = over_heads or ctx.sequence_parallel
-        meta = ParamMeta((hidden,), constant_init(1.0), tp_grad_reduce=partial, weight_decay=False)
+        init = constant_init(0.0 if unit_offset else 1.0)
+        meta = ParamMeta((hidden,), init, tp_grad_reduce=partial, weight_decay=False)
         self.weight = make_param((hidden,), meta, ctx.ps)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with a residual, (h, norm(h)) for h = x + residual, as LayerNorm does."""
-        h, y = rms_norm(x, self.weight, self.eps, residual=residual)
+        if not self.unit_offset:
+            h, y = rms_norm(x, self.weight, self.eps, residual=residual)
+            return y if residual is None else (h, y)
+        # 1 + w in fp32 (in 16 bits a small w would round away), the product rounded once to
+        # x's dtype; the gradient reaches w through the sum
+        h, y = rms_norm(x, 1.0 + self.weight.float(), self.eps, residual=residual)
+        y = y.to(x.dtype)
         return y if residual is None else (h, y)
 
 
@@ -170,8 +181,23 @@ class Llama3Scaling:
         return inv_freq * (kept + (1.0 - kept) / self.factor)
 
 
+@dataclass(frozen=True)
+class LinearScaling:
+    """Linear rope scaling (position interpolation, Chen et al. 2023): every frequency slowed
+    `factor` times, as if each position were divided by it (Gemma 3's global layers,
+    `model.rope_linear_factor`)."""
+
+    factor: float
+
+    def scale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        return inv_freq / self.factor
+
+
 def rotary_tables(
-    head_dim: int, positions: int, theta: float, scaling: Llama3Scaling | None = None
+    head_dim: int,
+    positions: int,
+    theta: float,
+    scaling: Llama3Scaling | LinearScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (positions, head_dim) in the Hugging Face `rotate_half` layout, with the
     frequencies `scaling` rescales (`Llama3Scaling.of(cfg)`); computed in float64."""
@@ -183,13 +209,17 @@ def rotary_tables(
     return angles.cos().float(), angles.sin().float()
 
 
-def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
-    """Causal softmax(q k^T / sqrt(d)) v with dropout on the probabilities; materialises the
-    (s x s) scores, which is why it is only used when attention dropout is on."""
+def math_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, scale: float | None = None
+) -> torch.Tensor:
+    """Causal softmax(q k^T * scale) v (scale: 1 / sqrt(d) by default) with dropout on the
+    probabilities; materialises the (s x s) scores, which is why it is only used when attention
+    dropout is on."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd)
     repeat = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)  # (b, heads, s, s)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale  # (b, heads, s, s)
     seq = q.shape[2]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
     probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)  # kept in the input dtype
@@ -212,13 +242,22 @@ class Attention(nn.Module):
         qk_norm: bool = False,
         qkv_bias: bool = False,
         window: int | None = None,
+        unit_offset: bool = False,
+        softmax_scale: float | None = None,
+        rope_theta: float | None = None,
+        rope_scaling: Llama3Scaling | LinearScaling | None = None,
     ) -> None:
         """`bias`: every projection has one (GPT-2); `qkv_bias`: q, k and v only (Qwen2);
-        `qk_norm`: RMSNorm each head of q and of k before rotary (Qwen3, Gemma 3); `window`: a
-        sliding window of keys (Mistral; None: every earlier token)."""
+        `qk_norm`: RMSNorm each head of q and of k before rotary (Qwen3, Gemma 3), scaling by 1 +
+        weight with `unit_offset` (Gemma 3); `window`: a sliding window of keys (Mistral; None:
+        every earlier token); `softmax_scale`: the scores' scale (None: head_dim ** -0.5);
+        `rope_theta`, `rope_scaling`: this attention's rotary base and frequency scaling in place
+        of the config's (`model.rope_theta`, `Llama3Scaling.of(cfg)`: Gemma 3's local and global
+        layers differ)."""
         super().__init__()
         cfg, ps, tp = ctx.cfg, ctx.ps, ctx.ps.size("tp")
         self.ctx, self.rotary, self.head_dim, self.window = ctx, rotary, cfg.head_dim, window
+        self.softmax_scale = softmax_scale
         init = normal_init(cfg.init_std)
         sp, pair = ctx.sequence_parallel, ctx.linear_pair()
         linear = dict(init=init, sequence_parallel=sp, pair=pair, float8=ctx.float8)
@@ -239,11 +278,13 @@ class Attention(nn.Module):
             pair=pair,
             float8=ctx.float8,
         )
-        self.q_norm = RMSNorm(cfg.head_dim, ctx, over_heads=True) if qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, ctx, over_heads=True) if qk_norm else None
+        norm = dict(over_heads=True, unit_offset=unit_offset)
+        self.q_norm = RMSNorm(cfg.head_dim, ctx, **norm) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, ctx, **norm) if qk_norm else None
         if rotary:
-            scaling = Llama3Scaling.of(cfg)
-            cos, sin = rotary_tables(cfg.head_dim, cfg.max_positions, cfg.rope_theta, scaling)
+            scaling = Llama3Scaling.of(cfg) if rope_scaling is None else rope_scaling
+            theta = cfg.rope_theta if rope_theta is None else rope_theta
+            cos, sin = rotary_tables(cfg.head_dim, cfg.max_positions, theta, scaling)
             self.register_buffer("cos", cos.to(ps.device), persistent=False)
             self.register_buffer("sin", sin.to(ps.device), persistent=False)
 
@@ -284,20 +325,19 @@ class Attention(nn.Module):
     def core(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout | None
     ) -> torch.Tensor:
+        scale = self.softmax_scale
         if layout is not None and not layout.plain:  # pieces of windows, or documents
             ps = self.ctx.ps
-            mode = self.ctx.cp_comm
-            return chunked_attention(
-                q, k, v, layout, ps.ranks("cp"), ps.coord("cp"), ps.group("cp"), mode, self.window
-            )
+            ring = (ps.ranks("cp"), ps.coord("cp"), ps.group("cp"), self.ctx.cp_comm)
+            return chunked_attention(q, k, v, layout, *ring, self.window, scale)
         p = self.ctx.cfg.dropout if self.training else 0.0
         if p == 0.0:
-            return flash_attention(q, k, v, causal=True, window=self.window)
+            return flash_attention(q, k, v, causal=True, softmax_scale=scale, window=self.window)
         tp_random = self.ctx.tp_random
 
         def dropped(q, k, v):
             with tp_random.fork():  # local heads differ per rank: so do their masks
-                return math_attention(q, k, v, p)
+                return math_attention(q, k, v, p, scale)
 
         if self.ctx.recompute == "selective":  # Korthikanti et al.: drop the s x s tensors
             return recompute(dropped, q, k, v, tp_random=tp_random)

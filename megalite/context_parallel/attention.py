@@ -257,14 +257,17 @@ def chunked_attention(
     group: Any,
     comm_mode: str = "p2p",
     window: int | None = None,
+    softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's query rows over every key its layout (and a sliding
     `window`) lets them see.
 
     q (b, local, heads, hd), k/v (b, local, kv heads, hd): this rank's chunks of the windows;
     `ranks` the cp ring's global ranks (this one at `cp_rank`), `group` its process group;
-    `comm_mode` p2p (ring) or allgather. Returns (b, local, heads, hd)."""
-    blocks = _Attention(layout, 1.0 / math.sqrt(q.shape[-1]), window)
+    `comm_mode` p2p (ring) or allgather; `softmax_scale`: the scores' (None: 1 / sqrt(hd)).
+    Returns (b, local, heads, hd)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    blocks = _Attention(layout, scale, window)
     if comm_mode == "allgather" and len(ranks) > 1:
         return AllGatherAttention.apply(q, k, v, blocks, group)
     return RingAttention.apply(q, k, v, blocks, ranks, cp_rank, group)

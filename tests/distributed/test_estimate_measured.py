@@ -181,6 +181,7 @@ SHIPPED = {  # at the shipped widths, vocabulary (the head's chunked loss) and m
     "configs/llama-tiny.yaml": ("parallel.tp=2", "parallel.sp=true", "parallel.zero=1"),
     "configs/qwen3-tiny.yaml": ("parallel.tp=2", "parallel.sp=true", "parallel.zero=1"),
     "configs/mistral-tiny.yaml": ("parallel.cp=2", "parallel.zero=3"),
+    "configs/gemma3-tiny.yaml": ("parallel.tp=2", "parallel.sp=true", "parallel.pp=2"),
 }
 
 

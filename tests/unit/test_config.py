@@ -258,7 +258,8 @@ def test_section_that_is_not_a_mapping(tmp_path):
         ("optim.lr=true", "optim.lr must be float, got True"),
         (
             "model.arch=false",
-            "model.arch must be gpt, llama, mixtral, mistral, qwen2, qwen3 or qwen3_moe, got 'false'",
+            "model.arch must be gpt, llama, mixtral, mistral, gemma3, qwen2, qwen3 or qwen3_moe, "
+            "got 'false'",
         ),  # text
         ("train.steps=", "train.steps must be int, got None"),  # None only where allowed
         ("model.n_kv_heads=None", "model.n_kv_heads must be int, got 'None' (write null for none)"),
@@ -319,7 +320,8 @@ def test_wrong_type_in_yaml_file(tmp_path):
     [
         (
             "model.arch=bert",
-            "model.arch must be gpt, llama, mixtral, mistral, qwen2, qwen3 or qwen3_moe, got 'bert'",
+            "model.arch must be gpt, llama, mixtral, mistral, gemma3, qwen2, qwen3 or qwen3_moe, "
+            "got 'bert'",
         ),
         ("model.n_layers=0", "model.n_layers must be >= 1"),
         ("model.hidden=-64", "model.hidden must be >= 1"),
@@ -379,7 +381,7 @@ def test_gqa_is_llama_only():
     message = error_of(["model.n_kv_heads=2"])
     assert (
         "model.n_kv_heads" in message
-        and "only in llama, mixtral, mistral, qwen2, qwen3 or qwen3_moe" in message
+        and "only in llama, mixtral, mistral, gemma3, qwen2, qwen3 or qwen3_moe" in message
     )
 
 

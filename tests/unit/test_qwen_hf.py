@@ -156,8 +156,8 @@ def test_an_untied_qwen3_keeps_its_head(builtin_corpus, tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["model.arch=llama", "model.head_dim=24"], "model.head_dim .* only mistral, qwen3"),
-        (["model.arch=llama", "model.tie_embeddings=true"], "tie_embeddings is for qwen2, qwen3"),
+        (["model.arch=llama", "model.head_dim=24"], "model.head_dim .* mistral, gemma3, qwen3"),
+        (["model.arch=llama", "model.tie_embeddings=true"], "tie_embeddings is for gemma3, qwen2"),
         (["model.arch=qwen3", "model.hidden=64", "model.n_heads=5"], "or set model.head_dim"),
         (["model.arch=qwen3", "model.head_dim=7"], "model.head_dim must be even"),
     ],
