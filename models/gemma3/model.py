@@ -18,7 +18,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from megalite.models.causal_lm import CausalLM
 from megalite.models.layers import (
     Attention,
     BuildContext,
@@ -27,10 +26,10 @@ from megalite.models.layers import (
     RMSNorm,
 )
 from megalite.models.llama.model import MLP as SwiGLU
+from megalite.models.llama.model import Llama
 from torch import nn
 
 from megalite.context_parallel.layout import SequenceLayout
-from megalite.tensor_parallel import VocabParallelEmbedding, VocabParallelOutput, normal_init
 
 
 class MLP(SwiGLU):
@@ -44,13 +43,12 @@ class MLP(SwiGLU):
 
 class Block(nn.Module):
     """Sandwich-norm block: h = x + post_attn_norm(attn(attn_norm(x))), then
-    h + post_mlp_norm(mlp(mlp_norm(h))). Layer `layer` is local (its sliding window, the local
-    rotary base) or global (every key, the global base and its scaling)."""
+    h + post_mlp_norm(mlp(mlp_norm(h))). With a `window` it is a local layer (the local rotary
+    base), else a global one (every key, the global base and its scaling)."""
 
-    def __init__(self, ctx: BuildContext, layer: int) -> None:
+    def __init__(self, ctx: BuildContext, window: int | None) -> None:
         super().__init__()
         cfg = ctx.cfg
-        window = cfg.window_of(layer)
         norm = functools.partial(RMSNorm, cfg.hidden, ctx, unit_offset=True)
         if window is not None:  # local
             theta = cfg.rope_theta if cfg.rope_local_theta is None else cfg.rope_local_theta
@@ -91,52 +89,13 @@ def embedding_scale(hidden: int, dtype: torch.dtype) -> float:
     return torch.tensor(hidden**0.5, dtype=torch.float32).to(dtype).item()
 
 
-class Gemma3(CausalLM):
-    """One pipeline chunk of Gemma 3 (the whole model when pp = 1): `tok_embeddings` on the
-    first chunk, blocks `layers.<global index>`, `final_norm` + `lm_head` on the last (the
-    embedding's weight under `model.tie_embeddings`, as Gemma 3 always is)."""
+class Gemma3(Llama):
+    """One pipeline chunk of Gemma 3: Llama's, with Gemma's blocks, a final norm that scales by
+    1 + weight and the embedding scaled by sqrt(hidden) (tied to the head, as Gemma 3 always
+    is: `model.tie_embeddings`)."""
 
-    def __init__(
-        self, ctx: BuildContext, layer_ids: range, has_embedding: bool = True, has_head: bool = True
-    ) -> None:
-        super().__init__(ctx, has_embedding, has_head)
-        cfg, ps = ctx.cfg, ctx.ps
-        vocab = dict(
-            round_to=cfg.vocab_round_to,
-            init=normal_init(cfg.init_std),
-            sequence_parallel=ctx.sequence_parallel,
-        )
-        if has_embedding:
-            self.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, ps, **vocab)
-            self.tok_embeddings.weight.meta.pp_tied = cfg.tie_embeddings and not has_head
-            self.drop = ResidualDropout(ctx)
-        # Keyed by global index, so parameter names never depend on the pipeline layout.
-        self.layers = nn.ModuleDict({str(i): Block(ctx, i) for i in layer_ids})
-        if has_head:
-            self.final_norm = RMSNorm(cfg.hidden, ctx, unit_offset=True)
-            tied = {}
-            if cfg.tie_embeddings:  # on a later pipeline stage a copy kept equal (ParamMeta)
-                tied = (
-                    dict(tied=self.tok_embeddings)
-                    if has_embedding
-                    else dict(tied_name="tok_embeddings.weight")
-                )
-            self.lm_head = VocabParallelOutput(cfg.vocab_size, cfg.hidden, ps, **vocab, **tied)
+    block = Block
+    unit_offset_norm = True
 
-    def forward(
-        self,
-        inputs: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        layout: SequenceLayout | None = None,
-    ) -> torch.Tensor:
-        """As Llama's: token ids (b, s) or the previous chunk's hidden states in; hidden
-        states, the summed token loss (given targets) or the logits out."""
-        if self.has_embedding:
-            x = self.tok_embeddings(inputs)  # (b, s, h), or (b, s/tp, h) under SP
-            x = self.drop(x * embedding_scale(self.ctx.cfg.hidden, x.dtype))
-        else:
-            x = inputs  # from the previous pipeline stage
-        x = self.run_layers(x, layout)  # the blocks; positions enter through rotary q and k
-        if not self.has_head:
-            return x
-        return self.lm_head(self.final_norm(x), targets)
+    def scale_embedding(self, x: torch.Tensor) -> torch.Tensor:
+        return x * embedding_scale(self.ctx.cfg.hidden, x.dtype)

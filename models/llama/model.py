@@ -88,8 +88,15 @@ class Llama(CausalLM):
     chunk, blocks `layers.<global index>`, `final_norm` + `lm_head` on the last (the
     embedding's weight under `model.tie_embeddings`)."""
 
-    block: Callable[[BuildContext], nn.Module] = Block
-    """Builds one block (Mixtral's: this block with a mixture of experts)."""
+    block: Callable[..., nn.Module] = Block
+    """Builds one block from the context and its layer's `window` (Mixtral's: this block with a
+    mixture of experts)."""
+    unit_offset_norm = False
+    """Whether the final norm scales by 1 + weight (Gemma 3's)."""
+
+    def scale_embedding(self, x: torch.Tensor) -> torch.Tensor:
+        """The token embedding's output as the blocks get it: itself (Gemma 3 scales it)."""
+        return x
 
     def __init__(
         self, ctx: BuildContext, layer_ids: range, has_embedding: bool = True, has_head: bool = True
@@ -110,7 +117,7 @@ class Llama(CausalLM):
             {str(i): self.block(ctx, window=cfg.window_of(i)) for i in layer_ids}
         )
         if has_head:
-            self.final_norm = RMSNorm(cfg.hidden, ctx)
+            self.final_norm = RMSNorm(cfg.hidden, ctx, unit_offset=self.unit_offset_norm)
             tied = {}
             if cfg.tie_embeddings:  # on a later pipeline stage a copy kept equal (ParamMeta)
                 tied = (
@@ -132,7 +139,8 @@ class Llama(CausalLM):
         Returns hidden states, or on the last chunk the summed token loss (an fp32 scalar) given
         targets, or the full logits (b, s, vocab) without."""
         if self.has_embedding:
-            x = self.drop(self.tok_embeddings(inputs))  # (b, s, h), or (b, s/tp, h) under SP
+            x = self.tok_embeddings(inputs)  # (b, s, h), or (b, s/tp, h) under SP
+            x = self.drop(self.scale_embedding(x))
         else:
             x = inputs  # from the previous pipeline stage
         x = self.run_layers(x, layout)  # the blocks; positions enter through rotary q and k
